@@ -1,0 +1,19 @@
+#pragma once
+/// \file
+/// Umbrella header: everything in comm, and the backends this build was configured with
+/// (COMM_HAS_GLOO, COMM_HAS_NCCL, defined by the comm::gloo and comm::nccl targets).
+
+#include <comm/types.hpp>
+#include <comm/error.hpp>
+#include <comm/work.hpp>
+#include <comm/concepts.hpp>
+#include <comm/store.hpp>
+#include <comm/init.hpp>
+#include <comm/communicator.hpp>
+
+#if defined(COMM_HAS_GLOO)
+#include <comm/backends/gloo.hpp>
+#endif
+#if defined(COMM_HAS_NCCL)
+#include <comm/backends/nccl.hpp>
+#endif

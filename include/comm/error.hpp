@@ -1,0 +1,70 @@
+#pragma once
+/// \file
+/// The exception hierarchy. Every error a user can cause or observe is a `comm::Error`;
+/// the message always names the operation and the rank, and the peer where one is known.
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace comm {
+
+/// Base of every error thrown by comm. `op()` is the operation ("all_reduce", "store.get",
+/// "init"...), `rank()` the calling rank (-1 where none is known yet), `peer()` the remote
+/// rank or address involved where known, `detail()` the bare cause without the prefix.
+class Error : public std::runtime_error {
+ public:
+  Error(std::string op, int rank, std::string detail, std::string peer = {})
+      : std::runtime_error(format(op, rank, detail, peer)),
+        op_(std::move(op)),
+        rank_(rank),
+        peer_(std::move(peer)),
+        detail_(std::move(detail)) {}
+
+  [[nodiscard]] const std::string& op() const noexcept { return op_; }
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] const std::string& peer() const noexcept { return peer_; }
+  [[nodiscard]] const std::string& detail() const noexcept { return detail_; }
+
+ private:
+  static std::string format(const std::string& op, int rank, const std::string& detail,
+                            const std::string& peer) {
+    std::string s = "comm: " + op;
+    if (rank >= 0) s += " on rank " + std::to_string(rank);
+    if (!peer.empty()) s += " (peer " + peer + ")";
+    s += ": " + detail;
+    return s;
+  }
+
+  std::string op_;
+  int rank_;
+  std::string peer_;
+  std::string detail_;
+};
+
+/// A caller mistake detected before anything was sent: wrong sizes, bad root, bad env values.
+class InvalidArgument : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A blocking call reached its deadline. The operation may still be running elsewhere.
+class Timeout : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A peer failed, closed its connection, or reported an error of its own.
+class RemoteError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// The engine (libgloo, libnccl, CUDA, the OS) reported a failure; the text keeps its own message.
+class BackendError : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace comm

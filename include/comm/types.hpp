@@ -1,0 +1,265 @@
+#pragma once
+/// \file
+/// Element types, reduction ops (runtime values and compile-time objects) and their traits.
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string_view>
+#include <type_traits>
+
+namespace comm {
+
+/// A reduction chosen at run time (from a config, through AnyCommunicator). Checked against the
+/// element type and backend at run time; an unsupported pair throws comm::InvalidArgument.
+enum class ReduceOp : std::uint8_t { sum, prod, min, max, avg, band, bor, bxor };
+
+[[nodiscard]] constexpr std::string_view to_string(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::prod: return "prod";
+    case ReduceOp::min: return "min";
+    case ReduceOp::max: return "max";
+    case ReduceOp::avg: return "avg";
+    case ReduceOp::band: return "band";
+    case ReduceOp::bor: return "bor";
+    case ReduceOp::bxor: return "bxor";
+  }
+  return "unknown";
+}
+
+[[nodiscard]] constexpr bool is_bitwise(ReduceOp op) noexcept {
+  return op == ReduceOp::band || op == ReduceOp::bor || op == ReduceOp::bxor;
+}
+
+/// IEEE 754 binary16, bit-compatible with CUDA `__half`. Arithmetic goes through float.
+struct half {
+  std::uint16_t bits = 0;
+
+  half() = default;
+  constexpr half(float f) noexcept : bits(from_float(f)) {}  // NOLINT: implicit like __half
+  [[nodiscard]] static constexpr half from_bits(std::uint16_t b) noexcept {
+    half h;
+    h.bits = b;
+    return h;
+  }
+  constexpr operator float() const noexcept { return to_float(bits); }  // NOLINT
+  friend constexpr bool operator==(half a, half b) noexcept { return a.bits == b.bits; }
+
+ private:
+  static constexpr std::uint16_t from_float(float f) noexcept {
+    const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+    const std::uint32_t sign = (x >> 16) & 0x8000u;
+    const std::uint32_t absx = x & 0x7fffffffu;
+    if (absx >= 0x7f800000u)  // inf or nan; keep nan quiet and non-zero
+      return static_cast<std::uint16_t>(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0u));
+    if (absx >= 0x477ff000u)  // rounds to a value >= 65520: overflow to inf
+      return static_cast<std::uint16_t>(sign | 0x7c00u);
+    if (absx < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+      if (absx < 0x33000000u) return static_cast<std::uint16_t>(sign);
+      const std::uint32_t mant = (absx & 0x7fffffu) | 0x800000u;
+      const int shift = 126 - static_cast<int>(absx >> 23);  // 14..24 for this range
+      std::uint32_t v = mant >> shift;
+      const std::uint32_t rem = mant & ((1u << shift) - 1u);
+      const std::uint32_t halfway = 1u << (shift - 1);
+      if (rem > halfway || (rem == halfway && (v & 1u))) ++v;
+      return static_cast<std::uint16_t>(sign | v);
+    }
+    // Normal: rebias exponent, round to nearest even on the 13 dropped bits.
+    std::uint32_t v = ((absx >> 13) - (112u << 10));
+    const std::uint32_t rem = absx & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (v & 1u))) ++v;
+    return static_cast<std::uint16_t>(sign | v);
+  }
+  static constexpr float to_float(std::uint16_t h) noexcept {
+    const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+    const std::uint32_t exp = (h >> 10) & 0x1fu;
+    std::uint32_t mant = h & 0x3ffu;
+    std::uint32_t out = 0;
+    if (exp == 0x1f) {
+      out = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+      out = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else if (mant == 0) {
+      out = sign;
+    } else {  // subnormal half: normalise into a float
+      std::uint32_t e = 113;
+      while ((mant & 0x400u) == 0) {
+        mant <<= 1;
+        --e;
+      }
+      out = sign | (e << 23) | ((mant & 0x3ffu) << 13);
+    }
+    return std::bit_cast<float>(out);
+  }
+};
+
+/// bfloat16 (the top half of an IEEE float), bit-compatible with CUDA `__nv_bfloat16`.
+struct bfloat16 {
+  std::uint16_t bits = 0;
+
+  bfloat16() = default;
+  constexpr bfloat16(float f) noexcept : bits(from_float(f)) {}  // NOLINT: implicit like __nv_bfloat16
+  [[nodiscard]] static constexpr bfloat16 from_bits(std::uint16_t b) noexcept {
+    bfloat16 h;
+    h.bits = b;
+    return h;
+  }
+  constexpr operator float() const noexcept {  // NOLINT
+    return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
+  }
+  friend constexpr bool operator==(bfloat16 a, bfloat16 b) noexcept { return a.bits == b.bits; }
+
+ private:
+  static constexpr std::uint16_t from_float(float f) noexcept {
+    const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x40u);
+    const std::uint32_t rounding = 0x7fffu + ((x >> 16) & 1u);  // nearest even
+    return static_cast<std::uint16_t>((x + rounding) >> 16);
+  }
+};
+
+static_assert(sizeof(half) == 2 && sizeof(bfloat16) == 2);
+
+/// Runtime tag of an element type, used in messages, fingerprints and type-erased calls.
+enum class Dtype : std::uint8_t { int8, uint8, int32, uint32, int64, uint64, float16, bfloat16, float32, float64 };
+
+[[nodiscard]] constexpr std::string_view to_string(Dtype d) noexcept {
+  switch (d) {
+    case Dtype::int8: return "int8";
+    case Dtype::uint8: return "uint8";
+    case Dtype::int32: return "int32";
+    case Dtype::uint32: return "uint32";
+    case Dtype::int64: return "int64";
+    case Dtype::uint64: return "uint64";
+    case Dtype::float16: return "half";
+    case Dtype::bfloat16: return "bfloat16";
+    case Dtype::float32: return "float";
+    case Dtype::float64: return "double";
+  }
+  return "unknown";
+}
+
+namespace detail {
+template <class T> struct dtype_of_impl {};
+template <> struct dtype_of_impl<std::int8_t> { static constexpr Dtype value = Dtype::int8; };
+template <> struct dtype_of_impl<std::uint8_t> { static constexpr Dtype value = Dtype::uint8; };
+template <> struct dtype_of_impl<std::int32_t> { static constexpr Dtype value = Dtype::int32; };
+template <> struct dtype_of_impl<std::uint32_t> { static constexpr Dtype value = Dtype::uint32; };
+template <> struct dtype_of_impl<std::int64_t> { static constexpr Dtype value = Dtype::int64; };
+template <> struct dtype_of_impl<std::uint64_t> { static constexpr Dtype value = Dtype::uint64; };
+template <> struct dtype_of_impl<half> { static constexpr Dtype value = Dtype::float16; };
+template <> struct dtype_of_impl<bfloat16> { static constexpr Dtype value = Dtype::bfloat16; };
+template <> struct dtype_of_impl<float> { static constexpr Dtype value = Dtype::float32; };
+template <> struct dtype_of_impl<double> { static constexpr Dtype value = Dtype::float64; };
+}  // namespace detail
+
+/// The element types comm moves: int8..uint64, float, double, half, bfloat16.
+template <class T>
+concept element = requires { detail::dtype_of_impl<std::remove_cv_t<T>>::value; };
+
+template <element T>
+inline constexpr Dtype dtype_of = detail::dtype_of_impl<std::remove_cv_t<T>>::value;
+
+/// Floating element types (bitwise reductions are rejected for these).
+template <class T>
+concept floating_element = element<T> && (std::is_floating_point_v<std::remove_cv_t<T>> ||
+                                          std::is_same_v<std::remove_cv_t<T>, half> ||
+                                          std::is_same_v<std::remove_cv_t<T>, bfloat16>);
+
+template <class T>
+concept integral_element = element<T> && std::is_integral_v<std::remove_cv_t<T>>;
+
+[[nodiscard]] constexpr std::size_t size_of(Dtype d) noexcept {
+  switch (d) {
+    case Dtype::int8:
+    case Dtype::uint8: return 1;
+    case Dtype::float16:
+    case Dtype::bfloat16: return 2;
+    case Dtype::int32:
+    case Dtype::uint32:
+    case Dtype::float32: return 4;
+    case Dtype::int64:
+    case Dtype::uint64:
+    case Dtype::float64: return 8;
+  }
+  return 0;
+}
+
+[[nodiscard]] constexpr bool is_floating(Dtype d) noexcept {
+  return d == Dtype::float16 || d == Dtype::bfloat16 || d == Dtype::float32 || d == Dtype::float64;
+}
+
+/// Tag: pass `comm::async` as the last argument of a collective to get a `comm::Work` back.
+struct async_t {
+  explicit async_t() = default;
+};
+inline constexpr async_t async{};
+
+/// Compile-time reduction ops: each is an object of its own type, checked against
+/// (element type, backend) when the call is compiled.
+namespace op {
+template <ReduceOp R>
+struct builtin {
+  static constexpr ReduceOp value = R;
+};
+using sum_t = builtin<ReduceOp::sum>;
+using prod_t = builtin<ReduceOp::prod>;
+using min_t = builtin<ReduceOp::min>;
+using max_t = builtin<ReduceOp::max>;
+using avg_t = builtin<ReduceOp::avg>;
+using band_t = builtin<ReduceOp::band>;
+using bor_t = builtin<ReduceOp::bor>;
+using bxor_t = builtin<ReduceOp::bxor>;
+inline constexpr sum_t sum{};
+inline constexpr prod_t prod{};
+inline constexpr min_t min{};
+inline constexpr max_t max{};
+inline constexpr avg_t avg{};
+inline constexpr band_t band{};
+inline constexpr bor_t bor{};
+inline constexpr bxor_t bxor{};
+}  // namespace op
+
+namespace detail {
+template <class Op> struct builtin_op_of { static constexpr bool known = false; };
+template <ReduceOp R> struct builtin_op_of<op::builtin<R>> {
+  static constexpr bool known = true;
+  static constexpr ReduceOp value = R;
+};
+template <class T> struct builtin_op_of<std::plus<T>> {
+  static constexpr bool known = true;
+  static constexpr ReduceOp value = ReduceOp::sum;
+};
+template <class T> struct builtin_op_of<std::multiplies<T>> {
+  static constexpr bool known = true;
+  static constexpr ReduceOp value = ReduceOp::prod;
+};
+template <class T> struct builtin_op_of<std::bit_and<T>> {
+  static constexpr bool known = true;
+  static constexpr ReduceOp value = ReduceOp::band;
+};
+template <class T> struct builtin_op_of<std::bit_or<T>> {
+  static constexpr bool known = true;
+  static constexpr ReduceOp value = ReduceOp::bor;
+};
+template <class T> struct builtin_op_of<std::bit_xor<T>> {
+  static constexpr bool known = true;
+  static constexpr ReduceOp value = ReduceOp::bxor;
+};
+}  // namespace detail
+
+/// An op object that maps to a built-in ReduceOp (comm::op::*, std::plus<> and friends).
+template <class Op>
+concept builtin_reduction = detail::builtin_op_of<std::remove_cvref_t<Op>>::known;
+
+template <builtin_reduction Op>
+inline constexpr ReduceOp reduce_op_of = detail::builtin_op_of<std::remove_cvref_t<Op>>::value;
+
+/// A user callable `T(T, T)` used as a custom reduction (backends that can run one: Gloo).
+template <class Op, class T>
+concept custom_reduction = !builtin_reduction<Op> && !std::is_same_v<std::remove_cvref_t<Op>, ReduceOp> &&
+                           std::is_invocable_r_v<T, const std::remove_cvref_t<Op>&, T, T>;
+
+}  // namespace comm

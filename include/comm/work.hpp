@@ -1,0 +1,129 @@
+#pragma once
+/// \file
+/// `comm::Work`: the handle an async collective returns.
+
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include <comm/error.hpp>
+
+namespace comm {
+
+namespace detail {
+
+/// Shared completion state between the thread that runs an operation and the Work that waits on
+/// it. Backends with extra wait semantics (NCCL: make the caller's stream wait) derive from it.
+class WorkState {
+ public:
+  WorkState(std::string op, int rank, std::chrono::milliseconds timeout)
+      : op_(std::move(op)), rank_(rank), timeout_(timeout) {}
+  virtual ~WorkState() = default;
+  WorkState(const WorkState&) = delete;
+  WorkState& operator=(const WorkState&) = delete;
+
+  void complete() { finish(nullptr); }
+  void fail(std::exception_ptr e) { finish(std::move(e)); }
+
+  [[nodiscard]] bool done() const {
+    std::lock_guard lock(mu_);
+    return done_;
+  }
+
+  /// Waits until the operation finished or `deadline` passed; true when finished.
+  template <class Clock, class Duration>
+  bool wait_until(const std::chrono::time_point<Clock, Duration>& deadline) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_until(lock, deadline, [&] { return done_; });
+  }
+
+  /// The first error, or null. Valid once done().
+  [[nodiscard]] std::exception_ptr error() const {
+    std::lock_guard lock(mu_);
+    return error_;
+  }
+
+  /// Called by Work::wait after a successful host wait; NCCL overrides it to order the
+  /// caller's current stream after the operation.
+  virtual void on_waited() {}
+
+  [[nodiscard]] const std::string& op() const noexcept { return op_; }
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+ private:
+  void finish(std::exception_ptr e) {
+    {
+      std::lock_guard lock(mu_);
+      if (done_) return;  // the first outcome wins; a later abort does not replace the cause
+      done_ = true;
+      error_ = std::move(e);
+    }
+    cv_.notify_all();
+  }
+
+  std::string op_;
+  int rank_;
+  std::chrono::milliseconds timeout_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+}  // namespace detail
+
+/// Handle to an operation started with `comm::async`. Move-only.
+///
+/// - `wait()` blocks until the operation finished, then rethrows its error if it failed. It gives
+///   up after the communicator's timeout with comm::Timeout naming the op and rank.
+/// - `wait_for(d)` returns false if the operation is still running after `d`; the operation keeps
+///   running and may be waited on again. It rethrows the operation's error once it finished.
+/// - `is_completed()` never blocks and never throws.
+/// A default-constructed Work is already completed.
+class [[nodiscard]] Work {
+ public:
+  Work() = default;
+  explicit Work(std::shared_ptr<detail::WorkState> state) noexcept : state_(std::move(state)) {}
+  Work(Work&&) noexcept = default;
+  Work& operator=(Work&&) noexcept = default;
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+  ~Work() = default;
+
+  void wait() {
+    if (!state_) return;
+    const auto deadline = std::chrono::steady_clock::now() + state_->timeout();
+    if (!state_->wait_until(deadline))
+      throw Timeout(state_->op(), state_->rank(),
+                    "Work::wait gave up after " + std::to_string(state_->timeout().count()) +
+                        " ms; the operation did not complete");
+    finish();
+  }
+
+  bool wait_for(std::chrono::milliseconds d) {
+    if (!state_) return true;
+    if (!state_->wait_until(std::chrono::steady_clock::now() + d)) return false;
+    finish();
+    return true;
+  }
+
+  [[nodiscard]] bool is_completed() const { return !state_ || state_->done(); }
+
+  /// True when the operation finished with an error (does not throw).
+  [[nodiscard]] bool failed() const { return state_ && state_->done() && state_->error() != nullptr; }
+
+ private:
+  void finish() {
+    if (auto e = state_->error()) std::rethrow_exception(e);
+    state_->on_waited();
+  }
+
+  std::shared_ptr<detail::WorkState> state_;
+};
+
+}  // namespace comm

@@ -1,0 +1,531 @@
+// Tests of comm-run: runs the built launcher on tests/launcher/probe.cpp and checks the
+// environment contract, output prefixing, exit codes, kill-on-failure, signal forwarding,
+// argument validation and --timeout. Every launch has a hard time limit, so nothing can hang.
+
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#ifndef COMM_RUN_PATH
+#error "COMM_RUN_PATH must name the comm-run executable"
+#endif
+#ifndef PROBE_PATH
+#error "PROBE_PATH must name the probe executable"
+#endif
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct Result {
+  int code = -1;         // exit code, or 128 + signal when comm-run itself died by a signal
+  bool timed_out = false;  // the hard limit was hit and comm-run was SIGKILLed
+  std::string out, err;
+  double seconds = 0;
+};
+
+/// One run of comm-run with its stdout and stderr captured.
+class Launch {
+ public:
+  explicit Launch(std::vector<std::string> args, std::map<std::string, std::string> env = {}) {
+    args.insert(args.begin(), COMM_RUN_PATH);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    // A hermetic environment: nothing a surrounding job set leaks into the one under test.
+    std::vector<std::string> envs;
+    for (char** e = environ; *e != nullptr; ++e) {
+      std::string_view kv = *e;
+      const std::string key(kv.substr(0, kv.find('=')));
+      if (key == "COMM_STORE_TOKEN" || key == "RANK" || key == "WORLD_SIZE" || key == "MASTER_ADDR" ||
+          key == "MASTER_PORT" || env.count(key) != 0)
+        continue;
+      envs.emplace_back(kv);
+    }
+    for (auto& [k, v] : env) envs.push_back(k + "=" + v);
+    std::vector<char*> envp;
+    for (auto& kv : envs) envp.push_back(kv.data());
+    envp.push_back(nullptr);
+
+    int out[2], err[2];
+    REQUIRE(::pipe2(out, O_CLOEXEC) == 0);
+    REQUIRE(::pipe2(err, O_CLOEXEC) == 0);
+    start_ = Clock::now();
+    pid_ = ::fork();
+    REQUIRE(pid_ >= 0);
+    if (pid_ == 0) {
+      int devnull = ::open("/dev/null", O_RDONLY);
+      ::dup2(devnull, 0);
+      ::dup2(out[1], 1);
+      ::dup2(err[1], 2);
+      ::execve(argv[0], argv.data(), envp.data());
+      ::_exit(126);
+    }
+    ::close(out[1]);
+    ::close(err[1]);
+    out_fd_ = out[0];
+    err_fd_ = err[0];
+  }
+  Launch(const Launch&) = delete;
+  Launch& operator=(const Launch&) = delete;
+
+  ~Launch() {
+    if (pid_ > 0 && !reaped_) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    for (int fd : {out_fd_, err_fd_})
+      if (fd >= 0) ::close(fd);
+  }
+
+  pid_t pid() const { return pid_; }
+
+  /// Reads output until `done(stdout)` holds; false when `limit_s` passes first.
+  bool wait_stdout(const std::function<bool(const std::string&)>& done, double limit_s) {
+    const auto start = Clock::now();
+    while (!done(res_.out)) {
+      if (seconds_since(start) > limit_s) return false;
+      if (!pump(20) && out_fd_ < 0) return done(res_.out);
+    }
+    return true;
+  }
+
+  /// Waits for comm-run to exit (SIGKILLing it after `limit_s`) and returns what it did.
+  Result finish(double limit_s = 15) {
+    int status = 0;
+    for (;;) {
+      pump(20);
+      const pid_t p = ::waitpid(pid_, &status, WNOHANG);
+      if (p == pid_) break;
+      if (seconds_since(start_) > limit_s) {
+        res_.timed_out = true;
+        ::kill(pid_, SIGKILL);  // its ranks die too (PR_SET_PDEATHSIG)
+        ::waitpid(pid_, &status, 0);
+        break;
+      }
+    }
+    reaped_ = true;
+    res_.seconds = seconds_since(start_);
+    // Whatever is left in the pipes; a leftover grandchild must not make us wait.
+    const auto drain_start = Clock::now();
+    while ((out_fd_ >= 0 || err_fd_ >= 0) && seconds_since(drain_start) < 1.0) pump(20);
+    res_.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return res_;
+  }
+
+ private:
+  /// One poll over both pipes; false when nothing came within `ms`.
+  bool pump(int ms) {
+    pollfd fds[2] = {{out_fd_, POLLIN, 0}, {err_fd_, POLLIN, 0}};
+    if (::poll(fds, 2, ms) <= 0) return false;
+    for (int k = 0; k < 2; ++k) {
+      if (fds[k].revents == 0) continue;
+      int& fd = k == 0 ? out_fd_ : err_fd_;
+      char buf[4096];
+      ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n > 0) {
+        (k == 0 ? res_.out : res_.err).append(buf, static_cast<std::size_t>(n));
+      } else if (n == 0 || errno != EINTR) {
+        ::close(fd);
+        fd = -1;
+      }
+    }
+    return true;
+  }
+
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int out_fd_ = -1, err_fd_ = -1;
+  Clock::time_point start_;
+  Result res_;
+};
+
+Result run(std::vector<std::string> args, std::map<std::string, std::string> env = {}, double limit_s = 15) {
+  Launch l(std::move(args), std::move(env));
+  return l.finish(limit_s);
+}
+
+std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> v;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) v.push_back(line);
+  return v;
+}
+
+bool contains(const std::string& hay, std::string_view needle) { return hay.find(needle) != std::string::npos; }
+
+std::size_t count_of(const std::string& hay, std::string_view needle) {
+  std::size_t n = 0;
+  for (auto p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;
+  return n;
+}
+
+/// "[r] NAME=value" lines → per-rank maps.
+std::map<int, std::map<std::string, std::string>> parse_env(const std::string& out) {
+  std::map<int, std::map<std::string, std::string>> by_rank;
+  for (const auto& line : lines(out)) {
+    REQUIRE_MESSAGE(line.starts_with('['), line);
+    const auto close = line.find("] ");
+    REQUIRE(close != std::string::npos);
+    const int rank = std::stoi(line.substr(1, close - 1));
+    const auto kv = line.substr(close + 2);
+    const auto eq = kv.find('=');
+    REQUIRE(eq != std::string::npos);
+    by_rank[rank][kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return by_rank;
+}
+
+bool is_hex(const std::string& s) {
+  return !s.empty() && s.find_first_not_of("0123456789abcdef") == std::string::npos;
+}
+
+/// True when `pid` is gone (or a zombie nobody has reaped yet).
+bool process_gone(pid_t pid) {
+  if (::kill(pid, 0) != 0) return errno == ESRCH;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string content((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto paren = content.rfind(')');
+  return paren == std::string::npos || (paren + 2 < content.size() && content[paren + 2] == 'Z');
+}
+
+bool wait_gone(pid_t pid, double limit_s) {
+  const auto start = Clock::now();
+  while (!process_gone(pid)) {
+    if (seconds_since(start) > limit_s) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+pid_t read_pid(const fs::path& file) {
+  std::ifstream in(file);
+  int pid = -1;
+  in >> pid;
+  return pid;
+}
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "comm-run-test-XXXXXX").string();
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+    path = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+const std::string probe = PROBE_PATH;
+
+}  // namespace
+
+TEST_CASE("environment contract for -n 1..4") {
+  for (int n = 1; n <= 4; ++n) {
+    CAPTURE(n);
+    const Result r = run({"-n", std::to_string(n), probe, "env"});
+    CHECK(r.code == 0);
+    CHECK(r.seconds < 10);
+    CHECK_MESSAGE(r.err.empty(), r.err);
+    auto env = parse_env(r.out);
+    REQUIRE(env.size() == static_cast<std::size_t>(n));
+    const std::string port = env[0]["MASTER_PORT"];
+    const std::string token = env[0]["COMM_STORE_TOKEN"];
+    CHECK(std::stoi(port) > 0);
+    CHECK(std::stoi(port) < 65536);
+    CHECK(token.size() == 32);
+    CHECK(is_hex(token));
+    for (int rank = 0; rank < n; ++rank) {
+      CAPTURE(rank);
+      auto& e = env[rank];
+      CHECK(e["RANK"] == std::to_string(rank));
+      CHECK(e["LOCAL_RANK"] == std::to_string(rank));
+      CHECK(e["WORLD_SIZE"] == std::to_string(n));
+      CHECK(e["LOCAL_WORLD_SIZE"] == std::to_string(n));
+      CHECK(e["GROUP_RANK"] == "0");
+      CHECK(e["NODE_RANK"] == "0");
+      CHECK(e["GROUP_WORLD_SIZE"] == "1");
+      CHECK(e["MASTER_ADDR"] == "127.0.0.1");
+      CHECK(e["MASTER_PORT"] == port);
+      CHECK(e["COMM_STORE_TOKEN"] == token);
+    }
+  }
+}
+
+TEST_CASE("environment contract for --nnodes 2 --node-rank 1") {
+  const std::map<std::string, std::string> env{{"COMM_STORE_TOKEN", "0123abcd"}};
+  SUBCASE("separate values") {
+    const Result r = run({"--nnodes", "2", "--node-rank", "1", "-n", "3", "--master-addr", "127.0.0.1",
+                          "--master-port", "29513", probe, "env"},
+                         env);
+    CHECK(r.code == 0);
+    auto e = parse_env(r.out);
+    REQUIRE(e.size() == 3);
+    for (int local = 0; local < 3; ++local) {
+      const int rank = 3 + local;
+      CAPTURE(rank);
+      REQUIRE(e.count(rank) == 1);
+      CHECK(e[rank]["RANK"] == std::to_string(rank));
+      CHECK(e[rank]["LOCAL_RANK"] == std::to_string(local));
+      CHECK(e[rank]["WORLD_SIZE"] == "6");
+      CHECK(e[rank]["LOCAL_WORLD_SIZE"] == "3");
+      CHECK(e[rank]["GROUP_RANK"] == "1");
+      CHECK(e[rank]["NODE_RANK"] == "1");
+      CHECK(e[rank]["GROUP_WORLD_SIZE"] == "2");
+      CHECK(e[rank]["MASTER_ADDR"] == "127.0.0.1");
+      CHECK(e[rank]["MASTER_PORT"] == "29513");
+      CHECK(e[rank]["COMM_STORE_TOKEN"] == "0123abcd");
+    }
+  }
+  SUBCASE("--flag=value forms, --nproc-per-node and --") {
+    const Result r = run({"--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                          "--master-port=29514", "--", probe, "env"},
+                         env);
+    CHECK(r.code == 0);
+    auto e = parse_env(r.out);
+    REQUIRE(e.size() == 2);
+    CHECK(e[2]["RANK"] == "2");
+    CHECK(e[3]["LOCAL_RANK"] == "1");
+    CHECK(e[3]["WORLD_SIZE"] == "4");
+    CHECK(e[3]["MASTER_PORT"] == "29514");
+  }
+}
+
+TEST_CASE("store token: fresh per job unless set") {
+  const Result a = run({"-n", "1", probe, "env"});
+  const Result b = run({"-n", "1", probe, "env"});
+  auto ea = parse_env(a.out);
+  auto eb = parse_env(b.out);
+  CHECK(ea[0]["COMM_STORE_TOKEN"] != eb[0]["COMM_STORE_TOKEN"]);
+  const Result c = run({"-n", "2", probe, "env"}, {{"COMM_STORE_TOKEN", "feedface"}});
+  auto ec = parse_env(c.out);
+  CHECK(ec[0]["COMM_STORE_TOKEN"] == "feedface");
+  CHECK(ec[1]["COMM_STORE_TOKEN"] == "feedface");
+  // Several nodes need one token: comm-run refuses to invent a different one on each node.
+  const Result d = run({"--nnodes", "2", "--node-rank", "0", "--master-port", "29515", probe, "env"});
+  CHECK(d.code == 2);
+  CHECK(contains(d.err, "COMM_STORE_TOKEN"));
+}
+
+TEST_CASE("output lines are prefixed with the rank and never mixed") {
+  const int count = 20;
+  const Result r = run({"-n", "3", probe, "hello", std::to_string(count)});
+  CHECK(r.code == 0);
+  CHECK(r.seconds < 10);
+  std::map<std::string, int> seen;
+  for (const auto& line : lines(r.out)) seen[line]++;
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string p = "[" + std::to_string(rank) + "] ";
+    CHECK(seen[p + "hello world"] == count);
+    CHECK(seen[p + "tail"] == 1);  // the last line without a newline, completed at exit
+    CHECK(count_of(r.err, p + "err line\n") == static_cast<std::size_t>(count));
+  }
+  CHECK(seen.size() == 6);  // nothing else: no line made of pieces of two ranks
+  CHECK(lines(r.err).size() == static_cast<std::size_t>(3 * count));
+  CHECK(r.out.ends_with('\n'));
+
+  SUBCASE("--no-prefix") {
+    const Result q = run({"--no-prefix", "-n", "2", probe, "hello", "3"});
+    CHECK(q.code == 0);
+    CHECK(count_of(q.out, "hello world\n") == 6);
+    CHECK(count_of(q.out, "tail\n") == 2);
+    CHECK(!contains(q.out, "["));
+  }
+}
+
+TEST_CASE("all ranks succeed: exit 0") {
+  const Result r = run({"-n", "4", probe, "sleep", "100"});
+  CHECK(r.code == 0);
+  CHECK(r.err.empty());
+  CHECK(r.seconds < 10);
+}
+
+TEST_CASE("the first failing rank's code is the job's, and the others are stopped") {
+  // Ranks 0 and 2 sleep 30 s: they must be terminated at once, not waited for.
+  const Result r = run({"-n", "3", probe, "exit", "1", "7"});
+  CHECK(r.code == 7);
+  CHECK(r.seconds < 4);
+  CHECK_MESSAGE(contains(r.err, "comm-run: rank 1 exited with code 7"), r.err);
+  // Ranks the launcher terminated are not reported as the cause.
+  CHECK(!contains(r.err, "rank 0 exited"));
+  CHECK(!contains(r.err, "rank 2 exited"));
+  CHECK(!contains(r.err, "rank 0 was killed"));
+  CHECK(!contains(r.err, "rank 2 was killed"));
+}
+
+TEST_CASE("a rank killed by a signal: 128 + signo and the signal's name") {
+  const Result r = run({"-n", "2", probe, "signal", "1", std::to_string(SIGKILL)});
+  CHECK(r.code == 128 + SIGKILL);
+  CHECK(r.seconds < 4);
+  CHECK_MESSAGE(contains(r.err, "comm-run: rank 1 was killed by signal SIGKILL"), r.err);
+  CHECK(!contains(r.err, "rank 0 "));
+}
+
+TEST_CASE("a rank ignoring SIGTERM gets SIGKILL after the grace period") {
+  // Rank 0 fails once every rank has set SIGTERM to ignored; rank 1 ignores the SIGTERM and
+  // sleeps, so only the SIGKILL after --grace-period 1 ends it.
+  TempDir dir;
+  const Result r = run({"--grace-period", "1", "-n", "2", probe, "ignore-term", "0", "5", dir.path.string()});
+  CHECK(r.code == 5);
+  CHECK(r.seconds >= 1.0);
+  CHECK(r.seconds < 5);
+  CHECK_MESSAGE(contains(r.err, "comm-run: rank 0 exited with code 5"), r.err);
+  CHECK(!contains(r.err, "rank 1 exited"));
+  CHECK(!contains(r.err, "rank 1 was killed"));
+}
+
+TEST_CASE("a failing job takes the ranks' own child processes with it") {
+  TempDir dir;
+  const Result r = run({"-n", "3", probe, "grandchild", "1", "4", dir.path.string()});
+  CHECK(r.code == 4);
+  CHECK(r.seconds < 5);
+  CHECK_MESSAGE(contains(r.err, "comm-run: rank 1 exited with code 4"), r.err);
+  for (int rank : {0, 2}) {
+    CAPTURE(rank);
+    const pid_t gc = read_pid(dir.path / ("gc." + std::to_string(rank)));
+    REQUIRE(gc > 0);
+    CHECK(wait_gone(gc, 3));
+  }
+}
+
+TEST_CASE("SIGTERM, SIGINT and SIGHUP sent to comm-run reach every rank") {
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
+    CAPTURE(sig);
+    Launch l({"-n", "3", probe, "trap"});
+    REQUIRE(l.wait_stdout([](const std::string& out) { return count_of(out, "ready\n") == 3; }, 10));
+    const auto sent = Clock::now();
+    ::kill(l.pid(), sig);
+    const Result r = l.finish();
+    CHECK(r.code == 128 + sig);
+    CHECK(seconds_since(sent) < 4);
+    const std::string name = sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "SIGHUP";
+    for (int rank = 0; rank < 3; ++rank) CHECK(contains(r.out, "[" + std::to_string(rank) + "] got " + name + "\n"));
+    CHECK(contains(r.err, name));
+    CHECK(!contains(r.err, "exited with code"));
+  }
+}
+
+TEST_CASE("a second SIGINT kills ranks that ignore the first") {
+  Launch l({"--grace-period", "20", "-n", "2", probe, "ignore-term", "9", "0"});
+  REQUIRE(l.wait_stdout([](const std::string& out) { return count_of(out, "ready\n") == 2; }, 10));
+  ::kill(l.pid(), SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ::kill(l.pid(), SIGTERM);
+  const Result r = l.finish();
+  CHECK(r.code == 128 + SIGTERM);
+  CHECK(r.seconds < 6);
+  CHECK(contains(r.err, "again"));
+}
+
+TEST_CASE("ranks die with a SIGKILLed launcher") {
+  TempDir dir;
+  Launch l({"-n", "2", probe, "pidfile", dir.path.string()});
+  REQUIRE(l.wait_stdout([](const std::string& out) { return count_of(out, "ready\n") == 2; }, 10));
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < 2; ++rank) pids.push_back(read_pid(dir.path / ("rank." + std::to_string(rank))));
+  ::kill(l.pid(), SIGKILL);
+  const Result r = l.finish();
+  CHECK(r.code == 128 + SIGKILL);
+  for (pid_t p : pids) {
+    REQUIRE(p > 0);
+    CHECK(wait_gone(p, 3));
+  }
+}
+
+TEST_CASE("--timeout stops the job with exit code 124") {
+  const Result r = run({"--timeout", "1", "-n", "2", probe, "exit", "9", "0"});  // nobody exits by itself
+  CHECK(r.code == 124);
+  CHECK(r.seconds >= 0.9);
+  CHECK(r.seconds < 4);
+  CHECK_MESSAGE(contains(r.err, "timeout"), r.err);
+  CHECK(!contains(r.err, "exited with code"));
+}
+
+TEST_CASE("bad arguments: a clear message and exit code 2") {
+  struct Case {
+    std::vector<std::string> args;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {{"-n", "abc", probe, "env"}, "got 'abc'"},
+      {{"-n", "0", probe, "env"}, "got '0'"},
+      {{"-n", "-1", probe, "env"}, "got '-1'"},
+      {{"-n=2x", probe, "env"}, "got '2x'"},
+      {{"-n"}, "needs a value"},
+      {{"-n", "2"}, "no program"},
+      {{}, "no program"},
+      {{"--nnodes", "2", "--node-rank", "2", "--master-port", "29516", probe, "env"}, "--node-rank"},
+      {{"--nnodes", "0", probe, "env"}, "--nnodes"},
+      {{"--node-rank", "-1", probe, "env"}, "--node-rank"},
+      {{"--master-port", "70000", probe, "env"}, "--master-port"},
+      {{"--master-port", "0", probe, "env"}, "--master-port"},
+      {{"--master-port=http", probe, "env"}, "--master-port"},
+      {{"--nnodes", "2", "--node-rank", "1", probe, "env"}, "--master-port is required"},
+      {{"--grace-period", "soon", probe, "env"}, "--grace-period"},
+      {{"--timeout", "0", probe, "env"}, "--timeout"},
+      {{"--timeout", "-3", probe, "env"}, "--timeout"},
+      {{"--bogus", probe, "env"}, "unknown option '--bogus'"},
+  };
+  for (const auto& c : cases) {
+    std::string joined;
+    for (const auto& a : c.args) joined += a + " ";
+    CAPTURE(joined);
+    const Result r = run(c.args);
+    CHECK(r.code == 2);
+    CHECK(r.seconds < 4);
+    CHECK_MESSAGE(contains(r.err, c.says), r.err);
+    CHECK(r.out.empty());
+  }
+}
+
+TEST_CASE("--help") {
+  const Result r = run({"--help"});
+  CHECK(r.code == 0);
+  CHECK(contains(r.out, "Usage: comm-run"));
+  CHECK(contains(r.out, "--nproc-per-node"));
+}
+
+TEST_CASE("a program that cannot be found is reported") {
+  for (std::string prog : {"/nonexistent/comm-run-test-prog", "comm-run-test-no-such-program"}) {
+    CAPTURE(prog);
+    const Result r = run({"-n", "2", prog, "arg"});
+    CHECK(r.code == 127);
+    CHECK(r.seconds < 4);
+    CHECK_MESSAGE(contains(r.err, "cannot run '" + prog + "'"), r.err);
+    CHECK(contains(r.err, std::strerror(ENOENT)));
+  }
+  TempDir dir;  // a file without execute permission: 126
+  const auto file = dir.path / "not-executable";
+  std::ofstream(file) << "#!/bin/sh\n";
+  const Result r = run({"-n", "1", file.string()});
+  CHECK(r.code == 126);
+  CHECK(contains(r.err, std::strerror(EACCES)));
+}

@@ -1,0 +1,681 @@
+// comm-run: the comm launcher.
+//
+// Starts N ranks of a program on this node with the launcher environment (RANK, LOCAL_RANK,
+// WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK/NODE_RANK, MASTER_ADDR, MASTER_PORT,
+// COMM_STORE_TOKEN), prefixes every line the ranks print with "[rank] ", forwards
+// SIGINT/SIGTERM/SIGHUP to them, and stops the whole job when one rank fails, exiting with the
+// first failing rank's code. A small standalone POSIX program: fork + exec, one poll() loop,
+// signals read through a signalfd so nothing runs in a signal handler.
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#ifndef COMM_RUN_VERSION
+#define COMM_RUN_VERSION "unknown"
+#endif
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr int exit_usage = 2;
+constexpr int exit_timeout = 124;
+constexpr int max_nproc = 1024;
+constexpr int max_nnodes = 65536;
+// A line longer than this is cut (with a newline) so one rank cannot make us buffer without bound.
+constexpr std::size_t max_line = 64 * 1024;
+
+constexpr std::string_view help_text =
+    R"(Usage: comm-run [options] [--] program [args...]
+
+Starts N processes (ranks) of `program` on this node for a comm job.
+
+Options:
+  -n, --nproc-per-node N  ranks to start on this node (default 1, at most 1024)
+  --nnodes K              nodes in the job (default 1); WORLD_SIZE = K * N
+  --node-rank I           this node's index, 0 <= I < K (default 0)
+  --master-addr A         address of the rank-0 store (default 127.0.0.1)
+  --master-port P         port of the rank-0 store (default: a free port on 127.0.0.1;
+                          required when --nnodes > 1)
+  --grace-period S        after SIGTERM, wait S before SIGKILL (default 5s)
+  --timeout S             stop the whole job after S and exit with code 124
+  --no-prefix             do not prefix output lines with "[rank] "
+  -h, --help              show this help and exit
+  --version               show the version and exit
+Durations are seconds, or a number with an ms, s or m suffix (0.5, 500ms, 2m).
+Options also take the --option=value form. Options end at the program name or at `--`.
+
+Each rank gets in its environment:
+  RANK              node_rank * N + local rank
+  LOCAL_RANK        0 .. N-1
+  WORLD_SIZE        K * N
+  LOCAL_WORLD_SIZE  N
+  GROUP_RANK, NODE_RANK  I
+  GROUP_WORLD_SIZE  K
+  MASTER_ADDR, MASTER_PORT
+  COMM_STORE_TOKEN  kept if set, else a random per-job token (the store checks it);
+                    with --nnodes > 1 it must be set, to the same value on every node
+
+Output: every line a rank writes to stdout (stderr) is written to stdout (stderr) prefixed with
+"[RANK] ", whole lines only; a last line without a newline is completed at exit. Ranks run with
+stdin from /dev/null, except rank 0, which inherits stdin when it is not a terminal.
+
+Failure: when a rank exits non-zero or is killed by a signal, comm-run reports it, sends SIGTERM
+to the other ranks (their whole process groups), SIGKILL after the grace period, and exits with
+that rank's code (128 + signal number for a signal). SIGINT, SIGTERM and SIGHUP sent to comm-run
+are forwarded to all ranks (a second SIGINT/SIGTERM kills them); comm-run then exits with
+128 + signal number. Exit codes: 2 bad arguments, 124 timeout, 126/127 program not runnable.
+)";
+
+// ---------------------------------------------------------------------------------------------
+// Arguments
+
+struct Options {
+  int nproc = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: pick a free port
+  milliseconds grace{5000};
+  std::optional<milliseconds> timeout;
+  bool prefix = true;
+  std::vector<char*> command;  // program and its arguments, null-terminated
+};
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "comm-run: error: %s\nTry 'comm-run --help' for more information.\n", message.c_str());
+  std::exit(exit_usage);
+}
+
+std::optional<long long> parse_integer(std::string_view s) {
+  if (!s.empty() && s.front() == '+') s.remove_prefix(1);
+  long long v = 0;
+  const char* end = s.data() + s.size();
+  auto [p, ec] = std::from_chars(s.data(), end, v);
+  if (s.empty() || ec != std::errc() || p != end) return std::nullopt;
+  return v;
+}
+
+int parse_int_option(std::string_view name, std::string_view value, long long lo, long long hi) {
+  auto v = parse_integer(value);
+  if (!v || *v < lo || *v > hi)
+    usage_error(std::string(name) + " must be an integer from " + std::to_string(lo) + " to " + std::to_string(hi) +
+                ", got '" + std::string(value) + "'");
+  return static_cast<int>(*v);
+}
+
+std::optional<milliseconds> parse_duration(std::string_view s) {
+  double scale = 1000.0;
+  if (s.ends_with("ms")) {
+    scale = 1.0;
+    s.remove_suffix(2);
+  } else if (s.ends_with('s')) {
+    s.remove_suffix(1);
+  } else if (s.ends_with('m')) {
+    scale = 60'000.0;
+    s.remove_suffix(1);
+  }
+  double v = 0;
+  const char* end = s.data() + s.size();
+  auto [p, ec] = std::from_chars(s.data(), end, v);
+  if (s.empty() || ec != std::errc() || p != end || !std::isfinite(v) || v < 0) return std::nullopt;
+  const double ms = v * scale;
+  if (ms > 365.0 * 24 * 3600 * 1000) return std::nullopt;  // a year: certainly a typo
+  return milliseconds(static_cast<std::int64_t>(std::ceil(ms)));
+}
+
+milliseconds parse_duration_option(std::string_view name, std::string_view value, bool allow_zero) {
+  auto d = parse_duration(value);
+  if (!d || (!allow_zero && d->count() == 0))
+    usage_error(std::string(name) + " must be a " + (allow_zero ? "non-negative" : "positive") +
+                " duration (seconds, or a number with ms, s or m), got '" + std::string(value) + "'");
+  return *d;
+}
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  int i = 1;
+  for (; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "--") {
+      ++i;
+      break;
+    }
+    if (arg.size() < 2 || arg.front() != '-') break;  // the program ("-" alone is a name too)
+    if (arg == "-h" || arg == "--help") {
+      std::fwrite(help_text.data(), 1, help_text.size(), stdout);
+      std::exit(0);
+    }
+    if (arg == "--version") {
+      std::printf("comm-run %s\n", COMM_RUN_VERSION);
+      std::exit(0);
+    }
+    if (arg == "--no-prefix") {
+      o.prefix = false;
+      continue;
+    }
+    // Options with a value: "--name value", "--name=value", and for -n also "-nVALUE".
+    std::string_view name = arg;
+    std::optional<std::string_view> value;
+    if (arg.starts_with("--")) {
+      if (auto eq = arg.find('='); eq != std::string_view::npos) {
+        name = arg.substr(0, eq);
+        value = arg.substr(eq + 1);
+      }
+    } else if (arg.starts_with("-n") && arg.size() > 2) {
+      name = "-n";
+      value = arg.substr(arg[2] == '=' ? 3 : 2);
+    }
+    static constexpr std::string_view with_value[] = {"-n",          "--nproc-per-node", "--nnodes",
+                                                      "--node-rank", "--master-addr",    "--master-port",
+                                                      "--grace-period", "--timeout"};
+    if (std::find(std::begin(with_value), std::end(with_value), name) == std::end(with_value))
+      usage_error("unknown option '" + std::string(arg) + "'");
+    if (!value) {
+      if (i + 1 >= argc) usage_error("option '" + std::string(name) + "' needs a value");
+      value = argv[++i];
+    }
+    if (name == "-n" || name == "--nproc-per-node") {
+      o.nproc = parse_int_option("-n/--nproc-per-node", *value, 1, max_nproc);
+    } else if (name == "--nnodes") {
+      o.nnodes = parse_int_option("--nnodes", *value, 1, max_nnodes);
+    } else if (name == "--node-rank") {
+      o.node_rank = parse_int_option("--node-rank", *value, 0, max_nnodes - 1);
+    } else if (name == "--master-addr") {
+      if (value->empty()) usage_error("--master-addr must not be empty");
+      o.master_addr = std::string(*value);
+    } else if (name == "--master-port") {
+      o.master_port = parse_int_option("--master-port", *value, 1, 65535);
+    } else if (name == "--grace-period") {
+      o.grace = parse_duration_option("--grace-period", *value, true);
+    } else if (name == "--timeout") {
+      o.timeout = parse_duration_option("--timeout", *value, false);
+    }
+  }
+  if (i >= argc) usage_error("no program given");
+  if (o.node_rank >= o.nnodes)
+    usage_error("--node-rank must be less than --nnodes (" + std::to_string(o.nnodes) + "), got " +
+                std::to_string(o.node_rank));
+  if (o.nnodes > 1 && o.master_port == 0)
+    usage_error("--master-port is required when --nnodes > 1 (every node must use the same port)");
+  for (; i < argc; ++i) o.command.push_back(argv[i]);
+  o.command.push_back(nullptr);
+  return o;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small system helpers
+
+[[noreturn]] void fatal(const std::string& what) {
+  std::fprintf(stderr, "comm-run: %s: %s\n", what.c_str(), std::strerror(errno));
+  std::exit(1);
+}
+
+std::string signal_name(int sig) {
+  if (const char* abbrev = sigabbrev_np(sig)) return std::string("SIG") + abbrev;
+  return "signal " + std::to_string(sig);
+}
+
+/// A port that was free on 127.0.0.1 a moment ago. Another process can take it before rank 0
+/// binds it; we ask as late as possible (just before the ranks start) to keep that window small.
+int pick_free_port() {
+  int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0) fatal("socket");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  if (::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) fatal("bind 127.0.0.1:0");
+  if (::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) != 0) fatal("getsockname");
+  ::close(s);
+  return ntohs(a.sin_port);
+}
+
+std::string random_token() {
+  unsigned char bytes[16];
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fatal("open /dev/urandom");
+  std::size_t got = 0;
+  while (got < sizeof bytes) {
+    ssize_t n = ::read(fd, bytes + got, sizeof bytes - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fatal("read /dev/urandom");
+    got += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
+  static constexpr char hex[] = "0123456789abcdef";
+  std::string token;
+  for (unsigned char b : bytes) {
+    token += hex[b >> 4];
+    token += hex[b & 15];
+  }
+  return token;
+}
+
+/// Writes all of `data`; gives up quietly when the reader is gone (e.g. `comm-run ... | head`).
+void write_all(int fd, std::string_view data) {
+  static bool broken[3] = {false, false, false};
+  if (fd <= 2 && broken[fd]) return;
+  while (!data.empty()) {
+    ssize_t n = ::write(fd, data.data(), data.size());
+    if (n > 0) {
+      data.remove_prefix(static_cast<std::size_t>(n));
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else if (n < 0 && errno == EAGAIN) {  // our stdout may be a non-blocking fd we inherited
+      pollfd p{fd, POLLOUT, 0};
+      ::poll(&p, 1, 1000);
+    } else {
+      if (fd <= 2) broken[fd] = true;
+      return;
+    }
+  }
+}
+
+std::string seconds_text(milliseconds d) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", static_cast<double>(d.count()) / 1000.0);
+  return buf;
+}
+
+void message(const std::string& text) { write_all(STDERR_FILENO, "comm-run: " + text + "\n"); }
+
+// ---------------------------------------------------------------------------------------------
+// The job
+
+/// One output pipe of one rank, cut into prefixed lines.
+struct Stream {
+  int fd = -1;
+  int dest = STDOUT_FILENO;
+  std::string pending;  // bytes after the last newline
+};
+
+struct Rank {
+  int rank = 0;
+  pid_t pid = -1;  // also its process group id
+  bool running = false;
+  Stream out, err;
+};
+
+class Job {
+ public:
+  explicit Job(Options o) : opt_(std::move(o)) {}
+
+  int run() {
+    setup_signals();
+    prepare_env();
+    start_ranks();
+    event_loop();
+    final_drain();
+    return exit_code_;
+  }
+
+ private:
+  void setup_signals() {
+    // A rank's exit or a user's signal arrives as data on a signalfd, read in the poll loop.
+    sigset_t set;
+    sigemptyset(&set);
+    for (int s : {SIGCHLD, SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, s);
+    if (::sigprocmask(SIG_BLOCK, &set, &old_mask_) != 0) fatal("sigprocmask");
+    sfd_ = ::signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (sfd_ < 0) fatal("signalfd");
+    ::signal(SIGPIPE, SIG_IGN);
+    // Orphaned grandchildren come to us, so we can reap them and see when a group is empty.
+    ::prctl(PR_SET_CHILD_SUBREAPER, 1);
+  }
+
+  void prepare_env() {
+    static constexpr std::string_view ours[] = {"RANK=",       "LOCAL_RANK=",       "WORLD_SIZE=",
+                                                "LOCAL_WORLD_SIZE=", "GROUP_RANK=", "NODE_RANK=",
+                                                "GROUP_WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT=",
+                                                "COMM_STORE_TOKEN="};
+    for (char** e = environ; *e != nullptr; ++e) {
+      std::string_view kv = *e;
+      if (std::none_of(std::begin(ours), std::end(ours), [&](std::string_view k) { return kv.starts_with(k); }))
+        base_env_.emplace_back(kv);
+    }
+    const char* token = std::getenv("COMM_STORE_TOKEN");
+    if (token != nullptr && *token != '\0') {
+      token_ = token;
+    } else if (opt_.nnodes > 1) {
+      usage_error(
+          "COMM_STORE_TOKEN must be set, to the same value on every node, when --nnodes > 1; for example\n"
+          "  export COMM_STORE_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \\n')");
+    } else {
+      token_ = random_token();
+    }
+  }
+
+  std::vector<std::string> rank_env(int local) const {
+    std::vector<std::string> env = base_env_;
+    const int world = opt_.nnodes * opt_.nproc;
+    env.push_back("RANK=" + std::to_string(opt_.node_rank * opt_.nproc + local));
+    env.push_back("LOCAL_RANK=" + std::to_string(local));
+    env.push_back("WORLD_SIZE=" + std::to_string(world));
+    env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(opt_.nproc));
+    env.push_back("GROUP_RANK=" + std::to_string(opt_.node_rank));
+    env.push_back("NODE_RANK=" + std::to_string(opt_.node_rank));
+    env.push_back("GROUP_WORLD_SIZE=" + std::to_string(opt_.nnodes));
+    env.push_back("MASTER_ADDR=" + opt_.master_addr);
+    env.push_back("MASTER_PORT=" + std::to_string(opt_.master_port));
+    env.push_back("COMM_STORE_TOKEN=" + token_);
+    return env;
+  }
+
+  void start_ranks() {
+    const bool inherit_stdin = ::isatty(STDIN_FILENO) == 0;
+    const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (devnull < 0) fatal("open /dev/null");
+    if (opt_.master_port == 0) opt_.master_port = pick_free_port();
+    const pid_t self = ::getpid();
+    ranks_.resize(static_cast<std::size_t>(opt_.nproc));
+    for (int local = 0; local < opt_.nproc && !stopping_; ++local) {
+      Rank& r = ranks_[static_cast<std::size_t>(local)];
+      r.rank = opt_.node_rank * opt_.nproc + local;
+      // Everything the child needs is built before fork: it only calls async-signal-safe functions.
+      std::vector<std::string> env = rank_env(local);
+      std::vector<char*> envp;
+      for (auto& kv : env) envp.push_back(kv.data());
+      envp.push_back(nullptr);
+      const int in_fd = (inherit_stdin && r.rank == 0) ? STDIN_FILENO : devnull;
+
+      int out[2], err[2], status_pipe[2];
+      if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0 || ::pipe2(status_pipe, O_CLOEXEC) != 0)
+        fatal("pipe");
+      const pid_t pid = ::fork();
+      if (pid < 0) {
+        message("cannot start rank " + std::to_string(r.rank) + ": fork: " + std::strerror(errno));
+        for (int fd : {out[0], out[1], err[0], err[1], status_pipe[0], status_pipe[1]}) ::close(fd);
+        begin_stop(1, SIGTERM);
+        break;
+      }
+      if (pid == 0) exec_child(self, in_fd, out[1], err[1], status_pipe[1], envp.data());
+
+      ::setpgid(pid, pid);  // also done in the child; whichever runs first wins the race
+      ::close(out[1]);
+      ::close(err[1]);
+      ::close(status_pipe[1]);
+      r.pid = pid;
+      r.running = true;
+      ++running_;
+      r.out = Stream{out[0], STDOUT_FILENO, {}};
+      r.err = Stream{err[0], STDERR_FILENO, {}};
+      for (int fd : {out[0], err[0]}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+
+      // The status pipe closes on a successful exec, or carries errno when exec failed.
+      int exec_errno = 0;
+      ssize_t n;
+      do n = ::read(status_pipe[0], &exec_errno, sizeof exec_errno);
+      while (n < 0 && errno == EINTR);
+      ::close(status_pipe[0]);
+      if (n == static_cast<ssize_t>(sizeof exec_errno)) {
+        message("cannot run '" + std::string(opt_.command[0]) + "': " + std::strerror(exec_errno));
+        begin_stop(exec_errno == ENOENT ? 127 : 126, SIGTERM);
+      }
+    }
+    ::close(devnull);
+    if (opt_.timeout) deadline_ = Clock::now() + *opt_.timeout;
+  }
+
+  [[noreturn]] void exec_child(pid_t parent, int in_fd, int out_fd, int err_fd, int status_fd, char** envp) {
+    ::setpgid(0, 0);
+    // Die with the launcher even when it is SIGKILLed, so no rank outlives its job.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(1);
+    ::signal(SIGPIPE, SIG_DFL);
+    ::sigprocmask(SIG_SETMASK, &old_mask_, nullptr);
+    if (in_fd != STDIN_FILENO) ::dup2(in_fd, STDIN_FILENO);
+    ::dup2(out_fd, STDOUT_FILENO);
+    ::dup2(err_fd, STDERR_FILENO);
+    ::execvpe(opt_.command[0], opt_.command.data(), envp);
+    int e = errno;
+    ssize_t ignored = ::write(status_fd, &e, sizeof e);
+    (void)ignored;
+    ::_exit(127);
+  }
+
+  void event_loop() {
+    std::vector<pollfd> fds;
+    std::vector<Stream*> streams;
+    while (running_ > 0 || (stopping_ && !killed_ && any_group_alive())) {
+      fds.assign(1, pollfd{sfd_, POLLIN, 0});
+      streams.assign(1, nullptr);
+      for (Rank& r : ranks_)
+        for (Stream* s : {&r.out, &r.err})
+          if (s->fd >= 0) {
+            fds.push_back(pollfd{s->fd, POLLIN, 0});
+            streams.push_back(s);
+          }
+      int rc = ::poll(fds.data(), fds.size(), poll_timeout_ms());
+      if (rc < 0 && errno != EINTR) fatal("poll");
+      if (rc > 0) {
+        for (std::size_t k = 1; k < fds.size(); ++k)
+          if (fds[k].revents != 0) read_once(*streams[k], owner(*streams[k]));
+        if (fds[0].revents != 0) handle_signals();
+      }
+      check_deadlines();
+    }
+  }
+
+  /// Reads what is left in the pipes once every rank has exited. A grandchild may still hold a
+  /// pipe open; we do not wait for it beyond a short moment.
+  void final_drain() {
+    const auto until = Clock::now() + milliseconds(200);
+    for (;;) {
+      std::vector<pollfd> fds;
+      std::vector<Stream*> streams;
+      for (Rank& r : ranks_)
+        for (Stream* s : {&r.out, &r.err})
+          if (s->fd >= 0) {
+            fds.push_back(pollfd{s->fd, POLLIN, 0});
+            streams.push_back(s);
+          }
+      const auto left = std::chrono::duration_cast<milliseconds>(until - Clock::now()).count();
+      if (fds.empty() || left <= 0) break;
+      int rc = ::poll(fds.data(), fds.size(), static_cast<int>(std::min<long long>(left, 50)));
+      if (rc < 0 && errno != EINTR) break;
+      if (rc == 0) break;
+      for (std::size_t k = 0; k < fds.size(); ++k)
+        if (fds[k].revents != 0) read_once(*streams[k], owner(*streams[k]));
+    }
+    for (Rank& r : ranks_)
+      for (Stream* s : {&r.out, &r.err}) close_stream(*s, r.rank);
+  }
+
+  int owner(const Stream& s) const {
+    for (const Rank& r : ranks_)
+      if (&r.out == &s || &r.err == &s) return r.rank;
+    return -1;
+  }
+
+  // --- output ---------------------------------------------------------------------------------
+
+  void emit(Stream& s, int rank, std::string_view data) {
+    s.pending.append(data);
+    const std::string prefix = opt_.prefix ? "[" + std::to_string(rank) + "] " : std::string();
+    std::string out;
+    std::size_t start = 0;
+    for (;;) {
+      std::size_t nl = s.pending.find('\n', start);
+      if (nl == std::string::npos) {
+        if (s.pending.size() - start < max_line) break;
+        nl = start + max_line - 1;  // cut an overlong line
+        out += prefix;
+        out.append(s.pending, start, nl + 1 - start);
+        out += '\n';
+      } else {
+        out += prefix;
+        out.append(s.pending, start, nl + 1 - start);
+      }
+      start = nl + 1;
+    }
+    s.pending.erase(0, start);
+    if (!out.empty()) write_all(s.dest, out);
+  }
+
+  void close_stream(Stream& s, int rank) {
+    if (s.fd < 0) return;
+    ::close(s.fd);
+    s.fd = -1;
+    if (!s.pending.empty()) {
+      s.pending += '\n';  // complete the last line so it is not glued to another rank's output
+      emit(s, rank, {});
+    }
+  }
+
+  /// One read; returns false when the stream has nothing more for now (EAGAIN) or ended.
+  bool read_once(Stream& s, int rank) {
+    if (s.fd < 0) return false;
+    char buf[65536];
+    ssize_t n = ::read(s.fd, buf, sizeof buf);
+    if (n > 0) {
+      emit(s, rank, std::string_view(buf, static_cast<std::size_t>(n)));
+      return true;
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return false;
+    close_stream(s, rank);  // EOF or error
+    return false;
+  }
+
+  void drain(Rank& r) {
+    for (Stream* s : {&r.out, &r.err})
+      while (read_once(*s, r.rank)) {
+      }
+  }
+
+  // --- processes and signals ------------------------------------------------------------------
+
+  void handle_signals() {
+    signalfd_siginfo si;
+    while (::read(sfd_, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
+      const int sig = static_cast<int>(si.ssi_signo);
+      if (sig == SIGCHLD) {
+        reap();
+      } else if (!stopping_) {
+        message("got " + signal_name(sig) + ", forwarding it to all ranks");
+        begin_stop(128 + sig, sig);
+      } else if (sig != SIGHUP && !killed_) {
+        message("got " + signal_name(sig) + " again, killing all ranks");
+        kill_all(SIGKILL);
+      }
+    }
+  }
+
+  void reap() {
+    for (;;) {
+      int status = 0;
+      const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) return;
+      auto it = std::find_if(ranks_.begin(), ranks_.end(), [&](const Rank& r) { return r.pid == pid; });
+      if (it == ranks_.end() || !it->running) continue;  // an orphaned grandchild
+      it->running = false;
+      --running_;
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
+      if (stopping_) continue;  // the job is already going down; the first cause is known
+      drain(*it);               // its last words come before our report
+      if (WIFEXITED(status)) {
+        message("rank " + std::to_string(it->rank) + " exited with code " + std::to_string(WEXITSTATUS(status)));
+        begin_stop(WEXITSTATUS(status), SIGTERM);
+      } else {
+        message("rank " + std::to_string(it->rank) + " was killed by signal " + signal_name(WTERMSIG(status)));
+        begin_stop(128 + WTERMSIG(status), SIGTERM);
+      }
+      if (running_ > 0)
+        message("stopping the other " + std::to_string(running_) + " rank(s): SIGTERM, then SIGKILL after " +
+                seconds_text(opt_.grace) + "s");
+    }
+  }
+
+  /// Starts shutting the job down: `code` is the exit code (the first cause wins), `sig` goes to
+  /// every rank's process group, and SIGKILL follows after the grace period.
+  void begin_stop(int code, int sig) {
+    if (stopping_) return;
+    stopping_ = true;
+    exit_code_ = code;
+    kill_all(sig);
+    kill_at_ = Clock::now() + opt_.grace;
+  }
+
+  /// Signals every rank's whole process group, so a rank's own children go too.
+  void kill_all(int sig) {
+    for (const Rank& r : ranks_)
+      if (r.pid > 0) ::killpg(r.pid, sig);
+    if (sig == SIGKILL) killed_ = true;
+  }
+
+  bool any_group_alive() const {
+    return std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.pid > 0 && ::killpg(r.pid, 0) == 0; });
+  }
+
+  int poll_timeout_ms() const {
+    std::optional<Clock::time_point> next;
+    if (deadline_ && !stopping_) next = deadline_;
+    if (stopping_ && !killed_) next = kill_at_;
+    if (!next) return stopping_ ? 100 : -1;
+    const auto left = std::chrono::ceil<milliseconds>(*next - Clock::now()).count();
+    // While only grandchildren remain, poll now and then: their exit is not always a SIGCHLD to us.
+    return static_cast<int>(std::clamp<long long>(left, 0, running_ > 0 ? 1'000'000 : 100));
+  }
+
+  void check_deadlines() {
+    const auto now = Clock::now();
+    if (!stopping_ && deadline_ && now >= *deadline_) {
+      message("timeout: the job ran longer than " + seconds_text(*opt_.timeout) + "s (--timeout); stopping all ranks");
+      begin_stop(exit_timeout, SIGTERM);
+    }
+    if (stopping_ && !killed_ && now >= kill_at_) {
+      if (running_ > 0) message("grace period over, killing the remaining " + std::to_string(running_) + " rank(s)");
+      kill_all(SIGKILL);
+    }
+  }
+
+  Options opt_;
+  std::vector<std::string> base_env_;
+  std::string token_;
+  std::vector<Rank> ranks_;
+  sigset_t old_mask_{};
+  int sfd_ = -1;
+  int running_ = 0;
+  bool stopping_ = false;
+  bool killed_ = false;
+  int exit_code_ = 0;
+  Clock::time_point kill_at_{};
+  std::optional<Clock::time_point> deadline_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Make sure fds 0-2 exist, so the pipes we create never land on them.
+  for (int fd = 0; fd <= 2; ++fd)
+    if (::fcntl(fd, F_GETFD) < 0 && ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY) < 0) return 1;
+  Options options = parse_args(argc, argv);
+  return Job(std::move(options)).run();
+}
