@@ -13,40 +13,12 @@
 #include <unistd.h>
 
 #include <comm/init.hpp>
+#include <support/env_guard.hpp>
 #include <support/multirank.hpp>
 
 namespace {
 
-// Sets variables for one scope and restores the previous values afterwards.
-class EnvGuard {
- public:
-  // Starts from a clean launcher environment (comm-run set these for the harness), then applies
-  // `vars` (nullptr unsets).
-  EnvGuard(std::initializer_list<std::pair<const char*, const char*>> vars) {
-    for (const char* k : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
-      const char* old = std::getenv(k);
-      saved_[k] = old ? std::optional<std::string>(old) : std::nullopt;
-      ::unsetenv(k);
-    }
-    for (auto [k, v] : vars) {
-      if (!saved_.contains(k)) {
-        const char* old = std::getenv(k);
-        saved_[k] = old ? std::optional<std::string>(old) : std::nullopt;
-      }
-      if (v) ::setenv(k, v, 1); else ::unsetenv(k);
-    }
-  }
-  ~EnvGuard() {
-    for (auto& [k, v] : saved_) {
-      if (v) ::setenv(k.c_str(), v->c_str(), 1); else ::unsetenv(k.c_str());
-    }
-  }
-  EnvGuard(const EnvGuard&) = delete;
-  EnvGuard& operator=(const EnvGuard&) = delete;
-
- private:
-  std::map<std::string, std::optional<std::string>> saved_;
-};
+using comm::test::EnvGuard;
 
 std::string message_of(auto&& fn) {
   try {

@@ -10,6 +10,7 @@
 #include <comm/store.hpp>
 #include <comm/init.hpp>
 #include <comm/communicator.hpp>
+#include <comm/cdb.hpp>
 
 #if defined(COMM_HAS_GLOO)
 #include <comm/backends/gloo.hpp>
