@@ -37,10 +37,11 @@ class Store {
   }
   /// Blocks until `key` exists (or the store's timeout passes), then returns its value.
   virtual Bytes get(std::string_view key) = 0;
-  /// Adds `delta` to the integer stored at `key` (missing: 0) and returns the new value.
+  /// Adds `delta` to the integer stored at `key` (missing: 0) and returns the new value. The value
+  /// is kept as decimal text; one that is not an integer, or an overflow, is comm::InvalidArgument.
   virtual std::int64_t add(std::string_view key, std::int64_t delta) = 0;
   /// Sets `key` to `desired` if its current value equals `expected` (an empty `expected` matches
-  /// a missing key). Returns the value stored after the call.
+  /// a missing key). Returns the value stored after the call (empty if the key is still missing).
   virtual Bytes compare_set(std::string_view key, std::span<const std::uint8_t> expected,
                             std::span<const std::uint8_t> desired) = 0;
   /// Blocks until all `keys` exist or `timeout` passes (then comm::Timeout naming the missing keys).
@@ -90,8 +91,9 @@ struct TcpStoreOptions {
   std::size_t max_key_bytes = 4096;
   /// Server: total bytes of keys and values it stores; a set beyond it fails with RemoteError.
   std::size_t max_total_bytes = std::size_t{1} << 30;
-  /// Server: a connection whose handshake or request stops making progress for this long is
-  /// dropped (so half-sent requests cannot pin memory or connection slots).
+  /// Server: a connection whose handshake does not complete within this long, or whose half-sent
+  /// request or unread reply makes no progress for this long, is dropped (so stalled peers cannot
+  /// pin memory or connection slots). Handshaken idle connections are never dropped.
   std::chrono::milliseconds stall_timeout = std::chrono::seconds(5);
 };
 

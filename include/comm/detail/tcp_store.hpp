@@ -1,0 +1,429 @@
+#pragma once
+// TcpStore: definitions of the client (declared in <comm/store.hpp>); the server is in
+// <comm/detail/tcp_store_server.hpp>.
+
+#include <algorithm>
+#include <cstdlib>
+#include <thread>
+
+#include <comm/store.hpp>
+#include <comm/detail/socket.hpp>
+#include <comm/detail/store_common.hpp>
+#include <comm/detail/store_protocol.hpp>
+#include <comm/detail/tcp_store_server.hpp>
+
+namespace comm {
+
+struct TcpStore::Reply {
+  detail::store_proto::Status status = detail::store_proto::Status::ok;
+  Bytes payload;  // the whole reply payload, status byte first
+  [[nodiscard]] detail::store_proto::Reader fields() const {
+    detail::store_proto::Reader r(payload);
+    (void)r.u8();
+    return r;
+  }
+};
+
+namespace detail {
+/// How long a client waits past its own deadline for the server's answer to a parked get/wait
+/// (which the server times out itself) before it gives up on the connection.
+[[nodiscard]] inline Clock::time_point with_grace(Clock::time_point deadline, std::chrono::milliseconds t) {
+  const auto grace = std::clamp(t / 10, std::chrono::milliseconds(50), std::chrono::milliseconds(500));
+  if (deadline == Clock::time_point::max() || Clock::time_point::max() - deadline < grace)
+    return Clock::time_point::max();
+  return deadline + grace;
+}
+}  // namespace detail
+
+inline TcpStore::TcpStore(std::string host, std::uint16_t port, TcpStoreOptions opts)
+    : Store(opts.timeout), host_(detail::strip_brackets(host)), port_(port), opts_(std::move(opts)) {
+  set_rank(opts_.rank);
+  const auto where = detail::format_host_port(host_, port_);
+  if (opts_.token.empty()) {
+    if (const char* t = std::getenv("COMM_STORE_TOKEN")) opts_.token = t;
+  }
+  if (host_.empty()) throw InvalidArgument("store.connect", rank(), "TcpStore needs a host, got ''");
+  if (opts_.timeout.count() < 0)
+    throw InvalidArgument("store.connect", rank(), "timeout must not be negative, got " + detail::format_ms(opts_.timeout));
+  if (opts_.token.size() > detail::store_proto::max_token_bytes)
+    throw InvalidArgument("store.connect", rank(),
+                          "token of " + std::to_string(opts_.token.size()) + " bytes is longer than " +
+                              std::to_string(detail::store_proto::max_token_bytes));
+  if (opts_.max_connections < 1)
+    throw InvalidArgument("store.connect", rank(),
+                          "max_connections must be at least 1, got " + std::to_string(opts_.max_connections));
+  if (!opts_.is_server && port_ == 0)
+    throw InvalidArgument("store.connect", rank(), "port 0 is only valid for the server (is_server = true)", where);
+  if (opts_.is_server) {
+    detail::TcpStoreServerConfig cfg;
+    cfg.token = opts_.token;
+    cfg.max_connections = static_cast<std::size_t>(opts_.max_connections);
+    cfg.max_key_bytes = opts_.max_key_bytes;
+    cfg.max_value_bytes = opts_.max_value_bytes;
+    cfg.max_total_bytes = opts_.max_total_bytes;
+    cfg.stall_timeout = opts_.stall_timeout;
+    server_ = std::make_unique<detail::TcpStoreServer>(host_, port_, std::move(cfg), rank());
+    port_ = server_->port();
+  }
+  address_ = detail::format_host_port(host_, port_);
+  idle_.push_back(connect(detail::deadline_after(timeout())));
+}
+
+inline TcpStore::~TcpStore() {
+  {
+    std::lock_guard g(mu_);
+    idle_.clear();
+  }
+  server_.reset();  // stops and joins the server thread
+}
+
+// Opens and handshakes a new connection, retrying with backoff until `deadline`.
+inline detail::Fd TcpStore::connect(detail::Clock::time_point deadline) {
+  namespace sp = detail::store_proto;
+  const auto start = detail::Clock::now();
+  std::string lost;
+  {
+    std::lock_guard g(mu_);
+    lost = lost_;
+  }
+  auto step = std::chrono::milliseconds(10);
+  std::string last_error = "no attempt made";
+  for (;;) {
+    const auto r = detail::resolve(host_, port_);
+    if (r.addrs.empty()) {
+      if (r.gai_error != EAI_AGAIN)
+        throw InvalidArgument("store.connect", rank(), "cannot resolve host '" + host_ + "': " + r.error_text(), address_);
+      last_error = "cannot resolve host '" + host_ + "': " + r.error_text();
+    }
+    for (const auto& a : r.addrs) {
+      int err = 0;
+      detail::Fd fd = detail::connect_once(a, deadline, err);
+      if (!fd) {
+        last_error = detail::to_string(a) + ": " + detail::errno_text(err);
+        continue;
+      }
+      // Handshake.
+      const auto hello = sp::encode_hello(opts_.token, rank());
+      std::uint8_t head[sp::hello_reply_size];
+      auto io = detail::send_all(fd.get(), hello, deadline);
+      if (io.ok()) io = detail::recv_all(fd.get(), head, deadline);
+      if (!io.ok()) {
+        last_error = detail::to_string(a) + ": handshake " + io.text();
+        continue;
+      }
+      sp::Reader rd(head);
+      const auto magic = rd.u32();
+      (void)rd.u16();
+      const auto status = static_cast<sp::HelloStatus>(rd.u8());
+      const std::size_t msg_len = rd.u16();
+      if (magic != sp::magic || msg_len > sp::max_hello_message)
+        throw RemoteError("store.connect", rank(), address_ + " answered, but is not a comm store (bad reply)", address_);
+      std::string msg(msg_len, '\0');
+      if (msg_len > 0) {
+        io = detail::recv_all(fd.get(), std::span(reinterpret_cast<std::uint8_t*>(msg.data()), msg.size()), deadline);
+        if (!io.ok()) {
+          last_error = detail::to_string(a) + ": handshake " + io.text();
+          continue;
+        }
+      }
+      switch (status) {
+        case sp::HelloStatus::ok: return fd;
+        case sp::HelloStatus::wrong_token:
+          throw InvalidArgument("store.connect", rank(),
+                                "rejected: wrong token (the server at " + address_ +
+                                    " checks COMM_STORE_TOKEN or TcpStoreOptions::token; every rank needs the same)",
+                                address_);
+        case sp::HelloStatus::bad_version:
+          throw InvalidArgument("store.connect", rank(), "rejected: protocol version mismatch (" + msg + ")", address_);
+        case sp::HelloStatus::too_many_connections:
+          throw RemoteError("store.connect", rank(), "rejected: " + msg, address_);
+      }
+      throw RemoteError("store.connect", rank(), "rejected with unknown status " + std::to_string(static_cast<int>(status)),
+                        address_);
+    }
+    if (!lost.empty())
+      throw RemoteError("store.connect", rank(),
+                        "the store server at " + address_ + " is gone (" + lost + "); reconnecting failed: " + last_error,
+                        address_);
+    const auto now = detail::Clock::now();
+    if (now >= deadline)
+      throw Timeout("store.connect", rank(),
+                    "no store server answered at " + address_ + " within " +
+                        detail::format_ms(std::chrono::duration_cast<std::chrono::milliseconds>(now - start)) +
+                        " (last error: " + last_error + ")",
+                    address_);
+    std::this_thread::sleep_for(std::min<detail::Clock::duration>(step, deadline - now));
+    step = std::min(step * 2, std::chrono::milliseconds(1000));
+  }
+}
+
+// Sends one request on an idle (or new) connection and reads its reply. `reply_deadline` may be
+// later than `deadline` (parked get/wait). Connection failures throw: Timeout when the deadline
+// passes (naming `what`), RemoteError when the server closed the connection.
+inline TcpStore::Reply TcpStore::call(std::string_view op, std::vector<std::uint8_t>& frame,
+                                      detail::Clock::time_point deadline,
+                                      detail::Clock::time_point reply_deadline) {
+  namespace sp = detail::store_proto;
+  detail::Fd fd;
+  {
+    std::lock_guard g(mu_);
+    if (!idle_.empty()) {
+      fd = std::move(idle_.back());
+      idle_.pop_back();
+    }
+  }
+  if (!fd) fd = connect(deadline);
+
+  auto fail = [&](const detail::IoResult& io, std::string_view during) -> Reply {
+    if (io.status == detail::IoStatus::timeout) return Reply{sp::Status::timeout, {}};  // caller names the keys
+    std::string why = "lost the connection to the store server at " + address_ + " " + std::string(during) + ": " +
+                      io.text();
+    {
+      std::lock_guard g(mu_);
+      if (lost_.empty()) lost_ = std::string(during) + ": " + io.text();
+      idle_.clear();  // they share the server's fate
+    }
+    throw RemoteError(std::string(op), rank(), why, address_);
+  };
+
+  if (auto io = detail::send_all(fd.get(), frame, deadline); !io.ok()) return fail(io, "while sending");
+  std::uint8_t head[sp::frame_header_size];
+  if (auto io = detail::recv_all(fd.get(), head, reply_deadline); !io.ok()) return fail(io, "while waiting for the reply");
+  const std::uint64_t len = sp::read_u64(head);
+  const std::size_t cap = sp::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes) + 64;
+  if (len == 0 || len > cap)
+    throw RemoteError(std::string(op), rank(),
+                      "the store server sent a reply of " + std::to_string(len) + " bytes (limit " +
+                          std::to_string(cap) + "); dropping the connection",
+                      address_);
+  Reply r;
+  r.payload.resize(static_cast<std::size_t>(len));  // checked just above
+  if (auto io = detail::recv_all(fd.get(), r.payload, reply_deadline); !io.ok()) return fail(io, "while reading the reply");
+  r.status = static_cast<sp::Status>(r.payload[0]);
+  {
+    std::lock_guard g(mu_);
+    if (idle_.size() < 8) idle_.push_back(std::move(fd));
+  }
+  return r;
+}
+
+inline void TcpStore::check_key(std::string_view op, std::string_view key) const {
+  if (key.size() > opts_.max_key_bytes)
+    throw InvalidArgument(std::string(op), rank(),
+                          "key of " + std::to_string(key.size()) + " bytes exceeds max_key_bytes (" +
+                              std::to_string(opts_.max_key_bytes) + ")",
+                          address_);
+}
+
+inline void TcpStore::check_value(std::string_view op, std::string_view key, std::size_t size) const {
+  if (size > opts_.max_value_bytes)
+    throw InvalidArgument(std::string(op), rank(),
+                          "value of " + std::to_string(size) + " bytes for " + detail::quote_key(key) +
+                              " exceeds max_value_bytes (" + std::to_string(opts_.max_value_bytes) + ")",
+                          address_);
+}
+
+// A reply whose status is not ok: turn it into the right exception. A timeout reply with no
+// payload is the client's own deadline (the connection was dropped): `keys` are then named.
+inline void TcpStore::throw_reply_error(std::string_view op, const Reply& r, std::chrono::milliseconds waited,
+                                        const std::vector<std::string>& keys) const {
+  namespace sp = detail::store_proto;
+  auto rd = r.fields();
+  switch (r.status) {
+    case sp::Status::timeout: {
+      std::vector<std::string> missing;
+      if (!r.payload.empty()) {
+        const std::uint32_t n = rd.u32();
+        for (std::uint32_t i = 0; i < n && rd.ok(); ++i) {
+          const auto k = rd.str();
+          if (rd.ok()) missing.emplace_back(k);
+        }
+      }
+      if (missing.empty()) missing = keys;
+      if (missing.empty())
+        throw Timeout(std::string(op), rank(),
+                      "no reply from the store server at " + address_ + " within " + detail::format_ms(waited), address_);
+      throw Timeout(std::string(op), rank(),
+                    detail::describe_keys(missing) + " not set within " + detail::format_ms(waited), address_);
+    }
+    case sp::Status::invalid: {
+      const auto msg = rd.str();
+      throw InvalidArgument(std::string(op), rank(), "the store server refused the request: " + std::string(msg),
+                            address_);
+    }
+    case sp::Status::failed: {
+      const auto msg = rd.str();
+      throw RemoteError(std::string(op), rank(), std::string(msg), address_);
+    }
+    case sp::Status::ok: break;
+  }
+  throw RemoteError(std::string(op), rank(),
+                    "the store server sent an unknown reply status " + std::to_string(static_cast<int>(r.status)),
+                    address_);
+}
+
+namespace detail {
+inline std::vector<std::uint8_t> start_request(store_proto::Op op, std::size_t& at) {
+  std::vector<std::uint8_t> f;
+  at = store_proto::begin_frame(f);
+  f.push_back(static_cast<std::uint8_t>(op));
+  return f;
+}
+}  // namespace detail
+
+inline void TcpStore::set(std::string_view key, std::span<const std::uint8_t> value) {
+  namespace sp = detail::store_proto;
+  check_key("store.set", key);
+  check_value("store.set", key, value.size());
+  std::size_t at = 0;
+  auto f = detail::start_request(sp::Op::set, at);
+  f.reserve(f.size() + 16 + key.size() + value.size());
+  sp::Writer w(f);
+  w.str(key);
+  w.bytes(value);
+  sp::finish_frame(f, at);
+  const auto t = timeout();
+  const auto d = detail::deadline_after(t);
+  const auto r = call("store.set", f, d, d);
+  if (r.status != sp::Status::ok) throw_reply_error("store.set", r, t);
+}
+
+inline Store::Bytes TcpStore::get(std::string_view key) {
+  namespace sp = detail::store_proto;
+  check_key("store.get", key);
+  const auto t = timeout();
+  const auto d = detail::deadline_after(t);
+  std::size_t at = 0;
+  auto f = detail::start_request(sp::Op::get, at);
+  sp::Writer w(f);
+  w.str(key);
+  w.u64(static_cast<std::uint64_t>(detail::remaining(d).count()));
+  sp::finish_frame(f, at);
+  const auto r = call("store.get", f, d, detail::with_grace(d, t));
+  if (r.status != sp::Status::ok) throw_reply_error("store.get", r, t, {std::string(key)});
+  auto rd = r.fields();
+  const auto v = rd.bytes();
+  if (!rd.done()) throw RemoteError("store.get", rank(), "malformed reply from the store server", address_);
+  return Bytes(v.begin(), v.end());
+}
+
+inline std::int64_t TcpStore::add(std::string_view key, std::int64_t delta) {
+  namespace sp = detail::store_proto;
+  check_key("store.add", key);
+  std::size_t at = 0;
+  auto f = detail::start_request(sp::Op::add, at);
+  sp::Writer w(f);
+  w.str(key);
+  w.i64(delta);
+  sp::finish_frame(f, at);
+  const auto t = timeout();
+  const auto d = detail::deadline_after(t);
+  const auto r = call("store.add", f, d, d);
+  if (r.status != sp::Status::ok) throw_reply_error("store.add", r, t);
+  auto rd = r.fields();
+  const auto v = rd.i64();
+  if (!rd.done()) throw RemoteError("store.add", rank(), "malformed reply from the store server", address_);
+  return v;
+}
+
+inline Store::Bytes TcpStore::compare_set(std::string_view key, std::span<const std::uint8_t> expected,
+                                          std::span<const std::uint8_t> desired) {
+  namespace sp = detail::store_proto;
+  check_key("store.compare_set", key);
+  check_value("store.compare_set", key, expected.size());
+  check_value("store.compare_set", key, desired.size());
+  std::size_t at = 0;
+  auto f = detail::start_request(sp::Op::compare_set, at);
+  sp::Writer w(f);
+  w.str(key);
+  w.bytes(expected);
+  w.bytes(desired);
+  sp::finish_frame(f, at);
+  const auto t = timeout();
+  const auto d = detail::deadline_after(t);
+  const auto r = call("store.compare_set", f, d, d);
+  if (r.status != sp::Status::ok) throw_reply_error("store.compare_set", r, t);
+  auto rd = r.fields();
+  const auto v = rd.bytes();
+  if (!rd.done()) throw RemoteError("store.compare_set", rank(), "malformed reply from the store server", address_);
+  return Bytes(v.begin(), v.end());
+}
+
+inline void TcpStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  namespace sp = detail::store_proto;
+  if (keys.empty()) return;
+  std::size_t bytes = 0;
+  for (const auto& k : keys) {
+    check_key("store.wait", k);
+    bytes += k.size() + 8;
+  }
+  if (keys.size() > UINT32_MAX || bytes + 16 > sp::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes))
+    throw InvalidArgument("store.wait", rank(),
+                          "waiting on " + std::to_string(keys.size()) + " keys (" + std::to_string(bytes) +
+                              " bytes) exceeds the request size limit",
+                          address_);
+  const auto d = detail::deadline_after(timeout);
+  std::size_t at = 0;
+  auto f = detail::start_request(sp::Op::wait, at);
+  sp::Writer w(f);
+  w.u32(static_cast<std::uint32_t>(keys.size()));
+  for (const auto& k : keys) w.str(k);
+  w.u64(static_cast<std::uint64_t>(detail::remaining(d).count()));
+  sp::finish_frame(f, at);
+  const auto r = call("store.wait", f, d, detail::with_grace(d, timeout));
+  if (r.status != sp::Status::ok) throw_reply_error("store.wait", r, timeout, keys);
+}
+
+inline std::int64_t TcpStore::num_keys() {
+  namespace sp = detail::store_proto;
+  std::size_t at = 0;
+  auto f = detail::start_request(sp::Op::num_keys, at);
+  sp::finish_frame(f, at);
+  const auto t = timeout();
+  const auto d = detail::deadline_after(t);
+  const auto r = call("store.num_keys", f, d, d);
+  if (r.status != sp::Status::ok) throw_reply_error("store.num_keys", r, t);
+  auto rd = r.fields();
+  const auto v = rd.i64();
+  if (!rd.done()) throw RemoteError("store.num_keys", rank(), "malformed reply from the store server", address_);
+  return v;
+}
+
+inline bool TcpStore::delete_key(std::string_view key) {
+  namespace sp = detail::store_proto;
+  check_key("store.delete_key", key);
+  std::size_t at = 0;
+  auto f = detail::start_request(sp::Op::delete_key, at);
+  sp::Writer w(f);
+  w.str(key);
+  sp::finish_frame(f, at);
+  const auto t = timeout();
+  const auto d = detail::deadline_after(t);
+  const auto r = call("store.delete_key", f, d, d);
+  if (r.status != sp::Status::ok) throw_reply_error("store.delete_key", r, t);
+  auto rd = r.fields();
+  const auto v = rd.u8();
+  if (!rd.done()) throw RemoteError("store.delete_key", rank(), "malformed reply from the store server", address_);
+  return v != 0;
+}
+
+inline bool TcpStore::check(std::string_view key) {
+  namespace sp = detail::store_proto;
+  check_key("store.check", key);
+  std::size_t at = 0;
+  auto f = detail::start_request(sp::Op::check, at);
+  sp::Writer w(f);
+  w.u32(1);
+  w.str(key);
+  sp::finish_frame(f, at);
+  const auto t = timeout();
+  const auto d = detail::deadline_after(t);
+  const auto r = call("store.check", f, d, d);
+  if (r.status != sp::Status::ok) throw_reply_error("store.check", r, t);
+  auto rd = r.fields();
+  const auto v = rd.u8();
+  if (!rd.done()) throw RemoteError("store.check", rank(), "malformed reply from the store server", address_);
+  return v != 0;
+}
+
+}  // namespace comm

@@ -1,0 +1,591 @@
+// The TcpStore server against hostile or broken peers: raw sockets send junk, bad magic, huge
+// length prefixes, stalled requests, wrong tokens and many connections. After each, the server
+// must still serve a normal client, and memory must not follow the lengths peers claim.
+#include <doctest/doctest.h>
+
+#include <sys/socket.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <comm/detail/socket.hpp>
+#include <comm/detail/store_protocol.hpp>
+#include <comm/store.hpp>
+#include <support/multirank.hpp>
+
+using namespace std::chrono_literals;
+namespace sp = comm::detail::store_proto;
+using Bytes = std::vector<std::uint8_t>;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// The stall timeout of the servers that test stalls; the others keep the 5 s default so that a
+// loaded machine cannot make a slow but honest client look stalled.
+constexpr auto stall = 300ms;
+// Explicit, so that the tests do not depend on the COMM_STORE_TOKEN that comm-run sets.
+constexpr std::string_view token = "proto-test-token";
+
+comm::TcpStoreOptions client_options() {
+  comm::TcpStoreOptions o;
+  o.timeout = 3s;
+  o.token = token;
+  return o;
+}
+
+comm::TcpStoreOptions server_options() {
+  comm::TcpStoreOptions o;
+  o.token = token;
+  o.is_server = true;
+  o.timeout = 5s;
+  o.rank = 0;
+  return o;
+}
+
+comm::TcpStoreOptions stalling_server_options() {
+  auto o = server_options();
+  o.stall_timeout = stall;
+  return o;
+}
+
+std::chrono::milliseconds since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+}
+
+bool contains(std::string_view hay, std::string_view needle) { return hay.find(needle) != std::string_view::npos; }
+
+// Resident memory of this process, in KiB.
+long rss_kib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  return -1;
+}
+
+// A raw TCP client that speaks whatever the test makes it speak.
+struct Raw {
+  comm::detail::Fd fd;
+
+  explicit Raw(std::uint16_t port, const std::string& host = "127.0.0.1") {
+    const auto r = comm::detail::resolve(host, port);
+    REQUIRE_FALSE(r.addrs.empty());
+    int err = 0;
+    fd = comm::detail::connect_once(r.addrs.front(), comm::detail::deadline_after(2s), err);
+    REQUIRE_MESSAGE(fd.valid(), "connect: " << comm::detail::errno_text(err));
+  }
+
+  // Best effort: the server may already have dropped us.
+  bool send(std::span<const std::uint8_t> b) { return comm::detail::send_all(fd.get(), b, comm::detail::deadline_after(2s)).ok(); }
+  bool send(std::string_view s) { return send(comm::detail::as_bytes(s)); }
+
+  // Reads exactly n bytes (false if the server closed first or 2 s passed).
+  bool read(std::span<std::uint8_t> b) { return comm::detail::recv_all(fd.get(), b, comm::detail::deadline_after(2s)).ok(); }
+
+  // Reads until the server closes the connection or `within` passes.
+  struct Outcome {
+    bool closed = false;
+    Bytes got;
+  };
+  Outcome read_until_closed(std::chrono::milliseconds within) {
+    Outcome o;
+    const auto deadline = comm::detail::deadline_after(within);
+    std::uint8_t buf[4096];
+    for (;;) {
+      if (!comm::detail::wait_ready(fd.get(), POLLIN, deadline).ok()) return o;
+      const ssize_t n = ::recv(fd.get(), buf, sizeof buf, 0);
+      if (n > 0) {
+        o.got.insert(o.got.end(), buf, buf + n);
+        continue;
+      }
+      if (n == 0 || errno == ECONNRESET) {
+        o.closed = true;
+        return o;
+      }
+      if (errno != EAGAIN && errno != EINTR) return o;
+    }
+  }
+
+  // Sends a hello and returns the reply's status (-1: no reply).
+  int hello(std::string_view tok = token, std::uint16_t version = sp::version) {
+    auto h = sp::encode_hello(tok, 0);
+    h[4] = static_cast<std::uint8_t>(version);
+    h[5] = static_cast<std::uint8_t>(version >> 8);
+    if (!send(h)) return -1;
+    std::uint8_t head[sp::hello_reply_size];
+    if (!read(head)) return -1;
+    sp::Reader r(head);
+    if (r.u32() != sp::magic) return -1;
+    (void)r.u16();
+    const int status = r.u8();
+    std::string msg(r.u16(), '\0');
+    if (!msg.empty() && !read(std::span(reinterpret_cast<std::uint8_t*>(msg.data()), msg.size()))) return -1;
+    return status;
+  }
+
+  // Reads one reply frame (empty if none came).
+  Bytes reply() {
+    std::uint8_t head[8];
+    if (!read(head)) return {};
+    const auto len = sp::read_u64(head);
+    if (len == 0 || len > (1u << 20)) return {};
+    Bytes p(len);
+    if (!read(p)) return {};
+    return p;
+  }
+};
+
+template <class F>
+Bytes frame(sp::Op op, F&& fields) {
+  Bytes f;
+  const auto at = sp::begin_frame(f);
+  f.push_back(static_cast<std::uint8_t>(op));
+  sp::Writer w(f);
+  fields(w);
+  sp::finish_frame(f, at);
+  return f;
+}
+
+Bytes header(std::uint64_t len) {
+  Bytes h;
+  sp::Writer(h).u64(len);
+  return h;
+}
+
+// A normal client can still use the server, with correct results.
+void check_healthy(std::uint16_t port, std::string_view tok = token) {
+  static int n = 0;
+  const std::string key = "health/" + std::to_string(n++);
+  auto o = client_options();
+  o.token = tok;
+  comm::TcpStore c("127.0.0.1", port, o);
+  c.set(key, "ok-" + key);
+  const auto v = c.get(key);
+  CHECK(std::string(v.begin(), v.end()) == "ok-" + key);
+  CHECK(c.add(key + "/n", 3) == 3);
+  CHECK(c.check(key));
+}
+
+// The LISTEN sockets on `port` in /proc/net/tcp{,6}, as their hex local addresses.
+std::vector<std::string> listening_addresses(std::uint16_t port) {
+  std::vector<std::string> out;
+  char want[8];
+  std::snprintf(want, sizeof want, "%04X", port);
+  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream f(file);
+    std::string line;
+    std::getline(f, line);  // header
+    while (std::getline(f, line)) {
+      std::istringstream is(line);
+      std::string slot, local, remote, state;
+      is >> slot >> local >> remote >> state;
+      const auto colon = local.rfind(':');
+      if (state == "0A" && colon != std::string::npos && local.substr(colon + 1) == want)
+        out.push_back(local.substr(0, colon));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("the server binds loopback only when asked for loopback, IPv4 and IPv6") {
+  comm::TcpStore v4("127.0.0.1", 0, server_options());
+  auto addrs = listening_addresses(v4.port());
+  REQUIRE(addrs.size() == 1);
+  CHECK(addrs[0] == "0100007F");  // 127.0.0.1, not 0.0.0.0
+
+  comm::TcpStore v6("::1", 0, server_options());
+  addrs = listening_addresses(v6.port());
+  REQUIRE(addrs.size() == 1);
+  CHECK(addrs[0] == "00000000000000000000000001000000");  // ::1, not ::
+
+  comm::TcpStore local("localhost", 0, server_options());
+  addrs = listening_addresses(local.port());
+  REQUIRE_FALSE(addrs.empty());
+  for (const auto& a : addrs) CHECK((a == "0100007F" || a == "00000000000000000000000001000000"));
+  check_healthy(local.port());
+}
+
+TEST_CASE("connecting to a port nobody serves ends with Timeout within the deadline") {
+  const auto port = comm::detail::free_port();
+  comm::TcpStoreOptions o;
+  o.timeout = 300ms;
+  o.rank = 3;
+  const auto t0 = Clock::now();
+  try {
+    comm::TcpStore c("127.0.0.1", port, o);
+    FAIL("connected to nothing");
+  } catch (const comm::Timeout& e) {
+    const auto took = since(t0);
+    CHECK(took >= 290ms);
+    CHECK(took < 2300ms);
+    CHECK(e.op() == "store.connect");
+    CHECK(e.rank() == 3);
+    CHECK(contains(e.what(), "127.0.0.1:" + std::to_string(port)));
+  }
+}
+
+TEST_CASE("junk and a bad magic are dropped without a reply; the server keeps serving") {
+  comm::TcpStore s("127.0.0.1", 0, server_options());
+  {
+    Raw r(s.port());
+    Bytes junk(4096);
+    std::uint32_t x = 12345;
+    for (auto& b : junk) b = static_cast<std::uint8_t>((x = x * 1103515245u + 12345u) >> 16);
+    junk[0] = 'X';  // never the magic
+    r.send(junk);
+    const auto o = r.read_until_closed(2s);
+    CHECK(o.closed);
+    CHECK(o.got.empty());
+  }
+  check_healthy(s.port());
+  {
+    Raw r(s.port());
+    r.send("GET / HTTP/1.0\r\n\r\n");
+    const auto o = r.read_until_closed(2s);
+    CHECK(o.closed);
+    CHECK(o.got.empty());
+  }
+  check_healthy(s.port());
+  {
+    Raw r(s.port());
+    CHECK(r.hello(token, sp::version + 1) == static_cast<int>(sp::HelloStatus::bad_version));
+    CHECK(r.read_until_closed(2s).closed);
+  }
+  check_healthy(s.port());
+}
+
+TEST_CASE("a huge length prefix gets an error reply and a drop, and allocates nothing") {
+  comm::TcpStore s("127.0.0.1", 0, server_options());
+  check_healthy(s.port());
+  const long rss0 = rss_kib();
+  const auto cap = sp::frame_limit(comm::TcpStoreOptions{}.max_key_bytes, comm::TcpStoreOptions{}.max_value_bytes);
+  for (const std::uint64_t len : {std::uint64_t{1} << 63, ~std::uint64_t{0}, std::uint64_t{0},
+                                  static_cast<std::uint64_t>(cap) + 1}) {
+    INFO("length prefix " << len);
+    Raw r(s.port());
+    REQUIRE(r.hello() == 0);
+    r.send(header(len));
+    const auto o = r.read_until_closed(2s);
+    CHECK(o.closed);
+    REQUIRE(o.got.size() > 9);
+    CHECK(o.got[8] == static_cast<std::uint8_t>(sp::Status::invalid));
+    CHECK(contains(std::string(o.got.begin(), o.got.end()), "limit"));
+  }
+  CHECK(rss_kib() - rss0 < 16 * 1024);
+  check_healthy(s.port());
+}
+
+TEST_CASE("a frame that claims 100 MiB and stalls is dropped at the stall timeout, without the 100 MiB") {
+  comm::TcpStore s("127.0.0.1", 0, stalling_server_options());
+  const long rss0 = rss_kib();
+  Raw r(s.port());
+  REQUIRE(r.hello() == 0);
+  r.send(header(100u << 20));
+  r.send(Bytes(1000, 7));
+  const auto t0 = Clock::now();
+  std::this_thread::sleep_for(stall / 3);
+  CHECK(rss_kib() - rss0 < 16 * 1024);  // while the server still holds the partial frame
+  const auto o = r.read_until_closed(3s);
+  CHECK(o.closed);
+  CHECK(since(t0) >= stall - 50ms);
+  CHECK(since(t0) < stall + 3000ms);
+  check_healthy(s.port());
+}
+
+TEST_CASE("half-sent handshakes and requests are dropped at the stall timeout") {
+  comm::TcpStore s("127.0.0.1", 0, stalling_server_options());
+  auto expect_dropped = [&](Raw& r) {
+    const auto t0 = Clock::now();
+    const auto o = r.read_until_closed(3s);
+    CHECK(o.closed);
+    CHECK(since(t0) < stall + 3000ms);
+  };
+  {
+    Raw silent(s.port());  // connects and says nothing
+    expect_dropped(silent);
+  }
+  {
+    Raw r(s.port());
+    const auto h = sp::encode_hello(token, 0);
+    r.send(std::span(h).first(6));
+    expect_dropped(r);
+  }
+  {
+    Raw r(s.port());
+    REQUIRE(r.hello() == 0);
+    r.send(Bytes{5, 0, 0});  // 3 of the 8 header bytes
+    expect_dropped(r);
+  }
+  {
+    Raw r(s.port());
+    REQUIRE(r.hello() == 0);
+    auto f = frame(sp::Op::set, [](sp::Writer& w) {
+      w.str("k");
+      w.str("value");
+    });
+    r.send(std::span(f).first(f.size() - 2));  // all but the last 2 bytes
+    expect_dropped(r);
+  }
+  {
+    Raw idle(s.port());  // a handshaken, idle connection is NOT dropped
+    REQUIRE(idle.hello() == 0);
+    const auto o = idle.read_until_closed(stall * 2);
+    CHECK_FALSE(o.closed);
+    idle.send(frame(sp::Op::num_keys, [](sp::Writer&) {}));
+    CHECK(idle.reply().size() == 9);
+  }
+  check_healthy(s.port());
+}
+
+TEST_CASE("a wrong token is rejected with a clear error; the right one (or COMM_STORE_TOKEN) is accepted") {
+  const char* env = std::getenv("COMM_STORE_TOKEN");
+  const std::optional<std::string> saved = env ? std::optional<std::string>(env) : std::nullopt;
+  ::unsetenv("COMM_STORE_TOKEN");
+  auto so = server_options();
+  so.token = "s3cret";
+  comm::TcpStore s("127.0.0.1", 0, so);
+  {
+    Raw r(s.port());
+    CHECK(r.hello("wrong") == static_cast<int>(sp::HelloStatus::wrong_token));
+    CHECK(r.read_until_closed(2s).closed);
+  }
+  comm::TcpStoreOptions c;
+  c.timeout = 2s;
+  c.rank = 5;
+  for (const char* token : {"wrong", ""}) {
+    c.token = token;
+    try {
+      comm::TcpStore bad("127.0.0.1", s.port(), c);
+      FAIL("accepted token '" << token << "'");
+    } catch (const comm::Error& e) {
+      CHECK(contains(e.what(), "store.connect"));
+      CHECK(contains(e.what(), "rejected: wrong token"));
+      CHECK(contains(e.what(), "rank 5"));
+    }
+  }
+  check_healthy(s.port(), "s3cret");
+  ::setenv("COMM_STORE_TOKEN", "s3cret", 1);
+  c.token.clear();
+  comm::TcpStore from_env("127.0.0.1", s.port(), c);
+  from_env.set("k", "v");
+  if (saved) {
+    ::setenv("COMM_STORE_TOKEN", saved->c_str(), 1);
+  } else {
+    ::unsetenv("COMM_STORE_TOKEN");
+  }
+  CHECK(s.check("k"));
+
+  // A server without a token refuses a client that brings one: both sides must agree.
+  auto open = server_options();
+  open.token.clear();
+  ::unsetenv("COMM_STORE_TOKEN");
+  comm::TcpStore s2("127.0.0.1", 0, open);
+  c.token = "unexpected";
+  CHECK_THROWS_AS(comm::TcpStore("127.0.0.1", s2.port(), c), comm::InvalidArgument);
+  if (saved) ::setenv("COMM_STORE_TOKEN", saved->c_str(), 1);
+}
+
+TEST_CASE("malformed and oversized requests get an error reply; the server keeps serving") {
+  comm::TcpStore s("127.0.0.1", 0, server_options());
+  {
+    Raw r(s.port());
+    REQUIRE(r.hello() == 0);
+    r.send(frame(sp::Op::set, [](sp::Writer& w) { w.u64(1000); }));  // a key length with no key
+    const auto p = r.reply();
+    REQUIRE_FALSE(p.empty());
+    CHECK(p[0] == static_cast<std::uint8_t>(sp::Status::invalid));
+    CHECK(r.read_until_closed(2s).closed);
+  }
+  {
+    Raw r(s.port());
+    REQUIRE(r.hello() == 0);
+    r.send(frame(static_cast<sp::Op>(99), [](sp::Writer&) {}));
+    const auto p = r.reply();
+    REQUIRE_FALSE(p.empty());
+    CHECK(p[0] == static_cast<std::uint8_t>(sp::Status::invalid));
+    CHECK(r.read_until_closed(2s).closed);
+  }
+  {
+    Raw r(s.port());
+    REQUIRE(r.hello() == 0);
+    r.send(frame(sp::Op::num_keys, [](sp::Writer& w) { w.u8(1); }));  // trailing bytes
+    const auto p = r.reply();
+    REQUIRE_FALSE(p.empty());
+    CHECK(p[0] == static_cast<std::uint8_t>(sp::Status::invalid));
+  }
+  {
+    // Well-formed but over the server's limits: refused, and the connection stays usable.
+    Raw r(s.port());
+    REQUIRE(r.hello() == 0);
+    r.send(frame(sp::Op::set, [](sp::Writer& w) {
+      w.str(std::string(5000, 'k'));
+      w.str("v");
+    }));
+    auto p = r.reply();
+    REQUIRE_FALSE(p.empty());
+    CHECK(p[0] == static_cast<std::uint8_t>(sp::Status::invalid));
+    CHECK(contains(std::string(p.begin(), p.end()), "max_key_bytes"));
+    r.send(frame(sp::Op::set, [](sp::Writer& w) {
+      w.str("fine");
+      w.str("v");
+    }));
+    p = r.reply();
+    REQUIRE(p.size() == 1);
+    CHECK(p[0] == static_cast<std::uint8_t>(sp::Status::ok));
+  }
+  CHECK(s.check("fine"));
+  check_healthy(s.port());
+}
+
+TEST_CASE("pipelined requests are answered in order; parked gets wake up or are forgotten") {
+  comm::TcpStore s("127.0.0.1", 0, server_options());
+  Raw r(s.port());
+  REQUIRE(r.hello() == 0);
+  Bytes batch;
+  auto add = [&](const Bytes& f) { batch.insert(batch.end(), f.begin(), f.end()); };
+  add(frame(sp::Op::set, [](sp::Writer& w) {
+    w.str("p");
+    w.str("v1");
+  }));
+  add(frame(sp::Op::get, [](sp::Writer& w) {
+    w.str("p");
+    w.u64(0);
+  }));
+  add(frame(sp::Op::get, [](sp::Writer& w) {
+    w.str("absent");
+    w.u64(0);
+  }));
+  add(frame(sp::Op::add, [](sp::Writer& w) {
+    w.str("n");
+    w.i64(5);
+  }));
+  r.send(batch);
+  auto p = r.reply();
+  CHECK(p == Bytes{0});
+  p = r.reply();
+  REQUIRE(p.size() == 11);
+  CHECK(std::string(p.begin() + 9, p.end()) == "v1");
+  p = r.reply();
+  REQUIRE_FALSE(p.empty());
+  CHECK(p[0] == static_cast<std::uint8_t>(sp::Status::timeout));
+  p = r.reply();
+  REQUIRE(p.size() == 9);
+  CHECK(sp::Reader(std::span(p).subspan(1)).i64() == 5);
+
+  // A parked get is answered by another client's set.
+  r.send(frame(sp::Op::get, [](sp::Writer& w) {
+    w.str("wake");
+    w.u64(5000);
+  }));
+  std::this_thread::sleep_for(20ms);
+  s.set("wake", "up");
+  p = r.reply();
+  REQUIRE(p.size() == 11);
+  CHECK(std::string(p.begin() + 9, p.end()) == "up");
+
+  // A parked get whose client leaves is forgotten.
+  {
+    Raw gone(s.port());
+    REQUIRE(gone.hello() == 0);
+    gone.send(frame(sp::Op::wait, [](sp::Writer& w) {
+      w.u32(2);
+      w.str("w1");
+      w.str("w2");
+      w.u64(10000);
+    }));
+    std::this_thread::sleep_for(20ms);
+  }
+  std::this_thread::sleep_for(20ms);
+  s.set("w1", "x");
+  s.set("w2", "x");
+  check_healthy(s.port());
+}
+
+TEST_CASE("many connections: idle floods are shed, the connection limit is enforced and reported") {
+  {
+    comm::TcpStore s("127.0.0.1", 0, stalling_server_options());
+    std::vector<std::unique_ptr<Raw>> flood;
+    for (int i = 0; i < 200; ++i) flood.push_back(std::make_unique<Raw>(s.port()));
+    check_healthy(s.port());  // served while 200 silent connections are open
+    const auto t0 = Clock::now();
+    int closed = 0;
+    for (auto& r : flood) closed += r->read_until_closed(3s).closed ? 1 : 0;
+    CHECK(closed == 200);  // all shed at the stall timeout
+    CHECK(since(t0) < stall + 3000ms);
+    check_healthy(s.port());
+  }
+  {
+    auto so = server_options();
+    so.max_connections = 8;
+    comm::TcpStore s("127.0.0.1", 0, so);  // its own client holds one of the 8
+    std::vector<std::unique_ptr<Raw>> held;
+    for (int i = 0; i < 7; ++i) {
+      held.push_back(std::make_unique<Raw>(s.port()));
+      REQUIRE(held.back()->hello() == 0);
+    }
+    {
+      Raw extra(s.port());
+      CHECK(extra.hello() == static_cast<int>(sp::HelloStatus::too_many_connections));
+    }
+    auto c = client_options();
+    try {
+      comm::TcpStore over("127.0.0.1", s.port(), c);
+      FAIL("connected past the limit");
+    } catch (const comm::Error& e) {
+      CHECK(contains(e.what(), "connection limit"));
+    }
+    held.resize(3);  // close 4
+    bool ok = false;
+    for (int i = 0; i < 100 && !ok; ++i) {  // the server notices the closes asynchronously
+      try {
+        comm::TcpStore again("127.0.0.1", s.port(), c);
+        again.set("k", "v");
+        ok = true;
+      } catch (const comm::RemoteError&) {
+        std::this_thread::sleep_for(10ms);
+      }
+    }
+    CHECK(ok);
+    CHECK(s.check("k"));
+  }
+}
+
+TEST_CASE("the server enforces max_total_bytes") {
+  auto so = server_options();
+  so.max_total_bytes = 1 << 20;
+  comm::TcpStore s("127.0.0.1", 0, so);
+  const std::string big(600 << 10, 'x');
+  s.set("a", big);
+  try {
+    s.set("b", big);
+    FAIL("stored past max_total_bytes");
+  } catch (const comm::RemoteError& e) {
+    CHECK(contains(e.what(), "store full"));
+  }
+  CHECK_FALSE(s.check("b"));
+  s.set("a", "small");  // shrinking is always allowed
+  s.set("b", big);
+  CHECK(s.delete_key("b"));
+  s.set("c", big);
+  CHECK(s.get("c").size() == big.size());
+}
+
+TEST_CASE("large values round-trip") {
+  comm::TcpStore s("127.0.0.1", 0, server_options());
+  std::string v(16 << 20, '\0');
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<char>(i * 31);
+  s.set("big", v);
+  comm::TcpStore other("127.0.0.1", s.port(), client_options());
+  const auto got = other.get("big");
+  CHECK(got.size() == v.size());
+  CHECK(std::equal(got.begin(), got.end(), v.begin(), [](std::uint8_t a, char b) { return a == static_cast<std::uint8_t>(b); }));
+}
