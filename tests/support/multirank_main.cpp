@@ -121,9 +121,13 @@ int main(int argc, char** argv) {
         exit_code = 1;
       }
       store.set("harness/reported", std::string_view("1"));
-    } else {
-      // Keep rank 0's server alive until it has read every result: wait for its report.
-      store.wait({"harness/reported"});
+    } else if (rc != 0) {
+      // comm-run stops the job as soon as this rank exits non-zero: stay until rank 0 has named
+      // this rank in its report. The server may close under the wait once rank 0 exits.
+      try {
+        store.wait({"harness/reported"});
+      } catch (const comm::RemoteError&) {
+      }
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "test harness: collecting results failed: %s\n", e.what());

@@ -1,0 +1,436 @@
+#pragma once
+/// \file
+/// `comm::Communicator<Backend>`: the typed facade over a backend policy (comm::backends::Gloo,
+/// comm::backends::Nccl). It checks arguments and maps element types and reduction ops at compile
+/// time, then calls the backend directly (no virtual calls).
+///
+/// ### Buffers
+/// Every buffer parameter takes a `std::span<T>` (`std::span<const T>` for inputs) or any contiguous
+/// sized range of an element type — `std::vector<float>&`, `std::array`, a `std::span<float>` for an
+/// input — so `c.all_reduce(v)` and `c.all_gather(std::span<float>(v), out)` both work. Inputs and
+/// outputs must have the same element type. Async calls need buffers that outlive the call (an lvalue
+/// container or a span, never a temporary) and must not be touched until the Work completes.
+///
+/// ### Reductions
+/// `op` is a runtime `comm::ReduceOp` (default `sum`), a compile-time op (`comm::op::sum`...,
+/// `std::plus<>{}`, `std::multiplies<>{}`, `std::bit_and<>{}`, `std::bit_or<>{}`, `std::bit_xor<>{}`),
+/// or a user callable `T(T, T)` (custom reduction: associative, commutative, must not throw;
+/// only on backends that run one, e.g. Gloo). Compile-time ops are checked when the call compiles;
+/// `ReduceOp` values are checked when the call runs and throw comm::InvalidArgument.
+///   - sum/prod on signed integers wrap around (two's complement), never UB.
+///   - half/bfloat16 reduce in float and round to the element type after every step.
+///   - bitwise ops (band/bor/bxor) need an integer element type.
+///   - **avg** is the sum divided by size(): floating types multiply by 1/size() at the end;
+///     **integer types use floor division** (an average of -7 over 2 ranks is -4, not -3).
+///
+/// ### Completion, order, errors
+/// - The blocking form returns when the operation is complete on this rank on host backends
+///   (Gloo); on NCCL it returns once the operation is enqueued on the communicator's stream.
+/// - Each operation has an overload taking `comm::async` last that returns a `comm::Work`.
+/// - Operations of one communicator run in the order they are issued, and every rank must issue the
+///   same collectives in the same order with matching sizes.
+/// - Arguments are checked before anything is sent: a bad size, root or overlap throws
+///   comm::InvalidArgument naming the operation, the rank and the sizes, and the communicator stays
+///   usable. Engine failures throw comm::Timeout / comm::RemoteError / comm::BackendError.
+/// - Every operation ends by the communicator's timeout (backend options, else COMM_TIMEOUT, else
+///   30 minutes).
+
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <ranges>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include <comm/concepts.hpp>
+#include <comm/error.hpp>
+#include <comm/init.hpp>
+#include <comm/store.hpp>
+#include <comm/types.hpp>
+#include <comm/work.hpp>
+
+namespace comm {
+
+namespace detail {
+
+/// Anything the facade accepts as a buffer: a contiguous sized range (std::span, std::vector...).
+template <class R>
+concept any_buffer = std::ranges::contiguous_range<R> && std::ranges::sized_range<R>;
+
+template <any_buffer R>
+using buffer_value_t = std::remove_cv_t<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
+
+template <any_buffer R>
+inline constexpr bool is_mutable_buffer_v = !std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
+
+template <class X>
+concept async_tag = std::same_as<std::remove_cvref_t<X>, async_t>;
+
+template <class X>
+concept runtime_op = std::same_as<std::remove_cvref_t<X>, ReduceOp>;
+
+/// A compile-time reduction argument: a built-in op object or a would-be custom callable (checked
+/// later with a clear message). Buffers, tags, numbers and ReduceOp values are not.
+template <class X>
+concept op_object = !runtime_op<X> && !async_tag<X> && !any_buffer<X> &&
+                    !std::is_arithmetic_v<std::remove_cvref_t<X>> && std::is_object_v<std::remove_cvref_t<X>>;
+
+template <class X>
+concept reduction_arg = runtime_op<X> || op_object<X>;
+
+template <class... A>
+struct reduce_tail_traits {
+  static constexpr bool valid = false;
+  static constexpr bool is_async = false;
+};
+template <>
+struct reduce_tail_traits<> {
+  static constexpr bool valid = true;
+  static constexpr bool is_async = false;
+};
+template <class A>
+struct reduce_tail_traits<A> {
+  static constexpr bool valid = reduction_arg<A> || async_tag<A>;
+  static constexpr bool is_async = async_tag<A>;
+};
+template <class A, class B>
+struct reduce_tail_traits<A, B> {
+  static constexpr bool valid = reduction_arg<A> && async_tag<B>;
+  static constexpr bool is_async = true;
+};
+
+/// What may follow the buffers of a reducing collective: `[op] [comm::async]`.
+template <class... A>
+concept reduce_tail = reduce_tail_traits<A...>::valid;
+
+/// `Work` when the call ends with comm::async, else `void`.
+template <class... A>
+using reduce_result_t = std::conditional_t<reduce_tail_traits<A...>::is_async, Work, void>;
+
+template <any_buffer R>
+[[nodiscard]] constexpr auto as_span(R&& r) noexcept {
+  using E = std::remove_reference_t<std::ranges::range_reference_t<R>>;
+  return std::span<E>(std::ranges::data(r), std::ranges::size(r));
+}
+
+[[nodiscard]] inline bool overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept {
+  if (a_bytes == 0 || b_bytes == 0) return false;
+  const auto pa = reinterpret_cast<std::uintptr_t>(a);
+  const auto pb = reinterpret_cast<std::uintptr_t>(b);
+  return pa < pb + b_bytes && pb < pa + a_bytes;
+}
+
+enum class reduction_kind { all_reduce, reduce_scatter };
+
+}  // namespace detail
+
+/// A group of ranks and the collectives among them, over backend policy `Backend`.
+/// Move-only. A moved-from Communicator may only be destroyed or assigned to.
+template <class Backend>
+class Communicator {
+  static_assert(backend<Backend>,
+                "comm: Communicator<Backend>: Backend does not satisfy the comm::backend concept (see concepts.hpp)");
+
+ public:
+  using backend_type = Backend;
+  using options_type = typename Backend::Options;
+
+  /// Wraps a constructed backend object.
+  explicit Communicator(Backend b) noexcept(std::is_nothrow_move_constructible_v<Backend>) : b_(std::move(b)) {}
+
+  /// env:// rendezvous (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; rank 0 hosts the TcpStore),
+  /// then the backend's connection. Blocking; ends by the options' timeout.
+  [[nodiscard]] static Communicator from_env(options_type options = {}) {
+    InitResult r = init_env(std::chrono::milliseconds(options.timeout));
+    return create(std::move(r.store), r.rank, r.size, options);
+  }
+
+  /// Connects `size` ranks that share `store`; this process is `rank`. Blocking. Every rank must
+  /// create its communicators over one store in the same order.
+  [[nodiscard]] static Communicator create(std::shared_ptr<Store> store, int rank, int size, options_type options = {}) {
+    return Communicator(Backend::create(std::move(store), rank, size, options));
+  }
+
+  /// Wraps an existing engine group: the arguments go to `Backend::adopt` (Gloo: a connected
+  /// `std::shared_ptr<gloo::Context>` and optional options; NCCL: a communicator and a stream).
+  template <class... Args>
+    requires requires(Args&&... args) { Backend::adopt(std::forward<Args>(args)...); }
+  [[nodiscard]] static Communicator adopt(Args&&... args) {
+    return Communicator(Backend::adopt(std::forward<Args>(args)...));
+  }
+
+  [[nodiscard]] int rank() const noexcept { return b_.rank(); }
+  [[nodiscard]] int size() const noexcept { return b_.size(); }
+  /// The backend object, for backend-specific calls.
+  [[nodiscard]] Backend& backend() noexcept { return b_; }
+  [[nodiscard]] const Backend& backend() const noexcept { return b_; }
+
+  // ---------------------------------------------------------------------------------------------
+  /// all_reduce in place: every rank's `data` becomes the element-wise reduction over all ranks.
+  /// Forms: `(data)`, `(data, op)`, `(data, comm::async)`, `(data, op, comm::async)`.
+  template <class Data, class... A>
+    requires detail::any_buffer<Data> && detail::reduce_tail<A...>
+  detail::reduce_result_t<A...> all_reduce(Data&& data, A&&... a) {
+    check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("all_reduce");
+    using T = detail::buffer_value_t<Data>;
+    const std::span<T> s = detail::as_span(data);
+    return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(s), s, std::forward<A>(a)...);
+  }
+
+  /// all_reduce out of place: `out` (same size as `in`) receives the reduction of every rank's
+  /// `in`. `in` and `out` may be the same buffer, not partially overlapping ones.
+  template <class In, class Out, class... A>
+    requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
+  detail::reduce_result_t<A...> all_reduce(In&& in, Out&& out, A&&... a) {
+    constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
+    check_buffer<In, false, is_async>("all_reduce");
+    check_buffer<Out, true, is_async>("all_reduce");
+    check_same_type<In, Out>();
+    using T = detail::buffer_value_t<Out>;
+    return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(detail::as_span(in)),
+                           std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
+  }
+
+  /// reduce_scatter: `in` holds size()*out.size() elements; rank r's `out` receives the reduction
+  /// over all ranks of `in[r*out.size(), (r+1)*out.size())`. `out` may be exactly that slice of
+  /// `in` (in place), and must not overlap `in` otherwise. Each rank sends and receives about
+  /// (size()-1)/size() of `in` (ring algorithm on Gloo).
+  template <class In, class Out, class... A>
+    requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
+  detail::reduce_result_t<A...> reduce_scatter(In&& in, Out&& out, A&&... a) {
+    constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
+    check_buffer<In, false, is_async>("reduce_scatter");
+    check_buffer<Out, true, is_async>("reduce_scatter");
+    check_same_type<In, Out>();
+    using T = detail::buffer_value_t<Out>;
+    return reduce_entry<T>(detail::reduction_kind::reduce_scatter, std::span<const T>(detail::as_span(in)),
+                           std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  /// all_gather: `out` (size()*in.size() elements) receives every rank's `in`, in rank order.
+  /// `in` may be exactly this rank's slot of `out` (in place), and must not overlap it otherwise.
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  void all_gather(In&& in, Out&& out) {
+    all_gather_entry<In, Out>(in, out, detail::blocking);
+  }
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  Work all_gather(In&& in, Out&& out, async_t) {
+    return all_gather_entry<In, Out>(in, out, async);
+  }
+
+  /// broadcast: every rank's `data` becomes the `root` rank's `data` (same size on every rank).
+  template <class Data>
+    requires detail::any_buffer<Data>
+  void broadcast(Data&& data, int root) {
+    broadcast_entry<Data>(data, root, detail::blocking);
+  }
+  template <class Data>
+    requires detail::any_buffer<Data>
+  Work broadcast(Data&& data, int root, async_t) {
+    return broadcast_entry<Data>(data, root, async);
+  }
+
+  /// gather: on `root`, `out` (size()*in.size() elements) receives every rank's `in` in rank order;
+  /// elsewhere `out` is not used and may be empty.
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  void gather(In&& in, Out&& out, int root) {
+    gather_entry<In, Out>(in, out, root, detail::blocking);
+  }
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  Work gather(In&& in, Out&& out, int root, async_t) {
+    return gather_entry<In, Out>(in, out, root, async);
+  }
+
+  /// barrier: returns once every rank has entered it (blocking form; the async one completes then).
+  void barrier() { b_.barrier(detail::blocking); }
+  Work barrier(async_t) { return b_.barrier(async); }
+
+ private:
+  // ---- compile-time checks with messages that say what is wrong ----
+
+  template <class R, bool Output, bool IsAsync>
+  static constexpr void check_buffer(const char* /*op*/) {
+    using T = detail::buffer_value_t<R>;
+    static_assert(element<T>,
+                  "comm: unsupported element type; use int8_t, uint8_t, int32_t, uint32_t, int64_t, uint64_t, float, "
+                  "double, comm::half or comm::bfloat16");
+    if constexpr (element<T>)
+      static_assert(supports_element<Backend, T>, "comm: this backend does not support this element type");
+    if constexpr (Output)
+      static_assert(detail::is_mutable_buffer_v<R>,
+                    "comm: an output buffer must be mutable (std::span<T>, not std::span<const T> or a const container)");
+    if constexpr (IsAsync)
+      static_assert(std::ranges::borrowed_range<R>,
+                    "comm: an async collective needs buffers that outlive the call: pass an lvalue container or a "
+                    "std::span, not a temporary");
+  }
+
+  template <class In, class Out>
+  static constexpr void check_same_type() {
+    static_assert(std::is_same_v<detail::buffer_value_t<In>, detail::buffer_value_t<Out>>,
+                  "comm: input and output buffers must have the same element type");
+  }
+
+  /// Maps the op argument to what the backend receives, checking it (at compile time for op
+  /// objects, at run time for ReduceOp values).
+  template <class T, class Op>
+  auto normalize_op(const char* name, Op&& o) const {
+    using O = std::remove_cvref_t<Op>;
+    if constexpr (std::is_same_v<O, ReduceOp>) {
+      check_runtime_op<T>(name, o);
+      return ReduceOp{o};
+    } else if constexpr (builtin_reduction<O>) {
+      constexpr ReduceOp r = reduce_op_of<O>;
+      static_assert(!is_bitwise(r) || integral_element<T>,
+                    "comm: bitwise reductions (band/bor/bxor) need an integer element type");
+      static_assert((is_bitwise(r) && !integral_element<T>) || supports_reduction<Backend, T, r>,
+                    "comm: this backend does not support this reduction on this element type");
+      return op::builtin<r>{};
+    } else {
+      static_assert(custom_reduction<O, T>,
+                    "comm: a reduction must be a comm::ReduceOp, a comm::op::* object, std::plus<> and friends, or a "
+                    "callable T(T, T) for the buffer's element type T");
+      static_assert(!custom_reduction<O, T> || supports_custom_reduction<Backend>,
+                    "comm: this backend cannot run custom reduction callables; use a comm::op::* object or a "
+                    "ReduceOp");
+      return detail::custom_op<O>{std::forward<Op>(o)};
+    }
+  }
+
+  template <class T>
+  void check_runtime_op(const char* name, ReduceOp r) const {
+    if (static_cast<unsigned>(r) > static_cast<unsigned>(ReduceOp::bxor))
+      throw InvalidArgument(name, rank(),
+                            "reduction value " + std::to_string(static_cast<unsigned>(r)) + " is not a ReduceOp");
+    if (is_bitwise(r) && !integral_element<T>)
+      throw InvalidArgument(name, rank(),
+                            "reduction " + std::string(to_string(r)) + " is not supported for element type " +
+                                std::string(to_string(dtype_of<T>)) +
+                                ": bitwise reductions (band/bor/bxor) need an integer element type");
+    if (!Backend::supports_reduction(r, dtype_of<T>))
+      throw InvalidArgument(name, rank(),
+                            "reduction " + std::string(to_string(r)) + " is not supported for element type " +
+                                std::string(to_string(dtype_of<T>)) + " by the " + std::string(Backend::name) +
+                                " backend");
+  }
+
+  [[noreturn]] void invalid(const char* name, const std::string& what) const {
+    throw InvalidArgument(name, rank(), what);
+  }
+
+  static std::string n_elems(std::size_t n) { return std::to_string(n) + (n == 1 ? " element" : " elements"); }
+
+  void check_root(const char* name, int root) const {
+    if (root < 0 || root >= size())
+      invalid(name, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(size()) + ")");
+  }
+
+  /// `part` must be disjoint from `whole`, or exactly this rank's slot of it.
+  template <class T>
+  void check_slot_overlap(const char* name, std::span<const T> part, std::span<const T> whole, const char* part_name,
+                          const char* whole_name) const {
+    const T* slot = whole.data() + static_cast<std::size_t>(rank()) * part.size();
+    if (part.data() != slot && detail::overlap(part.data(), part.size_bytes(), whole.data(), whole.size_bytes()))
+      invalid(name, std::string(part_name) + " overlaps " + whole_name + " other than exactly at this rank's slot (" +
+                        whole_name + " + rank()*" + part_name + ".size())");
+  }
+
+  // ---- entry points: split the trailing arguments, check, call the backend ----
+
+  template <class T, class... A>
+  auto reduce_entry(detail::reduction_kind kind, std::span<const T> in, std::span<T> out, A&&... a) {
+    if constexpr (sizeof...(A) == 0) {
+      return reduce_checked<T>(kind, in, out, op::sum, detail::blocking);
+    } else if constexpr (sizeof...(A) == 1) {
+      if constexpr ((detail::async_tag<A> && ...))
+        return reduce_checked<T>(kind, in, out, op::sum, async);
+      else
+        return reduce_checked<T>(kind, in, out, std::forward<A>(a)..., detail::blocking);
+    } else {
+      return reduce_checked<T>(kind, in, out, std::forward<A>(a)...);
+    }
+  }
+
+  template <class T, class Op, class Launch>
+  auto reduce_checked(detail::reduction_kind kind, std::span<const T> in, std::span<T> out, Op&& o, Launch l) {
+    const bool ar = kind == detail::reduction_kind::all_reduce;
+    const char* name = ar ? "all_reduce" : "reduce_scatter";
+    auto red = normalize_op<T>(name, std::forward<Op>(o));
+    const auto n = static_cast<std::size_t>(size());
+    if (ar) {
+      if (in.size() != out.size())
+        invalid(name, "input has " + n_elems(in.size()) + " but output has " + std::to_string(out.size()) +
+                          "; they must be equal");
+      if (in.data() != out.data() && detail::overlap(in.data(), in.size_bytes(), out.data(), out.size_bytes()))
+        invalid(name, "input and output overlap partially; pass one buffer for an in-place all_reduce");
+      return b_.all_reduce(in, out, std::move(red), l);
+    }
+    if (in.size() != n * out.size())
+      invalid(name, "input has " + n_elems(in.size()) + ", expected size()*output = " +
+                        std::to_string(n * out.size()) + " (size() = " + std::to_string(n) + ", output has " +
+                        n_elems(out.size()) + ")");
+    check_slot_overlap<T>(name, std::span<const T>(out), in, "output", "input");
+    return b_.reduce_scatter(in, out, std::move(red), l);
+  }
+
+  template <class In, class Out, class Launch>
+  auto all_gather_entry(In& in_r, Out& out_r, Launch l) {
+    constexpr bool is_async = std::is_same_v<Launch, async_t>;
+    check_buffer<In, false, is_async>("all_gather");
+    check_buffer<Out, true, is_async>("all_gather");
+    check_same_type<In, Out>();
+    using T = detail::buffer_value_t<Out>;
+    const std::span<const T> in = detail::as_span(in_r);
+    const std::span<T> out = detail::as_span(out_r);
+    const auto n = static_cast<std::size_t>(size());
+    if (out.size() != n * in.size())
+      invalid("all_gather", "output has " + n_elems(out.size()) + ", expected size()*input = " +
+                                std::to_string(n * in.size()) + " (size() = " + std::to_string(n) + ", input has " +
+                                n_elems(in.size()) + ")");
+    check_slot_overlap<T>("all_gather", in, std::span<const T>(out), "input", "output");
+    return b_.all_gather(in, out, l);
+  }
+
+  template <class Data, class Launch>
+  auto broadcast_entry(Data& data_r, int root, Launch l) {
+    check_buffer<Data, true, std::is_same_v<Launch, async_t>>("broadcast");
+    using T = detail::buffer_value_t<Data>;
+    check_root("broadcast", root);
+    return b_.broadcast(std::span<T>(detail::as_span(data_r)), root, l);
+  }
+
+  template <class In, class Out, class Launch>
+  auto gather_entry(In& in_r, Out& out_r, int root, Launch l) {
+    constexpr bool is_async = std::is_same_v<Launch, async_t>;
+    check_buffer<In, false, is_async>("gather");
+    check_buffer<Out, true, is_async>("gather");
+    check_same_type<In, Out>();
+    using T = detail::buffer_value_t<Out>;
+    const std::span<const T> in = detail::as_span(in_r);
+    const std::span<T> out = detail::as_span(out_r);
+    check_root("gather", root);
+    if (rank() == root) {
+      const auto n = static_cast<std::size_t>(size());
+      if (out.size() != n * in.size())
+        invalid("gather", "output has " + n_elems(out.size()) + " on the root, expected size()*input = " +
+                              std::to_string(n * in.size()) + " (size() = " + std::to_string(n) + ", input has " +
+                              n_elems(in.size()) + ")");
+      check_slot_overlap<T>("gather", in, std::span<const T>(out), "input", "output");
+    }
+    return b_.gather(in, out, root, l);
+  }
+
+  Backend b_;
+};
+
+}  // namespace comm

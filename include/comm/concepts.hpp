@@ -1,0 +1,145 @@
+#pragma once
+/// \file
+/// The backend concept and the capability traits the facade (`comm::Communicator<B>`) checks at
+/// compile time.
+///
+/// A backend is a *policy type* such as `comm::backends::Gloo` or `comm::backends::Nccl`. It opts
+/// in explicitly with a tag alias and must also meet structural requirements; both are needed, so a
+/// type that merely happens to have the right members is not taken for a backend, and a type that
+/// opts in but forgets a member fails with a diagnostic naming that member.
+///
+/// ### Requirements of `comm::backend<B>`
+/// 1. **Opt-in:** `typename B::backend_concept` names `comm::backend_t` (or a type derived from it).
+/// 2. **Identity:** `B::name` is a constant convertible to `std::string_view` ("gloo", "nccl").
+/// 3. **Options:** `typename B::Options` is default-constructible and has a member `timeout`
+///    convertible to `std::chrono::milliseconds` (the per-operation deadline).
+/// 4. **Capabilities,** all usable in constant expressions:
+///    - `B::supports_dtype(Dtype) -> bool`: the element types the engine moves;
+///    - `B::supports_reduction(ReduceOp, Dtype) -> bool`: the built-in reductions it runs per type;
+///    - `B::custom_reductions -> bool`: whether it can run a user callable `T(T, T)`.
+/// 5. **Construction:** `B::create(std::shared_ptr<Store>, int rank, int size, const B::Options&)`
+///    returns a connected `B`. Other factories (`B::adopt(...)`) are backend-specific and are
+///    forwarded by `Communicator<B>::adopt`.
+/// 6. **Object:** `B` is move-constructible; `b.rank()` and `b.size()` on a `const B` return `int`.
+/// 7. **Operations,** each taking a launch tag last — `comm::detail::blocking_t{}` (returns `void`
+///    once the operation is complete on this rank) or `comm::async` (returns `comm::Work`):
+///    - `b.all_reduce(std::span<const T> in, std::span<T> out, Red, launch)`
+///    - `b.reduce_scatter(std::span<const T> in, std::span<T> out, Red, launch)`
+///    - `b.all_gather(std::span<const T> in, std::span<T> out, launch)`
+///    - `b.broadcast(std::span<T> data, int root, launch)`
+///    - `b.gather(std::span<const T> in, std::span<T> out, int root, launch)`
+///    - `b.barrier(launch)`
+///    where `Red` is a `ReduceOp` value, a `comm::op::builtin<R>` object or, when
+///    `B::custom_reductions`, a `comm::detail::custom_op<F>`.
+///
+/// ### What the concept does *not* check
+/// - Requirement 7 is checked for `T = float` with `Red = ReduceOp` and `comm::op::sum_t` only; the
+///   other element types and ops are templates the concept cannot enumerate.
+/// - Semantics: the facade has already validated sizes, roots, overlap and (type, op) pairs before
+///   calling the backend; the backend may assume valid arguments. Operations issued on one backend
+///   object must run in issue order; blocking and completion semantics are the backend's documented
+///   contract (host backends: complete on return; NCCL: enqueued on the stream).
+/// - That the capability functions agree with what the operations actually accept.
+
+#include <chrono>
+#include <concepts>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <type_traits>
+
+#include <comm/store.hpp>
+#include <comm/types.hpp>
+#include <comm/work.hpp>
+
+namespace comm {
+
+/// The tag a backend names as `using backend_concept = comm::backend_t;` to opt in.
+struct backend_t {};
+
+namespace detail {
+
+/// Launch tag for the blocking form of a backend operation (the public `comm::async` is the other).
+struct blocking_t {
+  explicit blocking_t() = default;
+};
+inline constexpr blocking_t blocking{};
+
+/// A user reduction callable `T(T, T)` after the facade has checked it; backends with
+/// `custom_reductions` receive this (never a bare callable).
+template <class F>
+struct custom_op {
+  F fn;
+};
+
+template <class B>
+concept backend_opted_in = requires { typename B::backend_concept; } &&
+                           std::derived_from<typename B::backend_concept, backend_t>;
+
+template <bool>
+struct require_constant {};
+
+template <class B>
+concept backend_capabilities = requires {
+  { B::name } -> std::convertible_to<std::string_view>;
+  { B::supports_dtype(Dtype::float32) } -> std::same_as<bool>;
+  { B::supports_reduction(ReduceOp::sum, Dtype::float32) } -> std::same_as<bool>;
+  { B::custom_reductions } -> std::convertible_to<bool>;
+  // Usable in constant expressions (a non-constexpr function makes this ill-formed).
+  typename require_constant<B::supports_dtype(Dtype::float32)>;
+  typename require_constant<B::supports_reduction(ReduceOp::sum, Dtype::float32)>;
+  typename require_constant<static_cast<bool>(B::custom_reductions)>;
+};
+
+template <class B>
+concept backend_options = requires(typename B::Options o) {
+  requires std::default_initializable<typename B::Options>;
+  { o.timeout } -> std::convertible_to<std::chrono::milliseconds>;
+};
+
+template <class B>
+concept backend_construction = requires(std::shared_ptr<Store> s, const typename B::Options& o) {
+  { B::create(s, 0, 1, o) } -> std::same_as<B>;
+};
+
+template <class B>
+concept backend_operations =
+    requires(B& b, const B& cb, std::span<const float> in, std::span<float> out, ReduceOp r, op::sum_t s) {
+      { cb.rank() } -> std::same_as<int>;
+      { cb.size() } -> std::same_as<int>;
+      { b.all_reduce(in, out, r, blocking) } -> std::same_as<void>;
+      { b.all_reduce(in, out, s, async) } -> std::same_as<Work>;
+      { b.reduce_scatter(in, out, r, blocking) } -> std::same_as<void>;
+      { b.reduce_scatter(in, out, s, async) } -> std::same_as<Work>;
+      { b.all_gather(in, out, blocking) } -> std::same_as<void>;
+      { b.all_gather(in, out, async) } -> std::same_as<Work>;
+      { b.broadcast(out, 0, blocking) } -> std::same_as<void>;
+      { b.broadcast(out, 0, async) } -> std::same_as<Work>;
+      { b.gather(in, out, 0, blocking) } -> std::same_as<void>;
+      { b.gather(in, out, 0, async) } -> std::same_as<Work>;
+      { b.barrier(blocking) } -> std::same_as<void>;
+      { b.barrier(async) } -> std::same_as<Work>;
+    };
+
+}  // namespace detail
+
+/// A communication backend policy: see the numbered requirements at the top of this header.
+template <class B>
+concept backend = detail::backend_opted_in<B> && std::move_constructible<B> && detail::backend_capabilities<B> &&
+                  detail::backend_options<B> && detail::backend_construction<B> && detail::backend_operations<B>;
+
+/// Backend `B` moves elements of type `T`.
+template <class B, class T>
+concept supports_element = backend<B> && element<T> && (B::supports_dtype(dtype_of<T>));
+
+/// Backend `B` runs the built-in reduction `R` on `T`. Bitwise reductions never apply to
+/// floating types, whatever the backend says.
+template <class B, class T, ReduceOp R>
+concept supports_reduction = supports_element<B, T> && (!is_bitwise(R) || integral_element<T>) &&
+                             (B::supports_reduction(R, dtype_of<T>));
+
+/// Backend `B` can run a user callable `T(T, T)` as a reduction (Gloo can; NCCL cannot).
+template <class B>
+concept supports_custom_reduction = backend<B> && static_cast<bool>(B::custom_reductions);
+
+}  // namespace comm

@@ -1,0 +1,169 @@
+#pragma once
+// comm's own element-wise reduction kernels, shared by host backends.
+//
+// Semantics (the reference every test checks against):
+//   sum, prod      signed integers wrap modulo 2^bits (computed in the unsigned type: no UB);
+//                  half/bfloat16 are widened to float, combined, and rounded back at every step.
+//   min, max       `b < a ? b : a` / `a < b ? b : a` (maps onto minps/maxps; a NaN in `b` is
+//                  ignored, one in `a` is kept).
+//   band/bor/bxor  integers only.
+//   avg            sum, then finish_avg(): floating types multiply by 1/size once at the end;
+//                  integers use floor division by size (-7 / 2 -> -4).
+// The loops are plain loops over __restrict pointers, blocked so that GCC vectorises them at -O2
+// as well as -O3 (and Clang at both).
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include <comm/types.hpp>
+
+namespace comm::detail {
+
+template <class T>
+inline constexpr bool is_half_like_v = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
+
+/// One step of reduction `R` on two values of `T`.
+template <ReduceOp R, class T>
+[[nodiscard]] constexpr T combine(T a, T b) noexcept {
+  if constexpr (is_half_like_v<T>) {
+    const float x = static_cast<float>(a);
+    const float y = static_cast<float>(b);
+    return T(combine<R, float>(x, y));
+  } else if constexpr (R == ReduceOp::sum || R == ReduceOp::avg) {
+    if constexpr (std::is_integral_v<T>) {
+      using U = std::make_unsigned_t<T>;
+      return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+    } else {
+      return a + b;
+    }
+  } else if constexpr (R == ReduceOp::prod) {
+    if constexpr (std::is_integral_v<T>) {
+      // uint8 promotes to int (no overflow: 255 * 255 fits); 32/64-bit stay unsigned.
+      using U = std::make_unsigned_t<T>;
+      using W = std::conditional_t<(sizeof(U) < sizeof(unsigned)), unsigned, U>;
+      return static_cast<T>(static_cast<U>(static_cast<W>(static_cast<U>(a)) * static_cast<W>(static_cast<U>(b))));
+    } else {
+      return a * b;
+    }
+  } else if constexpr (R == ReduceOp::min) {
+    return b < a ? b : a;
+  } else if constexpr (R == ReduceOp::max) {
+    return a < b ? b : a;
+  } else {
+    static_assert(std::is_integral_v<T>, "comm: bitwise reductions (band/bor/bxor) need an integer element type");
+    if constexpr (R == ReduceOp::band) return static_cast<T>(a & b);
+    if constexpr (R == ReduceOp::bor) return static_cast<T>(a | b);
+    if constexpr (R == ReduceOp::bxor) return static_cast<T>(a ^ b);
+  }
+}
+
+/// Inner loops of a fixed trip count: GCC's -O2 cost model ("very cheap") only vectorises loops
+/// that need no scalar epilogue, so the kernels run blocks of kBlock elements, then a scalar tail.
+inline constexpr std::size_t kBlock = 64;
+
+/// acc[i] = acc[i] R in[i]
+template <ReduceOp R, class T>
+void reduce_into(T* __restrict acc, const T* __restrict in, std::size_t n) noexcept {
+  std::size_t i = 0;
+  for (; i + kBlock <= n; i += kBlock)
+    for (std::size_t j = 0; j < kBlock; ++j) acc[i + j] = combine<R, T>(acc[i + j], in[i + j]);
+  for (; i < n; ++i) acc[i] = combine<R, T>(acc[i], in[i]);
+}
+
+/// out[i] = a[i] R b[i] (no overlap between any two of them)
+template <ReduceOp R, class T>
+void reduce_to(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n) noexcept {
+  std::size_t i = 0;
+  for (; i + kBlock <= n; i += kBlock)
+    for (std::size_t j = 0; j < kBlock; ++j) out[i + j] = combine<R, T>(a[i + j], b[i + j]);
+  for (; i < n; ++i) out[i] = combine<R, T>(a[i], b[i]);
+}
+
+/// The type-erased kernel shape engines call (gloo's reduction function has this shape):
+/// out = a R b over n elements, where `out` may be identical to `a` or `b` (never partially overlapping).
+using reduce_fn = void (*)(void* out, const void* a, const void* b, std::size_t n);
+
+template <ReduceOp R, class T>
+void reduce_kernel(void* out, const void* a, const void* b, std::size_t n) noexcept {
+  auto* o = static_cast<T*>(out);
+  const auto* x = static_cast<const T*>(a);
+  const auto* y = static_cast<const T*>(b);
+  // Built-in ops are commutative, so an alias of either input becomes an accumulate.
+  if (o == x)
+    reduce_into<R, T>(o, y, n);
+  else if (o == y)
+    reduce_into<R, T>(o, x, n);
+  else
+    reduce_to<R, T>(o, x, y, n);
+}
+
+/// The kernel for reduction `r` on `T`; null when `r` does not apply to `T` (bitwise on floating).
+template <element T>
+[[nodiscard]] constexpr reduce_fn reduce_kernel_for(ReduceOp r) noexcept {
+  switch (r) {
+    case ReduceOp::sum:
+    case ReduceOp::avg: return &reduce_kernel<ReduceOp::sum, T>;
+    case ReduceOp::prod: return &reduce_kernel<ReduceOp::prod, T>;
+    case ReduceOp::min: return &reduce_kernel<ReduceOp::min, T>;
+    case ReduceOp::max: return &reduce_kernel<ReduceOp::max, T>;
+    case ReduceOp::band:
+    case ReduceOp::bor:
+    case ReduceOp::bxor:
+      if constexpr (std::is_integral_v<T>) {
+        if (r == ReduceOp::band) return &reduce_kernel<ReduceOp::band, T>;
+        if (r == ReduceOp::bor) return &reduce_kernel<ReduceOp::bor, T>;
+        return &reduce_kernel<ReduceOp::bxor, T>;
+      } else {
+        return nullptr;
+      }
+  }
+  return nullptr;
+}
+
+/// Element-wise application of a user callable `T(T, T)`; `out` may alias `a` or `b`.
+template <class T, class F>
+void reduce_custom(const F& f, T* out, const T* a, const T* b, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<T>(f(a[i], b[i]));
+}
+
+/// Floor division of a signed integer by a positive divisor.
+template <class T>
+[[nodiscard]] constexpr T floor_div(T a, T d) noexcept {
+  if constexpr (std::is_signed_v<T>) {
+    T q = static_cast<T>(a / d);
+    if ((a % d != 0) && (a < 0)) q = static_cast<T>(q - 1);
+    return q;
+  } else {
+    return static_cast<T>(a / d);
+  }
+}
+
+/// Turns a sum over `size` ranks into the average, in place: floating types multiply by 1/size;
+/// integers use floor division (so the result is the floor of the exact mean of the wrapped sum).
+template <element T>
+void finish_avg(T* __restrict data, std::size_t n, int size) noexcept {
+  if constexpr (is_half_like_v<T>) {
+    const float scale = 1.0f / static_cast<float>(size);
+    for (std::size_t i = 0; i < n; ++i) data[i] = T(static_cast<float>(data[i]) * scale);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    const T scale = T(1) / static_cast<T>(size);
+    for (std::size_t i = 0; i < n; ++i) data[i] *= scale;
+  } else {
+    const T d = static_cast<T>(size);
+    if (static_cast<long long>(d) == static_cast<long long>(size)) {
+      for (std::size_t i = 0; i < n; ++i) data[i] = floor_div<T>(data[i], d);
+    } else {
+      // More ranks than T can count (int8/uint8 beyond 127/255 ranks): every |value| is below
+      // size, so the floor of the mean is 0, or -1 for a negative sum.
+      for (std::size_t i = 0; i < n; ++i) {
+        if constexpr (std::is_signed_v<T>)
+          data[i] = static_cast<T>(data[i] < 0 ? -1 : 0);
+        else
+          data[i] = 0;
+      }
+    }
+  }
+}
+
+}  // namespace comm::detail

@@ -1,0 +1,241 @@
+// The Gloo backend as a whole: many operations in flight, issue order between async and blocking
+// calls, Work semantics, destruction with pending work, several communicators at once, adopt(),
+// from_env(), several network devices (GLOO_SOCKET_IFNAME), timeouts.
+#include "gloo_test_util.hpp"
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <span>
+#include <thread>
+
+using namespace gloo_test;
+using namespace std::chrono_literals;
+
+namespace {
+
+/// Sets an environment variable for the current scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    ::setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (old_)
+      ::setenv(name_, old_->c_str(), 1);
+    else
+      ::unsetenv(name_);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+}  // namespace
+
+TEST_CASE("async: many operations of every kind in flight, completed in issue order") {
+  auto c = make_comm();
+  const int n = c.size();
+  const auto un = static_cast<std::size_t>(n);
+  const auto r = static_cast<std::size_t>(c.rank());
+  constexpr int kRounds = 16;
+  std::vector<std::vector<float>> sums(kRounds, std::vector<float>(257));
+  std::vector<std::vector<std::int32_t>> rs_in(kRounds, std::vector<std::int32_t>(un * 31)),
+      rs_out(kRounds, std::vector<std::int32_t>(31));
+  std::vector<std::vector<double>> ag_out(kRounds, std::vector<double>(un * 3));
+  std::vector<double> ag_in(3);
+  std::vector<std::vector<std::uint8_t>> bc(kRounds, std::vector<std::uint8_t>(100));
+  std::vector<comm::Work> works;
+  for (int k = 0; k < kRounds; ++k) {
+    for (std::size_t i = 0; i < sums[k].size(); ++i) sums[k][i] = static_cast<float>(c.rank() + k);
+    for (std::size_t i = 0; i < rs_in[k].size(); ++i) rs_in[k][i] = static_cast<std::int32_t>(i) * (c.rank() + 1);
+    for (std::size_t i = 0; i < 3; ++i) ag_in[i] = c.rank() * 100.0 + static_cast<double>(i);
+    for (auto& x : bc[k]) x = static_cast<std::uint8_t>(c.rank() == k % n ? k : 255);
+    works.push_back(c.all_reduce(sums[k], comm::async));
+    works.push_back(c.reduce_scatter(rs_in[k], rs_out[k], comm::op::sum, comm::async));
+    works.push_back(c.all_gather(ag_in, ag_out[k], comm::async));
+    works.push_back(c.broadcast(bc[k], k % n, comm::async));
+    works.push_back(c.barrier(comm::async));
+  }
+  // A blocking call issued now runs after all of the above.
+  std::vector<std::int64_t> tail{1};
+  c.all_reduce(tail);
+  CHECK(tail[0] == n);
+  for (auto& w : works) CHECK(w.is_completed());  // issue order: everything before `tail` is done
+  for (auto& w : works) w.wait();
+  const float rank_sum = static_cast<float>(n * (n - 1) / 2);
+  for (int k = 0; k < kRounds; ++k) {
+    CHECK(sums[k][0] == rank_sum + static_cast<float>(n * k));
+    CHECK(sums[k][256] == rank_sum + static_cast<float>(n * k));
+    for (std::size_t i = 0; i < 31; ++i)
+      CHECK(rs_out[k][i] == static_cast<std::int32_t>(r * 31 + i) * (n * (n + 1) / 2));
+    for (int q = 0; q < n; ++q) CHECK(ag_out[k][static_cast<std::size_t>(q) * 3 + 2] == q * 100.0 + 2);
+    CHECK(bc[k][99] == k);
+  }
+}
+
+TEST_CASE("async: Work::wait_for, is_completed, move") {
+  auto c = make_comm();
+  std::vector<float> v(1000, 1.0f);
+  comm::Work w = c.all_reduce(v, comm::async);
+  comm::Work moved = std::move(w);
+  CHECK(moved.wait_for(30s));
+  CHECK(moved.is_completed());
+  CHECK_FALSE(moved.failed());
+  moved.wait();  // waiting twice is fine
+  CHECK(v[999] == static_cast<float>(c.size()));
+  comm::Work empty;
+  CHECK(empty.is_completed());
+  empty.wait();
+}
+
+TEST_CASE("async: the worker thread retires when idle and restarts on the next async call") {
+  auto c = make_comm();
+  std::vector<std::int32_t> v(10, 1);
+  c.all_reduce(v, comm::async).wait();
+  std::this_thread::sleep_for(2500ms);  // longer than the worker's idle limit (2 s)
+  std::fill(v.begin(), v.end(), 1);
+  auto w = c.all_reduce(v, comm::async);
+  CHECK(w.wait_for(30s));
+  CHECK(v[9] == c.size());
+}
+
+TEST_CASE("lifecycle: destroying a communicator with queued work completes that work") {
+  const int n = comm::test::world().size;
+  std::vector<std::vector<float>> bufs(8, std::vector<float>(4096, 1.0f));
+  std::vector<comm::Work> works;
+  {
+    auto c = make_comm();
+    for (auto& b : bufs) works.push_back(c.all_reduce(b, comm::async));
+  }  // destroyed with work possibly still queued
+  for (auto& w : works) {
+    CHECK(w.is_completed());
+    w.wait();
+  }
+  for (auto& b : bufs) CHECK(b[4095] == static_cast<float>(n));
+}
+
+TEST_CASE("lifecycle: two communicators used at the same time from two threads") {
+  auto a = make_comm();
+  auto b = make_comm();
+  const int n = a.size();
+  std::vector<std::int32_t> x(1000, 1), y(1000, 2);
+  std::thread t([&] {
+    for (int i = 0; i < 20; ++i) {
+      std::fill(y.begin(), y.end(), 2);
+      b.all_reduce(y);
+    }
+  });
+  for (int i = 0; i < 20; ++i) {
+    std::fill(x.begin(), x.end(), 1);
+    a.all_reduce(x);
+  }
+  t.join();
+  CHECK(x[999] == n);
+  CHECK(y[999] == 2 * n);
+}
+
+TEST_CASE("construction: adopt an existing gloo context") {
+  auto c = make_comm();
+  auto adopted = Comm::adopt(c.backend().context());
+  CHECK(adopted.rank() == c.rank());
+  CHECK(adopted.size() == c.size());
+  std::vector<double> v{1.5};
+  adopted.all_reduce(v);
+  CHECK(v[0] == 1.5 * c.size());
+}
+
+TEST_CASE("construction: from_env (env:// rendezvous)") {
+  // The harness already serves a store on MASTER_PORT: point env:// at another free port.
+  ScopedEnv port("MASTER_PORT", std::to_string(comm::test::shared_free_port()));
+  auto c = Comm::from_env();
+  CHECK(c.rank() == comm::test::world().rank);
+  CHECK(c.size() == comm::test::world().size);
+  std::int32_t r = c.rank();
+  std::vector<std::int32_t> all(static_cast<std::size_t>(c.size()));
+  c.all_gather(std::span<const std::int32_t>(&r, 1), all);
+  for (int q = 0; q < c.size(); ++q) CHECK(all[static_cast<std::size_t>(q)] == q);
+}
+
+TEST_CASE("devices: GLOO_SOCKET_IFNAME=lo,lo gives two devices used round-robin") {
+  ScopedEnv ifname("GLOO_SOCKET_IFNAME", "lo, lo");
+  auto c = make_comm();
+  CHECK(c.backend().num_devices() == 2);
+  for (int i = 0; i < 6; ++i) {
+    std::vector<std::int64_t> v(100, i);
+    if (i % 2 == 0)
+      c.all_reduce(v);
+    else
+      c.all_reduce(v, comm::async).wait();
+    CHECK(v[99] == static_cast<std::int64_t>(i) * c.size());
+  }
+}
+
+TEST_CASE("devices: Options::hostname and a bad GLOO_SOCKET_IFNAME") {
+  comm::backends::Gloo::Options o;
+  o.hostname = "127.0.0.1";
+  {
+    auto c = make_comm(o);
+    std::vector<float> v{1.0f};
+    c.all_reduce(v);
+    CHECK(v[0] == static_cast<float>(c.size()));
+  }
+  ScopedEnv ifname("GLOO_SOCKET_IFNAME", "comm-bogus0");
+  bool thrown = false;
+  try {
+    (void)make_comm();
+  } catch (const comm::InvalidArgument& e) {
+    thrown = true;
+    const std::string msg = e.what();
+    INFO(msg);
+    CHECK(msg.find("comm-bogus0") != std::string::npos);
+    CHECK(msg.find("GLOO_SOCKET_IFNAME") != std::string::npos);
+  }
+  CHECK(thrown);
+}
+
+TEST_CASE("deadlines: create() with a rank that never arrives ends with comm::Timeout") {
+  // Every rank alone on its own in-process store, claiming to be rank 0 of 2.
+  comm::backends::Gloo::Options o;
+  o.timeout = 300ms;
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS((void)Comm::create(std::make_shared<comm::HashStore>(), 0, 2, o), comm::Timeout);
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+}
+
+TEST_CASE("deadlines: an operation a peer never joins ends with comm::Timeout") {
+  COMM_REQUIRE_RANKS(2);
+  comm::backends::Gloo::Options o;
+  o.timeout = 700ms;
+  auto c = make_comm(o);
+  if (c.rank() == 0) {
+    std::vector<float> v(10, 1.0f);
+    const auto t0 = std::chrono::steady_clock::now();
+    bool timed_out = false;
+    try {
+      c.all_reduce(v);  // nobody else calls it
+    } catch (const comm::Timeout& e) {
+      timed_out = true;
+      const std::string msg = e.what();
+      INFO(msg);
+      CHECK(msg.find("all_reduce") != std::string::npos);
+      CHECK(msg.find("on rank 0") != std::string::npos);
+    }
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+    CHECK(timed_out);
+    CHECK(ms >= 600ms);
+    CHECK(ms < 5s);
+    MESSAGE("all_reduce timed out after ", ms.count(), " ms (timeout 700 ms)");
+    // The communicator is now unusable: later operations fail at once with the first cause.
+    const auto t1 = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(c.barrier(), comm::Timeout);
+    CHECK_THROWS_AS(c.all_reduce(v, comm::async).wait(), comm::Timeout);
+    CHECK(std::chrono::steady_clock::now() - t1 < 500ms);
+  }
+  comm::test::barrier();  // the others stay idle until rank 0 is done
+}

@@ -1,0 +1,176 @@
+#pragma once
+// Shared helpers of the Gloo tests: communicator creation, deterministic inputs, and reference
+// reductions computed locally (independently of comm's kernels) for every element type and op.
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <comm/backends/gloo.hpp>
+#include <comm/communicator.hpp>
+#include <support/multirank.hpp>
+
+namespace gloo_test {
+
+using Comm = comm::Communicator<comm::backends::Gloo>;
+using comm::ReduceOp;
+
+inline Comm make_comm(comm::backends::Gloo::Options o = {}) {
+  const auto& w = comm::test::world();
+  return Comm::create(comm::test::fresh_store(), w.rank, w.size, o);
+}
+
+#define GLOO_TEST_ALL_TYPES                                                                              \
+  std::int8_t, std::uint8_t, std::int32_t, std::uint32_t, std::int64_t, std::uint64_t, float, double, \
+      comm::half, comm::bfloat16
+
+template <class T>
+inline constexpr bool is_int = std::is_integral_v<T>;
+
+template <class T>
+std::vector<ReduceOp> ops_for() {
+  std::vector<ReduceOp> ops{ReduceOp::sum, ReduceOp::prod, ReduceOp::min, ReduceOp::max, ReduceOp::avg};
+  if constexpr (is_int<T>) {
+    ops.push_back(ReduceOp::band);
+    ops.push_back(ReduceOp::bor);
+    ops.push_back(ReduceOp::bxor);
+  }
+  return ops;
+}
+
+inline std::uint64_t mix(std::uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return x;
+}
+
+/// Rank `rank`'s input element `i` for reduction `op`: small integers, so that every float sum,
+/// product, min and max over up to 4 ranks is exact and independent of the order of reduction.
+template <class T>
+T input_value(int rank, std::size_t i, ReduceOp op) {
+  const auto r = static_cast<long long>(rank);
+  const auto k = static_cast<long long>(i % 1000003);
+  long long v = 0;
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg: v = (r * 7 + k * 3) % 11 - 5; break;
+    case ReduceOp::prod: {
+      const long long m = (r + k) % 3;  // {1, 2, -1}: |product over 4 ranks| <= 16
+      v = m == 0 ? 1 : (m == 1 ? 2 : -1);
+      break;
+    }
+    case ReduceOp::min:
+    case ReduceOp::max: v = (r * 13 + k * 5) % 17 - 8; break;
+    case ReduceOp::band:
+    case ReduceOp::bor:
+    case ReduceOp::bxor:
+      if constexpr (is_int<T>) return static_cast<T>(mix(static_cast<std::uint64_t>(r * 1000003 + k)));
+      break;
+  }
+  if constexpr (std::is_unsigned_v<T>) v = v < 0 ? -v : v;
+  if constexpr (is_int<T>)
+    return static_cast<T>(v);
+  else
+    return T(static_cast<float>(v));
+}
+
+/// The reduction of element `i` over `n` ranks, computed without comm's kernels.
+template <class T>
+T reference(ReduceOp op, int n, std::size_t i) {
+  if constexpr (is_int<T>) {
+    std::uint64_t acc = static_cast<std::uint64_t>(static_cast<std::make_unsigned_t<T>>(input_value<T>(0, i, op)));
+    if (op == ReduceOp::prod) acc = static_cast<std::uint64_t>(static_cast<std::int64_t>(input_value<T>(0, i, op)));
+    T best = input_value<T>(0, i, op);
+    for (int r = 1; r < n; ++r) {
+      const T x = input_value<T>(r, i, op);
+      switch (op) {
+        case ReduceOp::sum:
+        case ReduceOp::avg: acc += static_cast<std::uint64_t>(static_cast<std::int64_t>(x)); break;
+        case ReduceOp::prod: acc *= static_cast<std::uint64_t>(static_cast<std::int64_t>(x)); break;
+        case ReduceOp::min: best = std::min(best, x); break;
+        case ReduceOp::max: best = std::max(best, x); break;
+        case ReduceOp::band: best = static_cast<T>(best & x); break;
+        case ReduceOp::bor: best = static_cast<T>(best | x); break;
+        case ReduceOp::bxor: best = static_cast<T>(best ^ x); break;
+      }
+    }
+    if (op == ReduceOp::sum || op == ReduceOp::prod) return static_cast<T>(acc);  // modulo 2^bits
+    if (op == ReduceOp::avg) {
+      const auto s = static_cast<T>(acc);
+      if constexpr (std::is_signed_v<T>) {  // floor division
+        long long q = static_cast<long long>(s) / n;
+        if (static_cast<long long>(s) % n != 0 && s < 0) --q;
+        return static_cast<T>(q);
+      } else {
+        return static_cast<T>(s / static_cast<T>(n));
+      }
+    }
+    return best;
+  } else {
+    double acc = static_cast<float>(input_value<T>(0, i, op));
+    double best = acc;
+    for (int r = 1; r < n; ++r) {
+      const double x = static_cast<float>(input_value<T>(r, i, op));
+      switch (op) {
+        case ReduceOp::sum:
+        case ReduceOp::avg: acc += x; break;
+        case ReduceOp::prod: acc *= x; break;
+        case ReduceOp::min: best = std::min(best, x); break;
+        case ReduceOp::max: best = std::max(best, x); break;
+        default: break;
+      }
+    }
+    if (op == ReduceOp::min || op == ReduceOp::max) return T(static_cast<float>(best));
+    if (op != ReduceOp::avg) return T(static_cast<float>(acc));
+    // avg: the exact sum in T, times 1/n (documented: multiply by 1/size at the end).
+    if constexpr (std::is_same_v<T, double>)
+      return acc * (1.0 / n);
+    else if constexpr (std::is_same_v<T, float>)
+      return static_cast<float>(acc) * (1.0f / static_cast<float>(n));
+    else
+      return T(static_cast<float>(T(static_cast<float>(acc))) * (1.0f / static_cast<float>(n)));
+  }
+}
+
+template <class T>
+std::string show(T v) {
+  if constexpr (is_int<T>)
+    return std::to_string(static_cast<long long>(v));
+  else
+    return std::to_string(static_cast<double>(static_cast<float>(v)));
+}
+
+template <class T>
+bool same(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>)
+    return a == b || (a != a && b != b);
+  else
+    return a == b;
+}
+
+/// Index of the first element where `got` differs from `want(i)`, or -1. On a mismatch it
+/// also prints both values.
+template <class T, class F>
+long long first_mismatch(const std::vector<T>& got, F want, std::size_t offset = 0, std::size_t count = SIZE_MAX) {
+  const std::size_t end = count == SIZE_MAX ? got.size() : offset + count;
+  for (std::size_t i = offset; i < end; ++i) {
+    const T w = want(i);
+    if (!same(got[i], w)) {
+      MESSAGE("element ", i, ": got ", show(got[i]), ", expected ", show(w));
+      return static_cast<long long>(i);
+    }
+  }
+  return -1;
+}
+
+inline const char* type_name(comm::Dtype d) { return comm::to_string(d).data(); }
+
+}  // namespace gloo_test

@@ -1,0 +1,87 @@
+// comm's reduction kernels (detail/reduce.hpp), one process: semantics per type and op, aliasing,
+// wrap-around without UB, half/bfloat16 through float, avg finishing, custom callables.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <comm/detail/reduce.hpp>
+
+using comm::ReduceOp;
+using comm::detail::combine;
+
+TEST_CASE("reduce kernels: integer sum and prod wrap modulo 2^bits") {
+  CHECK(combine<ReduceOp::sum, std::int8_t>(127, 1) == -128);
+  CHECK(combine<ReduceOp::sum, std::int32_t>(INT32_MAX, 1) == INT32_MIN);
+  CHECK(combine<ReduceOp::sum, std::int64_t>(INT64_MAX, 2) == INT64_MIN + 1);
+  CHECK(combine<ReduceOp::prod, std::int8_t>(16, 16) == 0);
+  CHECK(combine<ReduceOp::prod, std::int32_t>(65536, 65536) == 0);
+  CHECK(combine<ReduceOp::prod, std::int64_t>(-1, INT64_MIN) == INT64_MIN);
+  CHECK(combine<ReduceOp::prod, std::uint8_t>(255, 255) == 1);
+  CHECK(combine<ReduceOp::sum, std::uint64_t>(UINT64_MAX, 3) == 2);
+}
+
+TEST_CASE("reduce kernels: min, max, bitwise") {
+  CHECK(combine<ReduceOp::min, float>(2.0f, -3.0f) == -3.0f);
+  CHECK(combine<ReduceOp::max, double>(2.0, -3.0) == 2.0);
+  CHECK(combine<ReduceOp::min, std::uint32_t>(7, 9) == 7);
+  CHECK(combine<ReduceOp::band, std::uint8_t>(0xf0, 0x3c) == 0x30);
+  CHECK(combine<ReduceOp::bor, std::int32_t>(0x0f, 0x30) == 0x3f);
+  CHECK(combine<ReduceOp::bxor, std::int64_t>(-1, 0) == -1);
+}
+
+TEST_CASE("reduce kernels: half and bfloat16 compute in float and round each step") {
+  const comm::half a(1.0f), b(2.0f);
+  CHECK(static_cast<float>(combine<ReduceOp::sum, comm::half>(a, b)) == 3.0f);
+  CHECK(static_cast<float>(combine<ReduceOp::prod, comm::bfloat16>(comm::bfloat16(3.0f), comm::bfloat16(-2.0f))) ==
+        -6.0f);
+  // 2048 + 1 is not representable in half: rounds to even (2048).
+  CHECK(static_cast<float>(combine<ReduceOp::sum, comm::half>(comm::half(2048.0f), comm::half(1.0f))) == 2048.0f);
+  CHECK(static_cast<float>(combine<ReduceOp::max, comm::bfloat16>(comm::bfloat16(-1.0f), comm::bfloat16(0.5f))) ==
+        0.5f);
+}
+
+TEST_CASE("reduce kernels: type-erased kernel handles out == a, out == b and distinct buffers") {
+  std::vector<std::int32_t> a{1, 2, 3, 4, 5}, b{10, 20, 30, 40, 50}, o(5);
+  auto k = comm::detail::reduce_kernel_for<std::int32_t>(ReduceOp::sum);
+  REQUIRE(static_cast<bool>(k));
+  k(o.data(), a.data(), b.data(), 5);
+  CHECK(o == std::vector<std::int32_t>{11, 22, 33, 44, 55});
+  k(a.data(), a.data(), b.data(), 5);
+  CHECK(a == std::vector<std::int32_t>{11, 22, 33, 44, 55});
+  k(b.data(), a.data(), b.data(), 5);
+  CHECK(b == std::vector<std::int32_t>{21, 42, 63, 84, 105});
+  CHECK_FALSE(static_cast<bool>(comm::detail::reduce_kernel_for<float>(ReduceOp::band)));
+  CHECK(static_cast<bool>(comm::detail::reduce_kernel_for<std::uint8_t>(ReduceOp::bxor)));
+  // avg reduces as sum; the division happens once at the end.
+  const bool same_kernel =
+      comm::detail::reduce_kernel_for<double>(ReduceOp::avg) == comm::detail::reduce_kernel_for<double>(ReduceOp::sum);
+  CHECK(same_kernel);
+}
+
+TEST_CASE("reduce kernels: avg finishing") {
+  std::vector<std::int32_t> i{-7, 7, -8, 0, -1};
+  comm::detail::finish_avg(i.data(), i.size(), 2);
+  CHECK(i == std::vector<std::int32_t>{-4, 3, -4, 0, -1});  // floor division
+  std::vector<std::uint8_t> u{7, 255};
+  comm::detail::finish_avg(u.data(), u.size(), 2);
+  CHECK(u == std::vector<std::uint8_t>{3, 127});
+  std::vector<std::int8_t> big{-128, 127, 0};
+  comm::detail::finish_avg(big.data(), big.size(), 300);  // more ranks than int8 counts
+  CHECK(big == std::vector<std::int8_t>{-1, 0, 0});
+  std::vector<float> f{3.0f, -6.0f};
+  comm::detail::finish_avg(f.data(), f.size(), 3);
+  CHECK(f[0] == 3.0f * (1.0f / 3.0f));
+  CHECK(f[1] == -6.0f * (1.0f / 3.0f));
+  std::vector<comm::half> h{comm::half(6.0f)};
+  comm::detail::finish_avg(h.data(), h.size(), 4);
+  CHECK(static_cast<float>(h[0]) == 1.5f);
+}
+
+TEST_CASE("reduce kernels: custom callables, aliasing allowed") {
+  std::vector<float> a{1, 2, 3}, b{3, 2, 1};
+  comm::detail::reduce_custom<float>([](float x, float y) { return x * 10 + y; }, a.data(), a.data(), b.data(), 3);
+  CHECK(a == std::vector<float>{13, 22, 31});
+}
