@@ -1,0 +1,343 @@
+#pragma once
+/// \file
+/// `comm::backends::Nccl`: the GPU backend, over NCCL and CUDA streams.
+///
+/// Use it through `comm::Communicator<comm::backends::Nccl>` (see communicator.hpp); link
+/// `comm::nccl`. Buffers are device memory (cudaMalloc), managed memory or mapped pinned memory,
+/// passed as `std::span<T>` like any other buffer; the element types are comm's (comm::half and
+/// comm::bfloat16 are bit-compatible with `__half` / `__nv_bfloat16`).
+///
+/// ### Construction
+/// - `Communicator<Nccl>::from_env()`: env:// rendezvous (RANK, WORLD_SIZE, MASTER_ADDR,
+///   MASTER_PORT), then `create` on the store it yields.
+/// - `Communicator<Nccl>::create(store, rank, size, options)`: rank 0 makes the ncclUniqueId and
+///   shares it through the store; every rank then runs a non-blocking ncclCommInitRankConfig on its
+///   device, polled until `options.timeout` (then the half-made communicator is aborted and
+///   comm::Timeout thrown). A rank that fails on the way tells the others through the store, so they
+///   fail at once with comm::RemoteError naming it. The device is `options.device`, else
+///   `LOCAL_RANK % device count`, else `rank % device count`.
+/// - `Communicator<Nccl>::adopt(comm, stream [, options])`: wraps an existing, initialized
+///   `ncclComm_t` without owning it (it is never destroyed, and never aborted unless
+///   `options.abort_adopted`); operations run on `stream`. Do not issue on that communicator from
+///   other code while the comm::Communicator is alive.
+/// - No usable GPU: construction throws comm::BackendError "no usable CUDA device
+///   (cudaGetDeviceCount: ...)"; `comm::nccl::device_count()` tells beforehand.
+///
+/// ### Stream semantics
+/// Every operation runs on the communicator's stream (`options.stream`, else a non-blocking stream
+/// the communicator creates; `backend().stream()`), ordered after the work already queued on the
+/// caller's *current stream* — `comm::nccl::current_stream()`, a per-thread setting that
+/// `comm::nccl::StreamGuard` changes; by default the default stream (nullptr).
+/// - **Blocking form** (`c.all_reduce(buf)`): returns once the operation is enqueued. Work queued
+///   afterwards on the communicator's stream or on the caller's current stream sees the result (the
+///   current stream is made to wait for it; the host does not wait). Host code must synchronize
+///   (a stream or `backend().synchronize()`) before it reads the result.
+///   Exception: `barrier()` also waits on the host until every rank has entered it.
+/// - **Async form** (`c.all_reduce(buf, comm::async)`): returns a comm::Work once enqueued; the
+///   caller's current stream is *not* ordered after the operation, so independent work overlaps
+///   with it. `Work::wait()` blocks the host until the operation completed on the device (or
+///   throws its error; bounded by the timeout), then orders the waiting thread's current stream
+///   after it. `Work::is_completed()` tells without blocking.
+/// - **Host-blocking wait for everything issued:** `c.backend().synchronize()`.
+/// - Buffers must stay allocated until the operation has completed on the device.
+/// ```cpp
+/// auto c = comm::Communicator<comm::backends::Nccl>::from_env();
+/// cudaSetDevice(c.backend().device());
+/// float *d, *all;                                   // device memory
+/// cudaMalloc(&d, n * sizeof(float));
+/// cudaMalloc(&all, n * c.size() * sizeof(float));
+/// cudaStream_t s; cudaStreamCreate(&s);
+/// {
+///   comm::nccl::StreamGuard g(s);                   // s is this thread's current stream
+///   fill<<<grid, block, 0, s>>>(d, n);              // queued on s
+///   c.all_reduce(std::span<float>(d, n));           // runs after fill; s waits for it
+///   scale<<<grid, block, 0, s>>>(d, n);             // sees the sum
+///   comm::Work w = c.all_gather(std::span<const float>(d, n), std::span<float>(all, n * c.size()), comm::async);
+///   other<<<grid, block, 0, s>>>();                 // not ordered after the all_gather: overlaps
+///   w.wait();                                       // host waits; s is ordered after the all_gather
+///   use<<<grid, block, 0, s>>>(all);
+/// }
+/// cudaStreamSynchronize(s);                         // the host reads results after this
+/// ```
+///
+/// ### Reductions and types
+/// sum, prod, min, max on every element type; avg on floating types (NCCL multiplies each input
+/// by 1/size() before summing) and unsigned integers. Not available, as compile errors for
+/// compile-time ops (comm::op::band, a lambda) and comm::InvalidArgument for ReduceOp values:
+/// bitwise ops (NCCL has none), custom callables, and avg on signed integers (NCCL rounds toward
+/// zero, comm's contract is floor division: use sum and divide). The extra
+/// `backend().all_reduce_premul_sum(in, out, scalar)` multiplies each rank's input by its own
+/// scalar before summing (ncclRedOpCreatePreMulSum). fp8 (comm::float8_e4m3/e5m2, where comm
+/// defines them) is moved by every collective and reduced where NCCL >= 2.24 and the device has
+/// compute capability >= 9.0.
+///
+/// ### gather
+/// ncclGather where NCCL >= 2.28 (compiled and loaded), else ncclSend/ncclRecv in one group call
+/// (the root receives each rank's block into its slot). `options.gather` or COMM_NCCL_GATHER
+/// (`auto`, `native`, `p2p`) forces a path; every rank must use the same one.
+///
+/// ### Deadlines and errors
+/// A watchdog thread per communicator completes Work as the device finishes, polls
+/// ncclCommGetAsyncError, and fails any operation still running `options.timeout` after it was
+/// issued (NCCL reports nothing when a peer on the same host dies). On the first failure it
+/// aborts the communicator (ncclCommAbort) and fails every pending Work — comm::Timeout,
+/// comm::RemoteError (ncclRemoteError) or comm::BackendError, naming the operation and the rank;
+/// later operations fail at once with the first cause. NCCL and CUDA failures keep their native
+/// code (`comm::nccl::nccl_result_of(e)`, `comm::nccl::cuda_error_of(e)`) and NCCL's text.
+/// Destruction waits for issued operations (each bounded by its deadline), then finalizes and
+/// destroys an owned communicator.
+///
+/// ### Threads
+/// One watchdog thread per communicator. Operations from several threads on one communicator are
+/// serialized (NCCL allows one thread at a time per communicator).
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include <comm/concepts.hpp>
+#include <comm/detail/env.hpp>
+#include <comm/detail/logging.hpp>
+#include <comm/detail/nccl/bootstrap.hpp>
+#include <comm/detail/nccl/device.hpp>
+#include <comm/detail/nccl/engine.hpp>
+#include <comm/detail/nccl/errors.hpp>
+#include <comm/detail/nccl/types.hpp>
+#include <comm/error.hpp>
+#include <comm/store.hpp>
+#include <comm/types.hpp>
+#include <comm/work.hpp>
+
+namespace comm::nccl {
+
+/// How gather is carried out (see nccl.hpp): automatic, native (ncclGather) or p2p.
+using GatherAlgorithm = comm::detail::nccl::GatherAlgorithm;
+
+/// The NCCL version comm was compiled against (NCCL_VERSION_CODE) and the one loaded at run time.
+inline constexpr int compiled_version = comm::detail::nccl::compiled_version;
+[[nodiscard]] inline int runtime_version() noexcept { return comm::detail::nccl::runtime_version(); }
+/// "2.28.9" from a version code.
+[[nodiscard]] inline std::string version_string(int code) { return comm::detail::nccl::version_string(code); }
+
+}  // namespace comm::nccl
+
+namespace comm::backends {
+
+/// Options of comm::backends::Nccl (also spelled `comm::backends::Nccl::Options`).
+struct NcclOptions {
+  /// Deadline of construction and of every operation, counted from when it is issued (default:
+  /// COMM_TIMEOUT, else 30 minutes).
+  std::chrono::milliseconds timeout = comm::detail::default_timeout();
+  /// CUDA device; -1: LOCAL_RANK % device count (else rank % device count).
+  int device = -1;
+  /// Stream the operations run on (not owned; it must belong to the device). Default: a
+  /// non-blocking stream the communicator creates and destroys.
+  std::optional<cudaStream_t> stream;
+  /// gather path; `automatic` also honours COMM_NCCL_GATHER.
+  comm::nccl::GatherAlgorithm gather = comm::nccl::GatherAlgorithm::automatic;
+  /// Check that every buffer is memory the device can use, with a clear InvalidArgument when it is
+  /// not (costs one cudaPointerGetAttributes per buffer and call). Turn off where the GPU reads
+  /// pageable memory (HMM/ATS systems).
+  bool check_pointers = true;
+  /// Whether the watchdog may ncclCommAbort an adopted communicator after a failure (the handle is
+  /// freed then: its owner must not use it again).
+  bool abort_adopted = false;
+  /// How often the watchdog polls ncclCommGetAsyncError.
+  std::chrono::milliseconds watchdog_interval{50};
+  /// ncclConfig_t fields; -1 / empty: NCCL's default.
+  int cga_cluster_size = -1;
+  int min_ctas = -1;
+  int max_ctas = -1;
+  std::string net_name;
+  /// Called with the ncclConfig_t before ncclCommInitRankConfig, for fields not named here
+  /// (`blocking` stays 0: construction depends on it).
+  std::function<void(ncclConfig_t&)> configure;
+};
+
+/// The NCCL backend policy. Move-only; its moved-from state may only be destroyed or assigned.
+class Nccl {
+ public:
+  using backend_concept = comm::backend_t;
+  static constexpr std::string_view name = "nccl";
+
+  using Options = NcclOptions;
+
+  static constexpr bool supports_dtype(Dtype d) noexcept { return comm::detail::nccl::dtype_supported(d); }
+  static constexpr bool supports_reduction(ReduceOp op, Dtype d) noexcept {
+    return comm::detail::nccl::reduction_supported(op, d);
+  }
+  static constexpr bool custom_reductions = false;
+
+  /// Connects `size` ranks through `store` (blocking; ends by `options.timeout`). Throws
+  /// comm::BackendError when no CUDA device is usable.
+  [[nodiscard]] static Nccl create(std::shared_ptr<Store> store, int rank, int size, const Options& options = {}) {
+    namespace dn = comm::detail::nccl;
+    const std::string op = "nccl.init";
+    if (!store) throw InvalidArgument(op, rank, "store is null");
+    if (size < 1) throw InvalidArgument(op, rank, "size " + std::to_string(size) + " must be at least 1");
+    if (rank < 0 || rank >= size)
+      throw InvalidArgument(op, rank,
+                            "rank " + std::to_string(rank) + " is out of range [0, " + std::to_string(size) + ")");
+    check_options(options, rank, op);
+    const auto deadline = dn::Clock::now() + options.timeout;
+    auto rv = dn::open_rendezvous(std::move(store), rank);
+    int device = -1;
+    ncclComm_t comm = nullptr;
+    dn::GatherAlgorithm gather{};
+    try {
+      gather = dn::choose_gather(options.gather, COMM_NCCL_HAS_GATHER != 0, dn::runtime_version(), rank);
+      device = dn::select_device(options.device, rank, op);
+      if (options.stream) dn::check_stream_device(*options.stream, device, op, rank);
+      const ncclUniqueId id = dn::exchange_unique_id(rv, rank, deadline, options.timeout);
+      comm = dn::init_comm(id, rank, size, device, init_config(options), &rv, deadline, options.timeout);
+    } catch (const std::exception& e) {
+      dn::publish_failure(rv, rank, e.what());
+      throw;
+    }
+    auto engine = std::make_unique<dn::Engine>(comm, true, rank, size, device, options.stream,
+                                               settings(options, gather, /*may_abort=*/true));
+    comm::detail::log(comm::detail::LogLevel::info,
+                      "nccl: rank " + std::to_string(rank) + " of " + std::to_string(size) + " on device " +
+                          std::to_string(device) + ", NCCL " + dn::version_string(dn::runtime_version()) +
+                          ", gather " + std::string(dn::to_string(gather)));
+    return Nccl(std::move(engine));
+  }
+
+  /// Wraps an existing NCCL communicator without owning it; operations run on `stream`
+  /// (`options.stream` is ignored).
+  [[nodiscard]] static Nccl adopt(ncclComm_t comm, cudaStream_t stream, const Options& options = {}) {
+    namespace dn = comm::detail::nccl;
+    const std::string op = "nccl.adopt";
+    if (comm == nullptr) throw InvalidArgument(op, -1, "the NCCL communicator is null");
+    int rank = -1, size = 0, device = -1;
+    // A non-blocking communicator still being created answers ncclInProgress.
+    ncclResult_t state = ncclSuccess;
+    COMM_NCCL_CHECK(ncclCommGetAsyncError(comm, &state), op, -1, comm);
+    if (state == ncclInProgress)
+      throw InvalidArgument(op, -1,
+                            "the NCCL communicator is still being created (ncclInProgress); adopt it once "
+                            "ncclCommGetAsyncError reports ncclSuccess");
+    if (state != ncclSuccess) comm::detail::nccl::throw_nccl(state, "ncclCommGetAsyncError", op, -1, comm);
+    COMM_NCCL_CHECK(ncclCommUserRank(comm, &rank), op, -1, comm);
+    COMM_NCCL_CHECK(ncclCommCount(comm, &size), op, rank, comm);
+    COMM_NCCL_CHECK(ncclCommCuDevice(comm, &device), op, rank, comm);
+    check_options(options, rank, op);
+    const auto gather = dn::choose_gather(options.gather, COMM_NCCL_HAS_GATHER != 0, dn::runtime_version(), rank);
+    dn::check_stream_device(stream, device, op, rank);
+    return Nccl(std::make_unique<dn::Engine>(comm, false, rank, size, device, stream,
+                                             settings(options, gather, options.abort_adopted)));
+  }
+
+  Nccl(Nccl&&) noexcept = default;
+  Nccl& operator=(Nccl&&) noexcept = default;
+  ~Nccl() = default;
+
+  [[nodiscard]] int rank() const noexcept { return engine_->rank(); }
+  [[nodiscard]] int size() const noexcept { return engine_->size(); }
+  /// The CUDA device of this rank.
+  [[nodiscard]] int device() const noexcept { return engine_->device(); }
+  /// The stream the operations run on.
+  [[nodiscard]] cudaStream_t stream() const noexcept { return engine_->stream(); }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return engine_->timeout(); }
+  /// The gather path in use (native or p2p).
+  [[nodiscard]] comm::nccl::GatherAlgorithm gather_algorithm() const noexcept { return engine_->gather_algorithm(); }
+  /// The NCCL communicator, for direct NCCL calls on `stream()` (null once aborted after a
+  /// failure). Do not call NCCL on it concurrently with this communicator's operations.
+  [[nodiscard]] ncclComm_t native_handle() const { return engine_->comm(); }
+  /// The communicator's first failure, or null.
+  [[nodiscard]] std::exception_ptr failure() const { return engine_->failure(); }
+
+  /// Blocks the host until every operation issued so far completed on the device (bounded by the
+  /// timeout); throws the communicator's failure if it has one.
+  void synchronize() { engine_->synchronize(); }
+
+  template <element T, class Red, class Launch>
+  auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l) {
+    return engine_->all_reduce<T>(in, out, red, l);
+  }
+  template <element T, class Red, class Launch>
+  auto reduce_scatter(std::span<const T> in, std::span<T> out, Red red, Launch l) {
+    return engine_->reduce_scatter<T>(in, out, red, l);
+  }
+  template <element T, class Launch>
+  auto all_gather(std::span<const T> in, std::span<T> out, Launch l) {
+    return engine_->all_gather<T>(in, out, l);
+  }
+  template <element T, class Launch>
+  auto broadcast(std::span<T> data, int root, Launch l) {
+    return engine_->broadcast<T>(data, root, l);
+  }
+  template <element T, class Launch>
+  auto gather(std::span<const T> in, std::span<T> out, int root, Launch l) {
+    return engine_->gather<T>(in, out, root, l);
+  }
+  template <class Launch>
+  auto barrier(Launch l) {
+    return engine_->barrier(l);
+  }
+
+  /// all_reduce with NCCL's pre-multiplied sum: `out` = sum over ranks of (scalar_r * in_r), each
+  /// rank passing its own `scalar`. `in` and `out` have equal sizes (may be the same buffer).
+  /// Blocking (enqueued, as the other operations) unless `comm::async` is passed last.
+  template <element T>
+  void all_reduce_premul_sum(std::span<const std::type_identity_t<T>> in, std::span<T> out,
+                             std::type_identity_t<T> scalar) {
+    engine_->premul_sum<T>(false, in, out, scalar, comm::detail::blocking);
+  }
+  template <element T>
+  [[nodiscard]] Work all_reduce_premul_sum(std::span<const std::type_identity_t<T>> in, std::span<T> out,
+                                           std::type_identity_t<T> scalar, async_t) {
+    return engine_->premul_sum<T>(false, in, out, scalar, comm::async);
+  }
+  /// reduce_scatter with the pre-multiplied sum; `in` holds size()*out.size() elements.
+  template <element T>
+  void reduce_scatter_premul_sum(std::span<const std::type_identity_t<T>> in, std::span<T> out,
+                                 std::type_identity_t<T> scalar) {
+    engine_->premul_sum<T>(true, in, out, scalar, comm::detail::blocking);
+  }
+  template <element T>
+  [[nodiscard]] Work reduce_scatter_premul_sum(std::span<const std::type_identity_t<T>> in, std::span<T> out,
+                                               std::type_identity_t<T> scalar, async_t) {
+    return engine_->premul_sum<T>(true, in, out, scalar, comm::async);
+  }
+
+ private:
+  explicit Nccl(std::unique_ptr<comm::detail::nccl::Engine> e) noexcept : engine_(std::move(e)) {}
+
+  static void check_options(const Options& o, int rank, const std::string& op) {
+    if (o.timeout.count() <= 0)
+      throw InvalidArgument(op, rank, "timeout " + std::to_string(o.timeout.count()) + " ms must be positive");
+    if (o.watchdog_interval.count() <= 0)
+      throw InvalidArgument(op, rank,
+                            "watchdog_interval " + std::to_string(o.watchdog_interval.count()) +
+                                " ms must be positive");
+    if (o.device < -1) throw InvalidArgument(op, rank, "device " + std::to_string(o.device) + " is not -1 or a device");
+  }
+
+  static comm::detail::nccl::InitConfig init_config(const Options& o) {
+    return {o.cga_cluster_size, o.min_ctas, o.max_ctas, o.net_name, o.configure};
+  }
+
+  static comm::detail::nccl::Settings settings(const Options& o, comm::nccl::GatherAlgorithm g, bool may_abort) {
+    comm::detail::nccl::Settings s;
+    s.timeout = o.timeout;
+    s.gather = g;
+    s.check_pointers = o.check_pointers;
+    s.may_abort = may_abort;
+    s.timing.async_poll = o.watchdog_interval;
+    return s;
+  }
+
+  std::unique_ptr<comm::detail::nccl::Engine> engine_;
+};
+
+}  // namespace comm::backends

@@ -1,0 +1,530 @@
+#pragma once
+// The NCCL engine behind comm::backends::Nccl: the communicator handle, its stream, the per-op
+// stream ordering and Work states, the collectives, and the watchdog target.
+//
+// Per operation (under the engine's lock: NCCL allows one thread at a time per communicator):
+//   1. the communicator's stream waits for the caller's current stream (an event, skipped when
+//      they are the same stream);
+//   2. the NCCL call is enqueued on the communicator's stream; a non-blocking communicator may
+//      answer ncclInProgress, then ncclCommGetAsyncError is polled until it is enqueued (bounded by
+//      the deadline);
+//   3. a completion event is recorded and handed to the watchdog with the deadline;
+//   4. blocking form: the caller's current stream waits for that event (no host wait; barrier
+//      also waits on the host); async form: a Work on the event is returned.
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include <comm/concepts.hpp>
+#include <comm/detail/logging.hpp>
+#include <comm/detail/nccl/bootstrap.hpp>
+#include <comm/detail/nccl/device.hpp>
+#include <comm/detail/nccl/errors.hpp>
+#include <comm/detail/nccl/types.hpp>
+#include <comm/detail/nccl/watchdog.hpp>
+#include <comm/detail/nccl/work.hpp>
+#include <comm/error.hpp>
+#include <comm/types.hpp>
+#include <comm/work.hpp>
+
+namespace comm::detail::nccl {
+
+/// What the engine needs from the backend options, resolved.
+struct Settings {
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  GatherAlgorithm gather = GatherAlgorithm::p2p;  ///< native or p2p (never automatic)
+  bool check_pointers = true;
+  bool may_abort = true;  ///< the watchdog may ncclCommAbort the communicator after a failure
+  WatchdogTiming timing{};
+};
+
+template <class>
+inline constexpr bool always_false = false;
+
+/// Checks that `stream` (when it is an ordinary stream) belongs to `device`.
+inline void check_stream_device([[maybe_unused]] cudaStream_t stream, [[maybe_unused]] int device,
+                                [[maybe_unused]] const std::string& op, [[maybe_unused]] int rank) {
+#if CUDART_VERSION >= 12080
+  if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) return;
+  int d = -1;
+  COMM_CUDA_CHECK(cudaStreamGetDevice(stream, &d), op, rank);
+  if (d != device)
+    throw InvalidArgument(op, rank,
+                          "the stream belongs to device " + std::to_string(d) + " but the communicator uses device " +
+                              std::to_string(device));
+#endif
+}
+
+class Engine final : public WatchTarget {
+ public:
+  /// Takes `comm` (destroyed, or aborted after a failure, by the engine when `owns_comm`; else left
+  /// to its owner) and runs on `stream`, or on a stream of its own when there is none.
+  Engine(ncclComm_t comm, bool owns_comm, int rank, int size, int device, std::optional<cudaStream_t> stream,
+         Settings settings)
+      : comm_(comm),
+        owns_comm_(owns_comm),
+        rank_(rank),
+        size_(size),
+        device_(device),
+        settings_(std::move(settings)),
+        events_(std::make_shared<EventPool>(device)),
+        watchdog_(*this, rank, settings_.timing) {
+    try {
+      const std::string op = "nccl.init";
+      DeviceGuard guard(device_, op, rank_);
+      if (stream) {
+        stream_ = *stream;
+      } else {
+        COMM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), op, rank_);
+        owns_stream_ = true;
+      }
+      COMM_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), op, rank_);
+      COMM_CUDA_CHECK(cudaMalloc(&scratch_, sizeof(float)), op, rank_);
+      COMM_CUDA_CHECK(cudaMemsetAsync(scratch_, 0, sizeof(float), stream_), op, rank_);
+      COMM_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major_, cudaDevAttrComputeCapabilityMajor, device_), op, rank_);
+      COMM_CUDA_CHECK(cudaDeviceGetAttribute(&cc_minor_, cudaDevAttrComputeCapabilityMinor, device_), op, rank_);
+    } catch (...) {
+      release(/*healthy=*/false);
+      throw;
+    }
+    watchdog_.start();
+  }
+
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  /// Lets issued operations finish (each ends by its deadline), stops the watchdog, then
+  /// finalizes and destroys an owned communicator (aborting it if that does not finish in time).
+  ~Engine() override {
+    (void)watchdog_.wait_idle(Clock::now() + settings_.timeout + std::chrono::seconds(5));
+    watchdog_.stop();
+    release(/*healthy=*/!watchdog_.failed());
+  }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return settings_.timeout; }
+  [[nodiscard]] GatherAlgorithm gather_algorithm() const noexcept { return settings_.gather; }
+  [[nodiscard]] bool owns_comm() const noexcept { return owns_comm_; }
+  /// The NCCL communicator (null once the watchdog aborted it).
+  [[nodiscard]] ncclComm_t comm() const {
+    std::lock_guard lock(nccl_mu_);
+    return comm_;
+  }
+  /// Operations issued and not yet seen complete.
+  [[nodiscard]] std::size_t pending() const { return watchdog_.pending(); }
+  /// The first failure of the communicator, or null.
+  [[nodiscard]] std::exception_ptr failure() const { return watchdog_.failure(); }
+
+  /// Blocks the host until every operation issued so far has completed (bounded by the timeout),
+  /// then throws the communicator's failure if it has one.
+  void synchronize() {
+    const auto limit = settings_.timeout + std::chrono::seconds(2);
+    if (!watchdog_.wait_idle(Clock::now() + limit))
+      throw Timeout("synchronize", rank_,
+                    "operations still running after " + std::to_string(limit.count()) + " ms");
+    throw_if_failed("synchronize");
+  }
+
+  // ---- collectives (arguments already checked by the facade, except device pointers) ----
+
+  template <class T, class Red, class Launch>
+  auto all_reduce(std::span<const T> in, std::span<T> out, const Red& red, Launch l) {
+    constexpr const char* op = "all_reduce";
+    const ReduceOp r = checked_op<T>(op, red);
+    check_buffer(op, in.data(), in.size_bytes(), "input");
+    check_buffer(op, out.data(), out.size_bytes(), "output");
+    const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
+    return issue(op, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      return COMM_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), out.size(), dt, nccl_op(r), c, s), op, rank_, c);
+    });
+  }
+
+  template <class T, class Red, class Launch>
+  auto reduce_scatter(std::span<const T> in, std::span<T> out, const Red& red, Launch l) {
+    constexpr const char* op = "reduce_scatter";
+    const ReduceOp r = checked_op<T>(op, red);
+    check_buffer(op, in.data(), in.size_bytes(), "input");
+    check_buffer(op, out.data(), out.size_bytes(), "output");
+    const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
+    return issue(op, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      return COMM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), out.size(), dt, nccl_op(r), c, s), op, rank_,
+                             c);
+    });
+  }
+
+  /// all_reduce (scatter = false) or reduce_scatter (true) with NCCL's pre-multiplied sum:
+  /// every rank's input is multiplied by its own `scalar`, then summed.
+  template <class T, class Launch>
+  auto premul_sum(bool scatter, std::span<const T> in, std::span<T> out, T scalar, Launch l) {
+    const char* op = scatter ? "reduce_scatter" : "all_reduce";
+    const std::size_t n = static_cast<std::size_t>(size_);
+    if (!scatter && in.size() != out.size())
+      throw InvalidArgument(op, rank_,
+                            "premul_sum: input has " + std::to_string(in.size()) + " elements but output has " +
+                                std::to_string(out.size()));
+    if (scatter && in.size() != n * out.size())
+      throw InvalidArgument(op, rank_,
+                            "premul_sum: input has " + std::to_string(in.size()) + " elements, expected size()*output = " +
+                                std::to_string(n * out.size()));
+    static_assert(reduction_supported(ReduceOp::sum, dtype_of<T>),
+                  "comm: the nccl backend does not reduce this element type");
+    check_reduction_runtime<T>(op);
+    check_buffer(op, in.data(), in.size_bytes(), "input");
+    check_buffer(op, out.data(), out.size_bytes(), "output");
+    const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
+    return issue(op, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      ncclRedOp_t pm{};
+      if (COMM_NCCL_CHECK(ncclRedOpCreatePreMulSum(&pm, &scalar, dt, ncclScalarHostImmediate, c), op, rank_, c) ==
+          ncclInProgress)
+        wait_enqueued(op, op_deadline_);
+      struct Destroy {
+        ncclRedOp_t op;
+        ncclComm_t comm;
+        ~Destroy() { (void)ncclRedOpDestroy(op, comm); }
+      } destroy{pm, c};
+      const ncclResult_t r =
+          scatter ? COMM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), out.size(), dt, pm, c, s), op, rank_, c)
+                  : COMM_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), out.size(), dt, pm, c, s), op, rank_, c);
+      // The operator may be destroyed once the call that uses it has returned, i.e. is enqueued.
+      if (r == ncclInProgress) wait_enqueued(op, op_deadline_);
+      return ncclSuccess;
+    });
+  }
+
+  template <class T, class Launch>
+  auto all_gather(std::span<const T> in, std::span<T> out, Launch l) {
+    constexpr const char* op = "all_gather";
+    check_buffer(op, in.data(), in.size_bytes(), "input");
+    check_buffer(op, out.data(), out.size_bytes(), "output");
+    const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
+    return issue(op, l, in.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      return COMM_NCCL_CHECK(ncclAllGather(in.data(), out.data(), in.size(), dt, c, s), op, rank_, c);
+    });
+  }
+
+  template <class T, class Launch>
+  auto broadcast(std::span<T> data, int root, Launch l) {
+    constexpr const char* op = "broadcast";
+    check_buffer(op, data.data(), data.size_bytes(), "data");
+    const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
+    return issue(op, l, data.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      return COMM_NCCL_CHECK(ncclBroadcast(data.data(), data.data(), data.size(), dt, root, c, s), op, rank_, c);
+    });
+  }
+
+  template <class T, class Launch>
+  auto gather(std::span<const T> in, std::span<T> out, int root, Launch l) {
+    constexpr const char* op = "gather";
+    check_buffer(op, in.data(), in.size_bytes(), "input");
+    if (rank_ == root) check_buffer(op, out.data(), out.size_bytes(), "output");
+    const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
+    void* recv = rank_ == root ? static_cast<void*>(out.data()) : nullptr;
+#if COMM_NCCL_HAS_GATHER
+    if (settings_.gather == GatherAlgorithm::native)
+      return issue(op, l, in.empty(), [&](ncclComm_t c, cudaStream_t s) {
+        return COMM_NCCL_CHECK(ncclGather(in.data(), recv, in.size(), dt, root, c, s), op, rank_, c);
+      });
+#endif
+    return issue(op, l, in.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      return gather_p2p(in.data(), recv, in.size(), sizeof(T), dt, root, c, s);
+    });
+  }
+
+  /// NCCL has no barrier: an all_reduce of one float. The blocking form also waits on the host
+  /// until it completed, so it returns once every rank has entered the barrier.
+  template <class Launch>
+  auto barrier(Launch l) {
+    constexpr const char* op = "barrier";
+    return issue(
+        op, l, false,
+        [&](ncclComm_t c, cudaStream_t s) {
+          return COMM_NCCL_CHECK(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, c, s), op, rank_, c);
+        },
+        /*host_wait=*/true);
+  }
+
+  // ---- WatchTarget ----
+
+  void on_watchdog_start() noexcept override { (void)cudaSetDevice(device_); }
+
+  std::optional<Fault> async_error() noexcept override {
+    std::unique_lock lock(nccl_mu_, std::try_to_lock);
+    if (!lock.owns_lock() || comm_ == nullptr) return std::nullopt;  // busy issuing: it checks itself
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+    if (r == ncclSuccess && (state == ncclSuccess || state == ncclInProgress)) return std::nullopt;
+    Fault f;
+    f.engine = NativeEngine::nccl;
+    const ncclResult_t bad = r != ncclSuccess ? r : state;
+    f.code = static_cast<int>(bad);
+    f.kind = bad == ncclRemoteError ? Fault::Kind::remote : Fault::Kind::backend;
+    try {
+      f.detail = (r != ncclSuccess ? "ncclCommGetAsyncError failed: " : "NCCL reported an asynchronous error: ") +
+                 describe(bad, comm_) + "; the watchdog aborted the communicator";
+    } catch (...) {
+    }
+    return f;
+  }
+
+  void abort() noexcept override {
+    // An adopted communicator is its owner's to abort (checked before locking: a blocking adopted
+    // communicator may hold the lock inside an NCCL call that waits for a dead peer).
+    if (!settings_.may_abort) return;
+    std::lock_guard lock(nccl_mu_);
+    if (comm_ == nullptr) return;
+    int prev = -1;
+    const bool restore = cudaGetDevice(&prev) == cudaSuccess && prev != device_;
+    if (restore) (void)cudaSetDevice(device_);
+    (void)ncclCommAbort(comm_);
+    comm_ = nullptr;
+    if (restore) (void)cudaSetDevice(prev);
+  }
+
+ private:
+  // ---- the common path of every operation ----
+
+  template <class Launch, class Enqueue>
+  auto issue(const char* op, Launch, bool empty, Enqueue&& enqueue, bool host_wait = false) {
+    constexpr bool is_async = std::is_same_v<Launch, async_t>;
+    std::shared_ptr<NcclOp> state;
+    {
+      std::lock_guard lock(nccl_mu_);
+      throw_if_failed(op);
+      if (comm_ == nullptr)  // adopted and failed, or aborted: failure() says why
+        throw BackendError(op, rank_, "the NCCL communicator is no longer usable");
+      DeviceGuard guard(device_, op, rank_);
+      const cudaStream_t caller = comm::nccl::current_stream();
+      const bool same_stream = caller == stream_;
+      if (!same_stream) {
+        COMM_CUDA_CHECK(cudaEventRecord(ready_, caller), op, rank_);
+        COMM_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0), op, rank_);
+      }
+      state = std::make_shared<NcclOp>(op, rank_, settings_.timeout, ++seq_, events_, stream_);
+      op_deadline_ = Clock::now() + settings_.timeout;
+      if (!empty) enqueue_checked(op, enqueue);
+      try {
+        COMM_CUDA_CHECK(cudaEventRecord(state->event(), stream_), op, rank_);
+        watchdog_.track(state, op_deadline_);
+      } catch (...) {
+        // Issued but no longer followed: nothing could tell when it ends, so the communicator
+        // cannot be trusted any more.
+        watchdog_.fail(std::current_exception());
+        throw;
+      }
+      if (!is_async && !same_stream) COMM_CUDA_CHECK(cudaStreamWaitEvent(caller, state->event(), 0), op, rank_);
+    }
+    if constexpr (is_async) {
+      return Work(std::move(state));
+    } else {
+      if (host_wait) wait_host(*state);
+    }
+  }
+
+  /// Runs the NCCL call(s); InvalidArgument leaves the communicator usable (NCCL did nothing),
+  /// every other failure is the communicator's failure.
+  template <class Enqueue>
+  void enqueue_checked(const char* op, Enqueue& enqueue) {
+    try {
+      if (enqueue(comm_, stream_) == ncclInProgress) wait_enqueued(op, op_deadline_);
+    } catch (const InvalidArgument&) {
+      throw;
+    } catch (...) {
+      watchdog_.fail(std::current_exception());
+      throw;
+    }
+  }
+
+  /// A non-blocking communicator answered ncclInProgress: poll until the call is enqueued.
+  void wait_enqueued(const char* op, Clock::time_point deadline) {
+    Backoff backoff(std::chrono::microseconds(5), std::chrono::milliseconds(1));
+    for (;;) {
+      ncclResult_t state = ncclInProgress;
+      COMM_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state), op, rank_, comm_);
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress) throw_nccl(state, "ncclCommGetAsyncError", op, rank_, comm_);
+      throw_if_failed(op);
+      if (Clock::now() >= deadline)
+        throw Timeout(op, rank_,
+                      "NCCL did not finish enqueuing the operation within " +
+                          std::to_string(settings_.timeout.count()) +
+                          " ms (a peer that never issued it, or died); the communicator was aborted");
+      backoff.pause();
+    }
+  }
+
+  /// Host wait for a blocking barrier. The watchdog ends the operation by its deadline; wait a
+  /// little longer so that its verdict (after the abort) is the one reported.
+  void wait_host(NcclOp& s) {
+    const auto limit = settings_.timeout + std::chrono::seconds(2);
+    if (!s.wait_until(Clock::now() + limit))
+      throw Timeout(s.op(), rank_, "did not complete within " + std::to_string(limit.count()) + " ms");
+    if (auto e = s.error()) std::rethrow_exception(e);
+  }
+
+  void throw_if_failed(const char* op) const {
+    if (!watchdog_.failed()) [[likely]]
+      return;
+    std::rethrow_exception(
+        derived_error(watchdog_.failure(), op, rank_, "the communicator is unusable after an earlier failure"));
+  }
+
+  void check_buffer(const char* op, const void* p, std::size_t bytes, const char* what) const {
+    if (settings_.check_pointers) check_device_buffer(p, bytes, device_, what, op, rank_);
+  }
+
+  /// The comm::ReduceOp of a reduction argument: a runtime value (checked here too, for callers
+  /// that bypass the facade) or a compile-time op (checked when the call compiles).
+  template <class T, class Red>
+  ReduceOp checked_op(const char* op, const Red& red) const {
+    ReduceOp r{};
+    if constexpr (std::is_same_v<Red, ReduceOp>) {
+      r = red;
+      if (!reduction_supported(r, dtype_of<T>))
+        throw InvalidArgument(op, rank_,
+                              "reduction " + std::string(to_string(r)) + " is not supported for element type " +
+                                  std::string(to_string(dtype_of<T>)) + " by the nccl backend: " +
+                                  reduction_unsupported_reason(r, dtype_of<T>));
+    } else if constexpr (builtin_reduction<Red>) {
+      static_assert(reduction_supported(reduce_op_of<Red>, dtype_of<T>),
+                    "comm: the nccl backend does not support this reduction on this element type");
+      r = reduce_op_of<Red>;
+    } else {
+      static_assert(always_false<Red>, "comm: the nccl backend cannot run custom reduction callables");
+    }
+    check_reduction_runtime<T>(op);
+    return r;
+  }
+
+  /// fp8 reductions need NCCL >= 2.24 at run time and a device of compute capability >= 9.0.
+  template <class T>
+  void check_reduction_runtime([[maybe_unused]] const char* op) const {
+    if constexpr (is_fp8(dtype_of<T>)) {
+      if (runtime_version() < fp8_version)
+        throw InvalidArgument(op, rank_,
+                              "fp8 reductions need NCCL >= 2.24; the loaded NCCL is " +
+                                  version_string(runtime_version()));
+      if (cc_major_ < 9)
+        throw InvalidArgument(op, rank_,
+                              "fp8 reductions need a device of compute capability >= 9.0; device " +
+                                  std::to_string(device_) + " is " + std::to_string(cc_major_) + "." +
+                                  std::to_string(cc_minor_));
+    }
+  }
+
+  /// gather on ncclSend/ncclRecv: the root copies its own block and receives every other rank's
+  /// block into its slot, all in one group call.
+  ncclResult_t gather_p2p(const void* in, void* out, std::size_t count, std::size_t elem, ncclDataType_t dt, int root,
+                          ncclComm_t c, cudaStream_t s) {
+    constexpr const char* op = "gather";
+    const std::size_t block = count * elem;
+    auto* base = static_cast<std::byte*>(out);
+    if (rank_ == root) {
+      std::byte* mine = base + static_cast<std::size_t>(root) * block;
+      if (mine != in) COMM_CUDA_CHECK(cudaMemcpyAsync(mine, in, block, cudaMemcpyDefault, s), op, rank_);
+    }
+    COMM_NCCL_CHECK(ncclGroupStart(), op, rank_, c);
+    try {
+      if (rank_ == root) {
+        for (int r = 0; r < size_; ++r)
+          if (r != root)
+            COMM_NCCL_CHECK(ncclRecv(base + static_cast<std::size_t>(r) * block, count, dt, r, c, s), op, rank_, c);
+      } else {
+        COMM_NCCL_CHECK(ncclSend(in, count, dt, root, c, s), op, rank_, c);
+      }
+    } catch (...) {
+      (void)ncclGroupEnd();  // a group must always be closed
+      throw;
+    }
+    return COMM_NCCL_CHECK(ncclGroupEnd(), op, rank_, c);
+  }
+
+  /// Frees what the engine owns. `healthy`: the communicator may be finalized (else aborted).
+  void release(bool healthy) noexcept {
+    int prev = -1;
+    const bool restore = cudaGetDevice(&prev) == cudaSuccess && prev != device_;
+    if (restore) (void)cudaSetDevice(device_);
+    {
+      std::lock_guard lock(nccl_mu_);
+      if (comm_ != nullptr && owns_comm_) {
+        if (healthy)
+          finalize_and_destroy();
+        else
+          (void)ncclCommAbort(comm_);
+      }
+      comm_ = nullptr;
+    }
+    if (scratch_ != nullptr) (void)cudaFree(scratch_);
+    if (ready_ != nullptr) (void)cudaEventDestroy(ready_);
+    if (owns_stream_ && stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+    scratch_ = nullptr;
+    ready_ = nullptr;
+    stream_ = nullptr;
+    (void)cudaGetLastError();
+    if (restore) (void)cudaSetDevice(prev);
+  }
+
+  /// ncclCommFinalize (flushes the communicator's work), polled until done or the timeout, then
+  /// ncclCommDestroy; ncclCommAbort when finalizing fails or takes too long.
+  void finalize_and_destroy() noexcept {
+    ncclResult_t r = ncclCommFinalize(comm_);
+    ncclResult_t state = r;
+    if (r == ncclSuccess || r == ncclInProgress) {
+      const auto deadline = Clock::now() + settings_.timeout;
+      Backoff backoff(std::chrono::microseconds(50), std::chrono::milliseconds(10));
+      for (;;) {
+        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
+        if (state != ncclInProgress || Clock::now() >= deadline) break;
+        try {
+          backoff.pause();
+        } catch (...) {
+        }
+      }
+    }
+    if (state == ncclSuccess) {
+      (void)ncclCommDestroy(comm_);
+      return;
+    }
+    try {
+      log(LogLevel::warn, "nccl on rank " + std::to_string(rank_) + ": finalizing the communicator " +
+                              (state == ncclInProgress ? "timed out" : "failed") + "; aborting it");
+    } catch (...) {
+    }
+    (void)ncclCommAbort(comm_);
+  }
+
+  mutable std::mutex nccl_mu_;  // one thread at a time on the communicator (NCCL's rule)
+  ncclComm_t comm_;
+  bool owns_comm_;
+  int rank_;
+  int size_;
+  int device_;
+  Settings settings_;
+  cudaStream_t stream_ = nullptr;
+  bool owns_stream_ = false;
+  cudaEvent_t ready_ = nullptr;  // caller's stream -> communicator's stream; reused under nccl_mu_
+  float* scratch_ = nullptr;     // the barrier's all_reduce buffer
+  int cc_major_ = 0;
+  int cc_minor_ = 0;
+  std::uint64_t seq_ = 0;
+  Clock::time_point op_deadline_{};
+  std::shared_ptr<EventPool> events_;
+  Watchdog watchdog_;  // last: stopped explicitly in the destructor, before the rest goes
+};
+
+}  // namespace comm::detail::nccl

@@ -1,0 +1,100 @@
+// A peer that exits mid-loop on NCCL: NCCL itself reports nothing when a peer on the same host dies
+// (the kernels wait), so the watchdog must end the survivors' operations by the deadline (here
+// 5 s) with comm::Timeout (or RemoteError where NCCL notices), abort the communicator, and later
+// operations must fail at once. Standalone (no doctest harness: its end-of-run rendezvous would
+// wait for the dead rank). Run under `comm-run -n N` (N >= 2); prints SKIPPED and exits 0 where the
+// GPUs here cannot hold N ranks.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include <comm/backends/nccl.hpp>
+#include <comm/communicator.hpp>
+
+using Comm = comm::Communicator<comm::backends::Nccl>;
+using namespace std::chrono_literals;
+
+int main() {
+  const char* ws = std::getenv("WORLD_SIZE");
+  const int n = ws ? std::atoi(ws) : 1;
+  const int rank = std::getenv("RANK") ? std::atoi(std::getenv("RANK")) : 0;
+  const auto dc = comm::nccl::device_count();
+  if (n < 2) {
+    if (rank == 0) std::printf("SKIPPED: the peer-death test needs at least 2 ranks\n");
+    return 0;
+  }
+  if (dc.count <= 0) {
+    if (rank == 0) std::printf("SKIPPED: no usable CUDA device (%s)\n", dc.why.c_str());
+    return 0;
+  }
+  const char* multi = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  if (n > dc.count && (comm::nccl::runtime_version() < 23000 || !multi || std::string(multi) != "1")) {
+    if (rank == 0)
+      std::printf("SKIPPED: %d ranks would share %d GPU(s); NCCL %s needs >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1\n",
+                  n, dc.count, comm::nccl::version_string(comm::nccl::runtime_version()).c_str());
+    return 0;
+  }
+
+  comm::backends::Nccl::Options o;
+  o.timeout = 5s;
+  auto c = Comm::from_env(o);
+  const int victim = n - 1;
+  constexpr int kDeathIteration = 50;
+  constexpr std::size_t kCount = 4096;
+  float* d = nullptr;
+  if (cudaMalloc(&d, kCount * sizeof(float)) != cudaSuccess) return 2;
+  std::vector<float> host(kCount, 1.0f);
+
+  auto death = std::chrono::steady_clock::now();
+  for (int i = 0; i < 100000; ++i) {
+    if (i == kDeathIteration) {
+      death = std::chrono::steady_clock::now();
+      if (rank == victim) {
+        std::printf("rank %d: exiting abruptly before iteration %d\n", rank, i);
+        std::fflush(stdout);
+        ::_exit(0);
+      }
+    }
+    try {
+      if (cudaMemcpy(d, host.data(), kCount * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) return 2;
+      c.all_reduce(std::span<float>(d, kCount), comm::async).wait();
+      float last = 0;
+      if (cudaMemcpy(&last, d + kCount - 1, sizeof(float), cudaMemcpyDeviceToHost) != cudaSuccess) return 2;
+      if (last != static_cast<float>(n)) {
+        std::printf("rank %d: wrong result %f at iteration %d\n", rank, static_cast<double>(last), i);
+        return 1;
+      }
+    } catch (const comm::Error& e) {
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - death).count();
+      const bool timeout = dynamic_cast<const comm::Timeout*>(&e) != nullptr;
+      const bool remote = dynamic_cast<const comm::RemoteError*>(&e) != nullptr;
+      std::printf("rank %d: %s at iteration %d, %.0f ms after the peer died: %s\n", rank,
+                  timeout ? "Timeout" : remote ? "RemoteError" : "UNEXPECTED error kind", i, ms, e.what());
+      if (!timeout && !remote) return 1;
+      if (ms > 20000) {
+        std::printf("rank %d: too slow\n", rank);
+        return 1;
+      }
+      // The communicator is unusable now, at once.
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        c.all_reduce(std::span<float>(d, kCount));
+        std::printf("rank %d: an operation after the failure did not fail\n", rank);
+        return 1;
+      } catch (const comm::Error&) {
+      }
+      if (std::chrono::steady_clock::now() - t0 > 1s) return 1;
+      std::fflush(stdout);
+      // Leave without the harness: the dead peer will never join a final rendezvous.
+      ::_exit(0);
+    }
+  }
+  std::printf("rank %d: the peer's death went unnoticed\n", rank);
+  return 1;
+}
