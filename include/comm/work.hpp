@@ -51,6 +51,11 @@ class WorkState {
   /// caller's current stream after the operation.
   virtual void on_waited() {}
 
+  /// Called by Work::wait before any host wait. A backend whose operations run on a device stream
+  /// makes the caller's current stream wait for the operation and returns true: the host does not
+  /// block, and a later failure surfaces through the backend's watchdog. Host backends return false.
+  virtual bool wait_on_stream() { return false; }
+
   [[nodiscard]] const std::string& op() const noexcept { return op_; }
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
@@ -79,8 +84,11 @@ class WorkState {
 
 /// Handle to an operation started with `comm::async`. Move-only.
 ///
-/// - `wait()` blocks until the operation finished, then rethrows its error if it failed. It gives
-///   up after the communicator's timeout with comm::Timeout naming the op and rank.
+/// - `wait()` on host backends (Gloo) blocks until the operation finished, then rethrows its error
+///   if it failed; it gives up after the communicator's timeout with comm::Timeout naming the op and
+///   rank. On NCCL it makes the caller's current stream wait for the operation and returns at once
+///   (an error already known is rethrown; a later one fails the communicator's next call).
+/// - `synchronize()` blocks the host until the operation finished, on every backend.
 /// - `wait_for(d)` returns false if the operation is still running after `d`; the operation keeps
 ///   running and may be waited on again. It rethrows the operation's error once it finished.
 /// - `is_completed()` never blocks and never throws.
@@ -96,6 +104,14 @@ class [[nodiscard]] Work {
   ~Work() = default;
 
   void wait() {
+    if (!state_) return;
+    if (!state_->done() && state_->wait_on_stream()) return;
+    synchronize();
+  }
+
+  /// Blocks the calling thread until the operation finished (on every backend, NCCL included),
+  /// then rethrows its error. Gives up after the communicator's timeout with comm::Timeout.
+  void synchronize() {
     if (!state_) return;
     const auto deadline = std::chrono::steady_clock::now() + state_->timeout();
     if (!state_->wait_until(deadline))

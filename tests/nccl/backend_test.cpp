@@ -120,11 +120,12 @@ TEST_CASE("streams: Work::wait orders the waiting thread's current stream after 
   Pinned<float> host(n);
   comm::nccl::StreamGuard g(s);
   auto w = c.all_reduce(d.span(), comm::async);
-  w.wait();
-  CHECK(w.is_completed());
+  w.wait();  // s waits for the all_reduce; the host does not
   NCCL_TEST_CUDA(cudaMemcpyAsync(host.data(), d.data(), n * sizeof(float), cudaMemcpyDeviceToHost, s));
   NCCL_TEST_CUDA(cudaStreamSynchronize(s));
   CHECK(host[n - 1] == float(c.size()));
+  w.synchronize();  // host-blocking form
+  CHECK(w.is_completed());
 }
 
 TEST_CASE("streams: a user stream in the options is the communicator's stream") {

@@ -35,9 +35,11 @@
 ///   Exception: `barrier()` also waits on the host until every rank has entered it.
 /// - **Async form** (`c.all_reduce(buf, comm::async)`): returns a comm::Work once enqueued; the
 ///   caller's current stream is *not* ordered after the operation, so independent work overlaps
-///   with it. `Work::wait()` blocks the host until the operation completed on the device (or
-///   throws its error; bounded by the timeout), then orders the waiting thread's current stream
-///   after it. `Work::is_completed()` tells without blocking.
+///   with it. `Work::wait()` makes the waiting thread's current stream wait for the operation and
+///   returns at once (torch.distributed's rule): the host does not block; an error already known
+///   is rethrown, a later one fails the communicator's next call. `Work::synchronize()` blocks the
+///   host until the operation completed on the device (or throws its error; bounded by the
+///   timeout). `Work::is_completed()` tells without blocking.
 /// - **Host-blocking wait for everything issued:** `c.backend().synchronize()`.
 /// - Buffers must stay allocated until the operation has completed on the device.
 /// ```cpp
@@ -54,7 +56,7 @@
 ///   scale<<<grid, block, 0, s>>>(d, n);             // sees the sum
 ///   comm::Work w = c.all_gather(std::span<const float>(d, n), std::span<float>(all, n * c.size()), comm::async);
 ///   other<<<grid, block, 0, s>>>();                 // not ordered after the all_gather: overlaps
-///   w.wait();                                       // host waits; s is ordered after the all_gather
+///   w.wait();                                       // s is ordered after the all_gather; host goes on
 ///   use<<<grid, block, 0, s>>>(all);
 /// }
 /// cudaStreamSynchronize(s);                         // the host reads results after this

@@ -99,18 +99,25 @@ class NcclOp final : public TrackedOp {
     return Progress::failed;
   }
 
-  /// After a successful wait: work the caller queues on its current stream (comm::nccl::
-  /// current_stream() of the waiting thread) sees the result. The operation has completed on the
-  /// device by then, so this only adds a dependency that is already satisfied; it keeps the rule
-  /// true should Work::wait ever stop blocking the host.
-  void on_waited() override {
+  /// Work::wait: work the caller queues on its current stream (comm::nccl::current_stream() of the
+  /// waiting thread) runs after the operation; the host does not block.
+  bool wait_on_stream() override {
+    order_caller_stream();
+    return true;
+  }
+
+  /// After a host wait (Work::synchronize, wait_for): the dependency is already satisfied, but
+  /// adding it keeps the stream rule true for the caller's stream in every case.
+  void on_waited() override { order_caller_stream(); }
+
+ private:
+  void order_caller_stream() {
     const cudaStream_t caller = comm::nccl::current_stream();
     if (caller == stream_) return;
     DeviceGuard guard(pool_->device(), op(), rank());
     COMM_CUDA_CHECK(cudaStreamWaitEvent(caller, event_, 0), op(), rank());
   }
 
- private:
   std::shared_ptr<EventPool> pool_;
   cudaStream_t stream_;
   cudaEvent_t event_ = nullptr;
