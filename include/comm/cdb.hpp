@@ -26,11 +26,14 @@
 ///
 /// AnyCommunicator has the typed API of Communicator<B>: element types are checked at compile time;
 /// the backend's capabilities (reductions per type, custom callables) at run time, with a clear
-/// comm::InvalidArgument. Each call costs one virtual dispatch.
+/// comm::InvalidArgument. Each call costs one virtual dispatch. Subgroups (`split`, `new_group`)
+/// are AnyCommunicators of the same backend; `monitored_barrier`, `flight_record` and
+/// `dump_flight_record` forward to the backend (comm::InvalidArgument where it lacks them).
 
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -44,6 +47,7 @@
 #include <comm/communicator.hpp>
 #include <comm/detail/discovery.hpp>
 #include <comm/detail/logging.hpp>
+#include <comm/diagnostics.hpp>
 #include <comm/init.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
@@ -96,6 +100,13 @@ class AnyCommImpl {
   virtual Work gather(Dtype, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root,
                       bool async) = 0;
   virtual Work barrier(bool async) = 0;
+  /// Subgroups: null for "no group" (negative color, not a member).
+  [[nodiscard]] virtual std::unique_ptr<AnyCommImpl> split(int color, int key) = 0;
+  [[nodiscard]] virtual std::unique_ptr<AnyCommImpl> new_group(std::span<const int> ranks) = 0;
+  /// timeout 0: the communicator's own.
+  virtual void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) = 0;
+  [[nodiscard]] virtual FlightRecord flight_record() const = 0;
+  virtual void dump_flight_record(const std::string& path) const = 0;
 };
 
 /// Calls `f.template operator()<T>()` with T the element type named by `d`.
@@ -182,6 +193,49 @@ class AnyCommModel final : public AnyCommImpl {
     return run_flag(async, [&](auto... t) { return c_.barrier(t...); });
   }
 
+  std::unique_ptr<AnyCommImpl> split(int color, int key) override {
+    if constexpr (supports_split<B>) {
+      auto g = c_.split(color, key);
+      return g ? std::make_unique<AnyCommModel<B>>(std::move(*g)) : nullptr;
+    } else {
+      throw lacks("split", "split communicators");
+    }
+  }
+
+  std::unique_ptr<AnyCommImpl> new_group(std::span<const int> ranks) override {
+    if constexpr (supports_new_group<B>) {
+      auto g = c_.new_group(ranks);
+      return g ? std::make_unique<AnyCommModel<B>>(std::move(*g)) : nullptr;
+    } else {
+      throw lacks("new_group", "make groups");
+    }
+  }
+
+  void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) override {
+    if constexpr (supports_monitored_barrier<B>) {
+      if (timeout.count() > 0)
+        c_.monitored_barrier(timeout, wait_all_ranks);
+      else
+        c_.monitored_barrier();
+    } else {
+      throw lacks("monitored_barrier", "run a monitored_barrier");
+    }
+  }
+
+  FlightRecord flight_record() const override {
+    if constexpr (supports_flight_recorder<B>)
+      return c_.flight_record();
+    else
+      throw lacks("flight_record", "record operations");
+  }
+
+  void dump_flight_record(const std::string& path) const override {
+    if constexpr (supports_flight_recorder<B>)
+      c_.dump_flight_record(path);
+    else
+      throw lacks("dump_flight_record", "record operations");
+  }
+
  private:
   // Runs `f` with or without the comm::async tag and always returns a Work (completed when blocking).
   template <class F>
@@ -196,6 +250,10 @@ class AnyCommModel final : public AnyCommImpl {
   static Work run(blocking_t, F&& f) {
     f();
     return Work{};
+  }
+
+  [[nodiscard]] InvalidArgument lacks(const char* op, const char* what) const {
+    return InvalidArgument(op, c_.rank(), "the " + std::string(B::name) + " backend cannot " + what);
   }
 
   template <class F>
@@ -309,7 +367,35 @@ class AnyCommunicator {
   void barrier() { (void)impl_->barrier(false); }
   Work barrier(async_t) { return impl_->barrier(true); }
 
+  /// See Communicator::split: a collective; nullopt for a negative color.
+  [[nodiscard]] std::optional<AnyCommunicator> split(int color, int key) { return wrap(impl_->split(color, key)); }
+  [[nodiscard]] std::optional<AnyCommunicator> split(int color) { return split(color, rank()); }
+  /// See Communicator::new_group: non-members get nullopt at once.
+  [[nodiscard]] std::optional<AnyCommunicator> new_group(std::span<const int> ranks) {
+    return wrap(impl_->new_group(ranks));
+  }
+  [[nodiscard]] std::optional<AnyCommunicator> new_group(std::initializer_list<int> ranks) {
+    return new_group(std::span<const int>(ranks.begin(), ranks.size()));
+  }
+  /// See Communicator::monitored_barrier.
+  void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks = false) {
+    if (timeout.count() <= 0)
+      throw InvalidArgument("monitored_barrier", rank(),
+                            "timeout " + std::to_string(timeout.count()) + " ms must be positive");
+    impl_->monitored_barrier(timeout, wait_all_ranks);
+  }
+  void monitored_barrier() { impl_->monitored_barrier(std::chrono::milliseconds{0}, false); }
+  /// See Communicator::flight_record / dump_flight_record.
+  [[nodiscard]] FlightRecord flight_record() const { return impl_->flight_record(); }
+  void dump_flight_record(const std::string& path) const { impl_->dump_flight_record(path); }
+
  private:
+  explicit AnyCommunicator(std::unique_ptr<detail::AnyCommImpl> impl) noexcept : impl_(std::move(impl)) {}
+  static std::optional<AnyCommunicator> wrap(std::unique_ptr<detail::AnyCommImpl> impl) {
+    if (!impl) return std::nullopt;
+    return AnyCommunicator(std::move(impl));
+  }
+
   template <class Out>
   static constexpr void check_output() {
     static_assert(detail::is_mutable_buffer_v<Out>,

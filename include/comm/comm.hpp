@@ -7,6 +7,7 @@
 #include <comm/error.hpp>
 #include <comm/work.hpp>
 #include <comm/concepts.hpp>
+#include <comm/diagnostics.hpp>
 #include <comm/store.hpp>
 #include <comm/init.hpp>
 #include <comm/communicator.hpp>

@@ -34,20 +34,32 @@
 ///   usable. Engine failures throw comm::Timeout / comm::RemoteError / comm::BackendError.
 /// - Every operation ends by the communicator's timeout (backend options, else COMM_TIMEOUT, else
 ///   30 minutes).
+///
+/// ### Subgroups and diagnostics (optional backend capabilities, see concepts.hpp)
+/// `split` and `new_group` make communicators over subsets of the ranks; `monitored_barrier` names
+/// the ranks that did not arrive; `flight_record` / `dump_flight_record` show the last operations
+/// (<comm/diagnostics.hpp>). With the backend option `desync_check` (default on with
+/// COMM_DEBUG=DETAIL) every operation first compares (sequence number, operation, element type,
+/// count, root, reduction) across ranks and throws comm::DesyncError on every rank on a mismatch.
+/// Calling one of these on a backend without the capability is a compile error that says so.
 
 #include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
+#include <optional>
 #include <ranges>
 #include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <comm/concepts.hpp>
+#include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/init.hpp>
 #include <comm/store.hpp>
@@ -255,6 +267,93 @@ class Communicator {
   void barrier() { b_.barrier(detail::blocking); }
   Work barrier(async_t) { return b_.barrier(async); }
 
+  // ---------------------------------------------------------------------------------------------
+  /// Splits this communicator, like MPI_Comm_split / ncclCommSplit: a collective that every rank
+  /// calls (in the same place of its sequence of operations). Ranks that pass the same `color` >= 0
+  /// get a new communicator among themselves, ranked by (`key`, rank here); a negative color joins
+  /// no group and gets nullopt. The new communicator has this one's options and is independent of
+  /// it (its own operation sequence; either may be destroyed first). Blocking, including the
+  /// connection of the new group; ends by the timeout. Groups may be split again.
+  [[nodiscard]] std::optional<Communicator> split(int color, int key) {
+    static_assert(supports_split<Backend>,
+                  "comm: this backend cannot split communicators (it lacks the optional capability "
+                  "`std::optional<B> split(int color, int key)`, see concepts.hpp)");
+    if constexpr (supports_split<Backend>) {
+      auto g = b_.split(color, key);
+      if (!g) return std::nullopt;
+      return std::optional<Communicator>(std::in_place, std::move(*g));
+    } else {
+      return std::nullopt;
+    }
+  }
+  /// split(color, rank()): the new ranks keep this communicator's order.
+  [[nodiscard]] std::optional<Communicator> split(int color) { return split(color, rank()); }
+
+  /// A communicator of the ranks listed (ranks of this communicator, ranked in the order given),
+  /// like torch.distributed.new_group: every rank calls it, with the same list, in the same order
+  /// as its other new_group/split calls. Members connect among themselves (blocking, ends by the
+  /// timeout); non-members get nullopt at once, without communicating. An empty list, a rank out of
+  /// range or a rank listed twice throws comm::InvalidArgument (nothing is sent).
+  [[nodiscard]] std::optional<Communicator> new_group(std::span<const int> ranks) {
+    static_assert(supports_new_group<Backend>,
+                  "comm: this backend cannot make groups (it lacks the optional capability "
+                  "`std::optional<B> new_group(std::span<const int> ranks)`, see concepts.hpp)");
+    if constexpr (supports_new_group<Backend>) {
+      check_group_ranks(ranks);
+      auto g = b_.new_group(ranks);
+      if (!g) return std::nullopt;
+      return std::optional<Communicator>(std::in_place, std::move(*g));
+    } else {
+      return std::nullopt;
+    }
+  }
+  [[nodiscard]] std::optional<Communicator> new_group(std::initializer_list<int> ranks) {
+    return new_group(std::span<const int>(ranks.begin(), ranks.size()));
+  }
+
+  /// A barrier that says who is missing: rank 0 collects every rank's arrival (through the
+  /// communicator's store, not the data connections) and, when some have not arrived within
+  /// `timeout`, throws comm::Timeout naming them — the first missing rank, or with
+  /// `wait_all_ranks` every one — and tells the others, which throw comm::Timeout with the same
+  /// names (a rank arriving after that verdict too). Ranks other than 0 give rank 0 up to
+  /// min(timeout, 10 s) more before they throw comm::Timeout naming rank 0. Ordered after this
+  /// communicator's queued operations. A non-positive timeout is comm::InvalidArgument.
+  void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks = false) {
+    static_assert(supports_monitored_barrier<Backend>,
+                  "comm: this backend has no monitored_barrier (it lacks the optional capability "
+                  "`void monitored_barrier(std::chrono::milliseconds, bool)`, see concepts.hpp)");
+    if (timeout.count() <= 0)
+      invalid("monitored_barrier", "timeout " + std::to_string(timeout.count()) + " ms must be positive");
+    if constexpr (supports_monitored_barrier<Backend>) b_.monitored_barrier(timeout, wait_all_ranks);
+  }
+  /// monitored_barrier with the communicator's timeout.
+  void monitored_barrier() {
+    static_assert(supports_monitored_barrier<Backend>,
+                  "comm: this backend has no monitored_barrier (it lacks the optional capability "
+                  "`void monitored_barrier(std::chrono::milliseconds, bool)`, see concepts.hpp)");
+    if constexpr (supports_monitored_barrier<Backend>) b_.monitored_barrier(std::chrono::milliseconds{0}, false);
+  }
+
+  /// The flight recorder's record of the last operations of this communicator, oldest first
+  /// (see <comm/diagnostics.hpp>).
+  [[nodiscard]] FlightRecord flight_record() const {
+    static_assert(supports_flight_recorder<Backend>,
+                  "comm: this backend has no flight recorder (it lacks the optional capability "
+                  "`FlightRecord flight_record() const`, see concepts.hpp)");
+    if constexpr (supports_flight_recorder<Backend>)
+      return b_.flight_record();
+    else
+      return {};
+  }
+  /// Writes the flight record as text to `path` ("-": stderr). Throws comm::BackendError naming
+  /// the path when it cannot be written.
+  void dump_flight_record(const std::string& path) const {
+    static_assert(supports_flight_recorder<Backend>,
+                  "comm: this backend has no flight recorder (it lacks the optional capability "
+                  "`void dump_flight_record(const std::string&) const`, see concepts.hpp)");
+    if constexpr (supports_flight_recorder<Backend>) b_.dump_flight_record(path);
+  }
+
  private:
   // ---- compile-time checks with messages that say what is wrong ----
 
@@ -329,6 +428,17 @@ class Communicator {
   }
 
   static std::string n_elems(std::size_t n) { return std::to_string(n) + (n == 1 ? " element" : " elements"); }
+
+  void check_group_ranks(std::span<const int> ranks) const {
+    if (ranks.empty()) invalid("new_group", "the list of ranks is empty: a group needs at least one rank");
+    std::vector<char> seen(static_cast<std::size_t>(size()), 0);
+    for (const int r : ranks) {
+      if (r < 0 || r >= size())
+        invalid("new_group", "rank " + std::to_string(r) + " is out of range [0, " + std::to_string(size()) + ")");
+      if (seen[static_cast<std::size_t>(r)]++)
+        invalid("new_group", "rank " + std::to_string(r) + " is listed twice");
+    }
+  }
 
   void check_root(const char* name, int root) const {
     if (root < 0 || root >= size())

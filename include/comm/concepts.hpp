@@ -32,6 +32,25 @@
 ///    where `Red` is a `ReduceOp` value, a `comm::op::builtin<R>` object or, when
 ///    `B::custom_reductions`, a `comm::detail::custom_op<F>`.
 ///
+/// ### Optional capabilities
+/// Detected with requires-expressions, not part of `comm::backend<B>`; the facade method that
+/// needs one is a compile error naming it when it is missing (AnyCommunicator: a run-time
+/// comm::InvalidArgument).
+/// 8. **Subgroups** (`comm::supports_split<B>`, `comm::supports_new_group<B>`):
+///    - `b.split(int color, int key) -> std::optional<B>`: collective over every rank of `b`;
+///      ranks of one color >= 0 form a communicator ranked by (key, rank in `b`); color < 0 gives
+///      nullopt (NCCL: ncclCommSplit, with NCCL_SPLIT_NOCOLOR for a negative color);
+///    - `b.new_group(std::span<const int> ranks) -> std::optional<B>`: called by every rank of `b`
+///      in the same order, with ranks already validated (in range, no duplicates); members get a
+///      communicator ranked in list order, non-members nullopt at once, without communicating.
+/// 9. **Monitored barrier** (`comm::supports_monitored_barrier<B>`):
+///    `b.monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks)` (timeout 0:
+///    the communicator's), throwing comm::Timeout naming the ranks that did not arrive
+///    (`comm::detail::monitored_barrier` implements it over a Store).
+/// 10. **Flight recorder** (`comm::supports_flight_recorder<B>`): `cb.flight_record() ->
+///    comm::FlightRecord` and `cb.dump_flight_record(const std::string& path)`
+///    (`comm::detail::FlightRecorder` implements the ring).
+///
 /// ### What the concept does *not* check
 /// - Requirement 7 is checked for `T = float` with `Red = ReduceOp` and `comm::op::sum_t` only; the
 ///   other element types and ops are templates the concept cannot enumerate.
@@ -44,10 +63,13 @@
 #include <chrono>
 #include <concepts>
 #include <memory>
+#include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <type_traits>
 
+#include <comm/diagnostics.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
@@ -141,5 +163,30 @@ concept supports_reduction = supports_element<B, T> && (!is_bitwise(R) || integr
 /// Backend `B` can run a user callable `T(T, T)` as a reduction (Gloo can; NCCL cannot).
 template <class B>
 concept supports_custom_reduction = backend<B> && static_cast<bool>(B::custom_reductions);
+
+/// Optional capability 8: `b.split(color, key) -> std::optional<B>`.
+template <class B>
+concept supports_split = backend<B> && requires(B& b) {
+  { b.split(0, 0) } -> std::same_as<std::optional<B>>;
+};
+
+/// Optional capability 8: `b.new_group(std::span<const int>) -> std::optional<B>`.
+template <class B>
+concept supports_new_group = backend<B> && requires(B& b, std::span<const int> ranks) {
+  { b.new_group(ranks) } -> std::same_as<std::optional<B>>;
+};
+
+/// Optional capability 9: `b.monitored_barrier(std::chrono::milliseconds, bool)`.
+template <class B>
+concept supports_monitored_barrier = backend<B> && requires(B& b, std::chrono::milliseconds t) {
+  b.monitored_barrier(t, true);
+};
+
+/// Optional capability 10: `cb.flight_record() -> FlightRecord`, `cb.dump_flight_record(path)`.
+template <class B>
+concept supports_flight_recorder = backend<B> && requires(const B& cb, const std::string& path) {
+  { cb.flight_record() } -> std::same_as<FlightRecord>;
+  cb.dump_flight_record(path);
+};
 
 }  // namespace comm

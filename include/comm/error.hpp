@@ -55,6 +55,16 @@ class Timeout : public Error {
   using Error::Error;
 };
 
+/// Ranks called different collectives (operation, element type, count, root or reduction) at the
+/// same point of a communicator's sequence, found by the desync check (backend option
+/// `desync_check`, on by default with COMM_DEBUG=DETAIL). Thrown on every rank, before the
+/// operation sends anything, with a message naming both sides ("rank 1 called broadcast(float x4,
+/// root 0) while rank 0 called all_reduce(float x4, sum) at op #17"); the communicator stays usable.
+class DesyncError : public InvalidArgument {
+ public:
+  using InvalidArgument::InvalidArgument;
+};
+
 /// A peer failed, closed its connection, or reported an error of its own.
 class RemoteError : public Error {
  public:

@@ -29,9 +29,23 @@
 /// - **Reductions:** every built-in op on every element type (bitwise: integers only) with comm's own
 ///   kernels (detail/reduce.hpp), and custom callables `T(T, T)`, which must be associative,
 ///   commutative and must not throw.
+/// - **Subgroups:** `split(color, key)` (collective over this communicator) and `new_group(ranks)`
+///   (members only) connect a new gloo context among the members through a PrefixStore over this
+///   communicator's store, under a prefix unique to the group (this communicator's key prefix, the
+///   group's number — counted alike on every rank, members or not — and, for split, the color).
+///   The communicator keeps its store (and so, on rank 0 of env://, the TcpStore server) for that.
+///   An adopted communicator has no store: split, new_group and monitored_barrier need create().
+/// - **Diagnostics:** the flight recorder (`Options::flight_recorder_size`, see
+///   <comm/diagnostics.hpp>); the desync check (`Options::desync_check`): before each operation an
+///   exchange of a 32-byte fingerprint per rank (each rank sends its own to every other: one
+///   message latency; a gloo ring allgather beyond 64 ranks), then DesyncError on every rank if
+///   they differ; monitored_barrier through the store (detail/monitored_barrier.hpp).
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -41,8 +55,11 @@
 #include <gloo/context.h>
 
 #include <comm/concepts.hpp>
+#include <comm/detail/desync.hpp>
 #include <comm/detail/env.hpp>
+#include <comm/detail/flight_recorder.hpp>
 #include <comm/detail/gloo/engine.hpp>
+#include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
@@ -59,6 +76,14 @@ struct GlooOptions {
   std::vector<std::string> interfaces;
   /// Host name or address to bind to when `interfaces` is empty; overrides GLOO_SOCKET_IFNAME.
   std::string hostname;
+  /// Before each operation, compare (sequence number, operation, element type, count, root,
+  /// reduction) across ranks and throw comm::DesyncError on every rank when they differ (one small
+  /// gloo allgather per operation). Must be the same on every rank. Default: on with
+  /// COMM_DEBUG=DETAIL.
+  bool desync_check = comm::detail::desync_check_default();
+  /// How many operations the flight recorder keeps (0: none). Default: COMM_FLIGHT_RECORDER_SIZE,
+  /// else 256.
+  std::size_t flight_recorder_size = comm::detail::flight_recorder_size_default();
 };
 
 /// The Gloo backend policy. Move-only; its moved-from state may only be destroyed or assigned.
@@ -81,15 +106,14 @@ class Gloo {
       throw InvalidArgument("gloo.init", rank,
                             "rank " + std::to_string(rank) + " is out of range [0, " + std::to_string(size) + ")");
     check_timeout(options, rank);
-    return Gloo(std::make_unique<detail::gloo::Engine>(store, rank, size, options.timeout, options.interfaces,
-                                                        options.hostname));
+    return Gloo(std::make_unique<detail::gloo::Engine>(std::move(store), rank, size, config(options)), options);
   }
 
   /// Wraps an already connected gloo context (e.g. one shared with other code).
   [[nodiscard]] static Gloo adopt(std::shared_ptr<::gloo::Context> context, const Options& options = {}) {
     if (!context) throw InvalidArgument("gloo.adopt", -1, "gloo context is null");
     check_timeout(options, context->rank);
-    return Gloo(std::make_unique<detail::gloo::Engine>(std::move(context), options.timeout));
+    return Gloo(std::make_unique<detail::gloo::Engine>(std::move(context), config(options)), options);
   }
 
   Gloo(Gloo&&) noexcept = default;
@@ -129,8 +153,83 @@ class Gloo {
     return engine_->barrier(l);
   }
 
+  // ---- optional capabilities (see concepts.hpp): subgroups and diagnostics ----
+
+  /// Collective over every rank of this communicator (an operation "split" in its sequence):
+  /// ranks with the same `color` >= 0 form a new communicator, ordered by (key, rank here); a
+  /// negative color gives nullopt. The new communicator inherits these options.
+  [[nodiscard]] std::optional<Gloo> split(int color, int key) {
+    require_store("split");
+    const auto all = engine_->exchange_color_key(color, key);
+    const auto k = engine_->next_group_index();
+    if (color < 0) return std::nullopt;
+    std::vector<std::pair<std::int64_t, int>> members;  // (key, rank here)
+    for (int r = 0; r < size(); ++r)
+      if (all[2 * static_cast<std::size_t>(r)] == color) members.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
+    std::sort(members.begin(), members.end());
+    const auto me = std::find(members.begin(), members.end(), std::pair<std::int64_t, int>{key, rank()});
+    const std::string group = "g" + std::to_string(k);
+    return child(engine_->key_prefix() + group + "/c" + std::to_string(color), group,
+                 static_cast<int>(me - members.begin()), static_cast<int>(members.size()));
+  }
+
+  /// A communicator of `ranks` (validated by the facade: in range, no duplicates), ranked in
+  /// that order. Every rank calls it in the same order; non-members return nullopt at once
+  /// (without communicating), members connect among themselves only.
+  [[nodiscard]] std::optional<Gloo> new_group(std::span<const int> ranks) {
+    require_store("new_group");
+    const auto k = engine_->next_group_index();
+    const auto me = std::find(ranks.begin(), ranks.end(), rank());
+    if (me == ranks.end()) return std::nullopt;
+    const std::string group = "g" + std::to_string(k);
+    return child(engine_->key_prefix() + group, group, static_cast<int>(me - ranks.begin()),
+                 static_cast<int>(ranks.size()));
+  }
+
+  /// See Communicator::monitored_barrier; a zero timeout means this communicator's timeout.
+  void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
+    engine_->monitored_barrier(timeout.count() > 0 ? timeout : engine_->timeout(), wait_all_ranks);
+  }
+
+  /// The flight recorder's contents (see <comm/diagnostics.hpp>).
+  [[nodiscard]] FlightRecord flight_record() const { return engine_->flight_record(); }
+  /// Writes the flight record to `path` ("-": stderr); comm::BackendError when it cannot.
+  void dump_flight_record(const std::string& path) const {
+    comm::detail::write_text_file(path, to_string(engine_->flight_record()), rank());
+  }
+  /// Whether the desync check runs before each operation.
+  [[nodiscard]] bool desync_check() const noexcept { return engine_->desync_check(); }
+  /// The options this communicator was made with (subgroups inherit them).
+  [[nodiscard]] const Options& options() const noexcept { return options_; }
+
  private:
-  explicit Gloo(std::unique_ptr<detail::gloo::Engine> e) noexcept : engine_(std::move(e)) {}
+  Gloo(std::unique_ptr<detail::gloo::Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
+
+  static detail::gloo::EngineConfig config(const Options& o) {
+    detail::gloo::EngineConfig c;
+    c.timeout = o.timeout;
+    c.interfaces = o.interfaces;
+    c.hostname = o.hostname;
+    c.desync_check = o.desync_check;
+    c.flight_recorder_size = o.flight_recorder_size;
+    return c;
+  }
+
+  void require_store(const char* op) const {
+    if (!engine_->store())
+      throw InvalidArgument(op, rank(),
+                            "this communicator was adopted from a gloo context and has no store; subgroups need one "
+                            "(create the communicator with create() or from_env())");
+  }
+
+  /// Connects subgroup `group` (this rank is `rank` of `size`) under `prefix` in this store.
+  Gloo child(const std::string& prefix, const std::string& group, int rank, int size) const {
+    auto c = config(options_);
+    c.file_rank = engine_->file_rank();
+    c.name = engine_->name().empty() ? group : engine_->name() + "." + group;
+    auto store = std::make_shared<PrefixStore>(prefix, engine_->store());
+    return Gloo(std::make_unique<detail::gloo::Engine>(std::move(store), rank, size, c), options_);
+  }
 
   static void check_timeout(const Options& o, int rank) {
     if (o.timeout.count() <= 0)
@@ -139,6 +238,7 @@ class Gloo {
   }
 
   std::unique_ptr<detail::gloo::Engine> engine_;
+  Options options_;
 };
 
 }  // namespace comm::backends

@@ -5,8 +5,10 @@
 // retired after kIdleExit without work.
 // A blocking operation runs on the caller's thread: at once when nothing is queued or running
 // (the common case: no thread hop, lowest latency), otherwise after the queue has drained.
-// Every operation gets the next tag when it is issued, under the same lock that fixes its place
-// in the order, so tags follow execution order and match across ranks that issue the same ops.
+// Every operation gets the next sequence number when it is issued, under the same lock that fixes
+// its place in the order, so numbers follow execution order and match across ranks that issue the
+// same ops; an `on_issue(seq)` hook runs under that lock too (the flight recorder's "queued").
+// The engine derives each operation's gloo tag from its sequence number.
 // shutdown() lets the worker finish everything already queued, then joins it.
 
 #include <chrono>
@@ -30,15 +32,16 @@ class OpQueue {
   OpQueue& operator=(const OpQueue&) = delete;
   ~OpQueue() { shutdown(); }
 
-  /// Runs `f(tag)` on this thread once every earlier operation finished; returns its result.
-  template <class F>
-  decltype(auto) run_inline(F&& f) {
-    std::uint32_t tag = 0;
+  /// Runs `f(seq)` on this thread once every earlier operation finished; returns its result.
+  template <class F, class OnIssue>
+  decltype(auto) run_inline(F&& f, OnIssue&& on_issue) {
+    std::uint64_t seq = 0;
     {
       std::unique_lock lock(mu_);
       cv_.wait(lock, [&] { return queue_.empty() && !running_; });
       running_ = true;
-      tag = next_tag_++;
+      seq = next_seq_++;
+      on_issue(seq);
     }
     struct Release {
       OpQueue* q;
@@ -50,16 +53,17 @@ class OpQueue {
         q->cv_.notify_all();
       }
     } release{this};
-    return std::forward<F>(f)(tag);
+    return std::forward<F>(f)(seq);
   }
 
-  /// Queues `f(tag)`; `state` is completed with f's outcome (failed with what f threw).
-  template <class F>
-  void submit(F&& f, std::shared_ptr<WorkState> state) {
+  /// Queues `f(seq)`; `state` is completed with f's outcome (failed with what f threw).
+  template <class F, class OnIssue>
+  void submit(F&& f, std::shared_ptr<WorkState> state, OnIssue&& on_issue) {
     auto task = std::make_unique<Task<std::decay_t<F>>>(std::forward<F>(f), std::move(state));
     {
       std::lock_guard lock(mu_);
-      task->tag = next_tag_++;
+      task->seq = next_seq_++;
+      on_issue(task->seq);
       queue_.push_back(std::move(task));
       if (!worker_alive_) {
         // A worker that retired after idling has left serve() and needs no lock: join is immediate.
@@ -89,7 +93,7 @@ class OpQueue {
   struct TaskBase {
     virtual ~TaskBase() = default;
     virtual void run() noexcept = 0;
-    std::uint32_t tag = 0;
+    std::uint64_t seq = 0;
   };
 
   template <class F>
@@ -97,7 +101,7 @@ class OpQueue {
     Task(F f, std::shared_ptr<WorkState> s) : fn(std::move(f)), state(std::move(s)) {}
     void run() noexcept override {
       try {
-        fn(this->tag);
+        fn(this->seq);
         state->complete();
       } catch (...) {
         state->fail(std::current_exception());
@@ -136,7 +140,7 @@ class OpQueue {
   std::deque<std::unique_ptr<TaskBase>> queue_;
   bool running_ = false;
   bool stopping_ = false;
-  std::uint32_t next_tag_ = 0;
+  std::uint64_t next_seq_ = 0;
   bool worker_alive_ = false;
   std::thread worker_;
 };

@@ -1,0 +1,178 @@
+#pragma once
+/// \file
+/// What the diagnostics of a communicator report: the flight recorder's records of its last
+/// operations (`Communicator<B>::flight_record()`, `dump_flight_record(path)`), and how an
+/// operation is described in them and in desync errors ("all_reduce(float x4, sum)").
+///
+/// ### Flight recorder
+/// Every communicator of a backend that has one (Gloo) keeps its last N operations in a fixed ring:
+/// sequence number, operation, element type, count, root, reduction, state (queued, started,
+/// completed, failed), the times of those transitions, and the error of a failed one.
+/// - N: the backend option `flight_recorder_size`, default COMM_FLIGHT_RECORDER_SIZE, else 256;
+///   0 turns recording off.
+/// - Cost: no allocation per operation (a preallocated ring under a mutex, three clock reads).
+/// - Dumps: `dump_flight_record(path)` on demand. With `COMM_FLIGHT_RECORDER=path` each
+///   communicator writes `path.<rank>` automatically on its first failure (Timeout, RemoteError,
+///   BackendError, a DesyncError or a failed monitored_barrier) and when it is destroyed; a
+///   subgroup writes `path.<rank of its root communicator>.g<k>` (nested: `.g<k>.g<j>`), a second
+///   communicator on the same store `path.<rank>.c<n>`. Without COMM_FLIGHT_RECORDER the failure
+///   dump goes to stderr when COMM_DEBUG is WARN or more.
+/// - Format: a `#` header line, then one line per operation, oldest first, `key=value` fields:
+///   `#17 all_reduce(float x4, sum) state=completed queued=2025-01-31T12:00:00.123456Z wait_ms=0.002 run_ms=0.051`.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <ctime>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <comm/types.hpp>
+
+namespace comm {
+
+/// Where an operation is in its life.
+enum class OpState : std::uint8_t { queued, started, completed, failed };
+
+[[nodiscard]] constexpr std::string_view to_string(OpState s) noexcept {
+  switch (s) {
+    case OpState::queued: return "queued";
+    case OpState::started: return "started";
+    case OpState::completed: return "completed";
+    case OpState::failed: return "failed";
+  }
+  return "unknown";
+}
+
+/// One operation as the flight recorder saw it.
+struct OpRecord {
+  using time_point = std::chrono::system_clock::time_point;
+  /// Position in the communicator's sequence of operations (0-based; the desync check's "op #").
+  std::uint64_t seq = 0;
+  /// "all_reduce", "reduce_scatter", "all_gather", "broadcast", "gather", "barrier", "split",
+  /// "monitored_barrier".
+  std::string op;
+  /// Element type; none for barriers and other operations without a buffer.
+  std::optional<Dtype> dtype;
+  /// The element count that is the same on every rank: the input count (gather, all_gather,
+  /// all_reduce), the output count (reduce_scatter), the buffer (broadcast).
+  std::uint64_t count = 0;
+  /// The root (broadcast, gather, monitored_barrier) or peer; -1 when none.
+  int root = -1;
+  /// The built-in reduction; none for non-reducing operations and custom callables.
+  std::optional<ReduceOp> reduce;
+  /// The reduction was a user callable.
+  bool custom_reduce = false;
+  OpState state = OpState::queued;
+  /// Wall-clock times of the transitions; a default (epoch) time_point when not reached.
+  time_point queued{}, started{}, ended{};
+  /// The error of a failed operation.
+  std::string error;
+};
+
+/// The flight recorder's contents for one communicator, oldest operation first.
+struct FlightRecord {
+  std::string backend;  ///< "gloo"
+  int rank = -1;
+  int size = 0;
+  std::string name;             ///< "" for a root communicator, "g0", "g0.g1" for subgroups, "c2"...
+  std::uint64_t total_ops = 0;  ///< operations issued since creation (the oldest may have been dropped)
+  std::size_t capacity = 0;     ///< ring size (0: recording is off)
+  std::vector<OpRecord> ops;
+};
+
+namespace detail {
+
+/// "all_reduce(float x4, sum)", "broadcast(float x4, root 0)", "barrier()".
+[[nodiscard]] inline std::string describe_call(std::string_view op, std::optional<Dtype> dtype, std::uint64_t count,
+                                               int root, std::optional<ReduceOp> reduce, bool custom) {
+  std::string s(op);
+  s += '(';
+  bool first = true;
+  auto sep = [&] {
+    if (!first) s += ", ";
+    first = false;
+  };
+  if (dtype) {
+    sep();
+    s += to_string(*dtype);
+    s += " x";
+    s += std::to_string(count);
+  }
+  if (reduce || custom) {
+    sep();
+    s += custom ? std::string("custom") : std::string(to_string(*reduce));
+  }
+  if (root >= 0) {
+    sep();
+    s += "root ";
+    s += std::to_string(root);
+  }
+  s += ')';
+  return s;
+}
+
+/// "2025-01-31T12:00:00.123456Z", or "-" for the epoch.
+[[nodiscard]] inline std::string iso_time(std::chrono::system_clock::time_point t) {
+  if (t.time_since_epoch().count() == 0) return "-";
+  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
+  const std::time_t secs = static_cast<std::time_t>(us / 1000000);
+  std::tm tm{};
+  ::gmtime_r(&secs, &tm);
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%06uZ", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday,
+                tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<unsigned>((us % 1000000 + 1000000) % 1000000));
+  return buf;
+}
+
+[[nodiscard]] inline std::string ms_between(OpRecord::time_point a, OpRecord::time_point b) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3f", std::chrono::duration<double, std::milli>(b - a).count());
+  return buf;
+}
+
+}  // namespace detail
+
+/// `op(...)` as in a desync message: "all_reduce(float x4, sum)".
+[[nodiscard]] inline std::string describe_call(const OpRecord& r) {
+  return detail::describe_call(r.op, r.dtype, r.count, r.root, r.reduce, r.custom_reduce);
+}
+
+/// One line: `#17 all_reduce(float x4, sum) state=completed queued=... wait_ms=... run_ms=...`;
+/// an operation still running shows `running_ms` up to `now`, a failed one its `error="..."`.
+[[nodiscard]] inline std::string to_string(const OpRecord& r,
+                                           OpRecord::time_point now = std::chrono::system_clock::now()) {
+  std::string s = "#" + std::to_string(r.seq) + " " + describe_call(r) + " state=" + std::string(to_string(r.state)) +
+                  " queued=" + detail::iso_time(r.queued);
+  const bool started = r.started.time_since_epoch().count() != 0;
+  const bool ended = r.ended.time_since_epoch().count() != 0;
+  if (started) s += " wait_ms=" + detail::ms_between(r.queued, r.started);
+  if (started && ended) s += " run_ms=" + detail::ms_between(r.started, r.ended);
+  if (started && !ended) s += " running_ms=" + detail::ms_between(r.started, now);
+  if (!started && !ended) s += " queued_ms=" + detail::ms_between(r.queued, now);
+  if (!r.error.empty()) {
+    s += " error=\"";
+    for (char c : r.error) s += (c == '"' ? '\'' : (c == '\n' ? ' ' : c));
+    s += '"';
+  }
+  return s;
+}
+
+/// The dump format: a `#` header line, then one line per operation (see to_string(OpRecord)).
+[[nodiscard]] inline std::string to_string(const FlightRecord& f) {
+  const auto now = std::chrono::system_clock::now();
+  std::string s = "# comm flight record: backend=" + f.backend + " rank=" + std::to_string(f.rank) +
+                  " size=" + std::to_string(f.size) + " comm=" + (f.name.empty() ? std::string("root") : f.name) +
+                  " ops=" + std::to_string(f.total_ops) + " shown=" + std::to_string(f.ops.size()) +
+                  " capacity=" + std::to_string(f.capacity) + " dumped=" + detail::iso_time(now) + "\n";
+  for (const auto& r : f.ops) {
+    s += to_string(r, now);
+    s += '\n';
+  }
+  return s;
+}
+
+}  // namespace comm
