@@ -18,35 +18,14 @@
 #include <vector>
 
 #include <comm/diagnostics.hpp>
+#include <support/env_guard.hpp>
 
 using namespace gloo_test;
 using namespace std::chrono_literals;
 
 namespace {
 
-/// Sets (or with nullptr unsets) one environment variable for a scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value)
-      ::setenv(name, value, 1);
-    else
-      ::unsetenv(name);
-  }
-  ~ScopedEnv() {
-    if (old_)
-      ::setenv(name_, old_->c_str(), 1);
-    else
-      ::unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using comm::test::ScopedEnv;
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 

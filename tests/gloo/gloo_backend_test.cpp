@@ -9,6 +9,7 @@
 #include <optional>
 #include <span>
 #include <thread>
+#include <support/env_guard.hpp>
 
 using namespace gloo_test;
 using namespace std::chrono_literals;
@@ -16,25 +17,7 @@ using namespace std::chrono_literals;
 namespace {
 
 /// Sets an environment variable for the current scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_)
-      ::setenv(name_, old_->c_str(), 1);
-    else
-      ::unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using comm::test::ScopedEnv;
 
 }  // namespace
 

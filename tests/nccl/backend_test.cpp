@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include <support/env_guard.hpp>
 
 using namespace nccl_test;
 using namespace std::chrono_literals;
@@ -20,25 +21,7 @@ namespace {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_)
-      ::setenv(name_, old_->c_str(), 1);
-    else
-      ::unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using comm::test::ScopedEnv;
 
 /// A CUDA stream for the test's duration.
 class Stream {

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <string>
+#include <support/env_guard.hpp>
 
 using namespace nccl_test;
 using namespace std::chrono_literals;
@@ -22,25 +23,7 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
     }                                                                                          \
   } while (0)
 
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_)
-      ::setenv(name_, old_->c_str(), 1);
-    else
-      ::unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using comm::test::ScopedEnv;
 
 void check_no_gpu_error(const comm::BackendError& e, int rank) {
   const std::string m = e.what();
