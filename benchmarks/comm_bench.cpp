@@ -1,0 +1,299 @@
+// comm-bench: nccl-tests-style benchmark of comm's collectives.
+//
+//   comm-run -n 4 comm-bench --op all_reduce -b 8 -e 64M -f 4 [--check] [--json] [--baseline raw]
+//
+// One row per size: size, count, type, redop, root, time (us, median over iterations of the max
+// over ranks), algbw, busbw (nccl-tests factors, see common/bench.hpp), #wrong. With
+// `--baseline raw` the same processes also run the raw engine call (gloo::allreduce...) on their
+// own gloo context, alternating with comm's call every iteration, and the table gains the raw
+// time and the comm/raw ratio.
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include <comm/comm.hpp>
+
+#include "common/bench.hpp"
+#include "common/cli.hpp"
+#include "common/data.hpp"
+#include "common/harness.hpp"
+#include "common/raw_gloo.hpp"
+#include "common/views.hpp"
+#if defined(COMM_HAS_NCCL)
+#include "common/nccl_rows.hpp"
+#endif
+
+namespace {
+
+using namespace comm::bench;
+using GlooComm = comm::Communicator<comm::backends::Gloo>;
+
+constexpr std::string_view kHelp =
+    R"(Usage: comm-run -n N comm-bench [options]
+
+nccl-tests-style benchmark of comm's collectives (rank 0 prints).
+
+  --backend B       gloo (default) | nccl (only in builds with COMM_HAS_NCCL; one GPU per rank;
+                    each timed call includes cudaStreamSynchronize of the communicator's stream)
+  --baseline raw    also time the raw engine call in the same processes, alternating with comm's,
+                    and print the raw time and the comm/raw ratio (gloo: its own context; nccl: the
+                    same ncclComm_t and stream)
+  --algo A          raw baseline's algorithm: all_reduce ring|bcube|hd|oldring|direct|rd,
+                    reduce_scatter hd|allreduce (see benchmarks/common/raw_gloo.hpp)
+  --async           time comm's async form (op(..., comm::async).wait()) instead of the blocking one
+
+Environment: COMM_BENCH_LOOP_NICE=N creates the gloo devices (comm's and the raw baseline's) so that
+their event-loop threads run at nice N (a prototype of a backend mitigation; see RESULTS.md).
+)";
+
+/// The comm call of `op` on view `v`: the blocking form, or the async form followed by wait().
+// noinline: benchmarks/profile-overhead counts instructions inside these two functions.
+template <class T>
+[[gnu::noinline]] void comm_call(GlooComm& c, Op op, const View<T>& v, comm::ReduceOp redop, int root, bool async) {
+  const std::span<const T> in(v.in, v.in_n);
+  const std::span<T> out(v.out, v.out_n);
+  if (async) {
+    switch (op) {
+      case Op::all_reduce:
+        (v.in == v.out ? c.all_reduce(out, redop, comm::async) : c.all_reduce(in, out, redop, comm::async)).wait();
+        break;
+      case Op::reduce_scatter: c.reduce_scatter(in, out, redop, comm::async).wait(); break;
+      case Op::all_gather: c.all_gather(in, out, comm::async).wait(); break;
+      case Op::broadcast: c.broadcast(out, root, comm::async).wait(); break;
+      case Op::gather: c.gather(in, out, root, comm::async).wait(); break;
+    }
+    return;
+  }
+  switch (op) {
+    case Op::all_reduce:
+      if (v.in == v.out)
+        c.all_reduce(out, redop);
+      else
+        c.all_reduce(in, out, redop);
+      break;
+    case Op::reduce_scatter: c.reduce_scatter(in, out, redop); break;
+    case Op::all_gather: c.all_gather(in, out); break;
+    case Op::broadcast: c.broadcast(out, root); break;
+    case Op::gather: c.gather(in, out, root); break;
+  }
+}
+
+template <class T>
+[[gnu::noinline]] void raw_call(RawGloo<T>& g, Op op, const View<T>& v, const Layout& l, comm::ReduceOp redop, int root,
+              const std::string& algo) {
+  switch (op) {
+    case Op::all_reduce: g.all_reduce(v.in, v.out, l.count, redop, algo); break;
+    case Op::reduce_scatter: g.reduce_scatter(v.in, v.out, l.block, redop, algo); break;
+    case Op::all_gather: g.all_gather(v.in, v.out, l.block); break;
+    case Op::broadcast: g.broadcast(v.out, l.count, root); break;
+    case Op::gather: g.gather(v.in, v.out, l.block, root); break;
+  }
+}
+
+[[nodiscard]] std::string default_algo(Op op) {
+  if (op == Op::all_reduce) return "ring";
+  if (op == Op::reduce_scatter) return "hd";
+  return "";
+}
+
+struct Context {
+  const Options& o;
+  long wrong = 0;  // summed over every row: comm-bench --check exits 1 when it is not 0
+  int rank, size;
+  GlooComm& c;
+  std::shared_ptr<::gloo::Context> raw_ctx;  // null without --baseline raw
+  CrossRank x;
+};
+
+template <class T>
+void run_dtype(Context& ctx) {
+  const Options& o = ctx.o;
+  const auto redop_opt = parse_redop(o.redop);
+  if (!redop_opt) throw std::invalid_argument("unknown --redop '" + o.redop + "'");
+  const comm::ReduceOp redop = *redop_opt;
+  const auto sizes = size_list(o.min_bytes, o.max_bytes, o.factor, o.sizes);
+  std::optional<RawGloo<T>> raw;
+  if (ctx.raw_ctx) {
+    if constexpr (raw_supported_v<T>)
+      raw.emplace(ctx.raw_ctx, ctx.c.backend().timeout());
+    else
+      throw std::invalid_argument("--baseline raw: gloo has no " + std::string(dtype_name<T>()) + " type");
+  }
+  const std::string system = o.async ? "comm-gloo-async" : "comm-gloo";
+
+  for (Op op : o.ops) {
+    const bool inplace = in_place(o, op);
+    const int root = is_rooted(op) ? o.root : -1;
+    if (is_rooted(op) && o.root >= ctx.size)
+      throw std::invalid_argument("--root " + std::to_string(o.root) + " is not below the world size " +
+                                  std::to_string(ctx.size));
+    Buffers<T> bufs;
+    bufs.reserve(op, sizes, ctx.size, inplace);
+    if (ctx.rank == 0) {
+      if (!o.json) {
+        std::printf("# comm-bench %s: backend gloo, world %d, dtype %s, redop %s, %s, iters %d (min %d, budget %gs), "
+                    "warmup %d%s%s\n",
+                    std::string(to_string(op)).c_str(), ctx.size, std::string(dtype_name<T>()).c_str(),
+                    is_reduction(op) ? o.redop.c_str() : "none", inplace ? "in place" : "out of place", o.iters,
+                    o.min_iters, o.budget_s, o.warmup, raw ? ", baseline raw gloo" : "",
+                    o.async ? ", async form" : "");
+        if (raw)
+          std::printf("# raw algorithm: %s\n", (o.algo.empty() ? default_algo(op) : o.algo).c_str());
+        print_table_header(o.check, raw.has_value());
+      }
+    }
+    for (std::size_t bytes : sizes) {
+      const Layout l = layout(op, bytes, sizeof(T), ctx.size);
+      const View<T> v = view(bufs, op, l, inplace, ctx.rank, o.root);
+      std::vector<Candidate> cands;
+      cands.push_back({[&] { comm_call<T>(ctx.c, op, v, redop, o.root, o.async); },
+                       [&] { fill_view(v, op, ctx.rank); },
+                       [&] { return verify_view(v, op, redop, l, ctx.rank, ctx.size, o.root); }});
+      if (raw) {
+        if constexpr (raw_supported_v<T>) {
+          cands.push_back({[&] { raw_call<T>(*raw, op, v, l, redop, o.root, o.algo); },
+                           [&] { fill_view(v, op, ctx.rank); },
+                           [&] { return verify_view(v, op, redop, l, ctx.rank, ctx.size, o.root); }});
+        }
+      }
+      const Measured m = measure(o, cands, ctx.x);
+      if (raw) raw->clear_persistent();
+
+      Row r;
+      r.system = system;
+      r.op = op;
+      r.dtype = std::string(dtype_name<T>());
+      r.redop = is_reduction(op) ? o.redop : "none";
+      r.root = root;
+      r.world = ctx.size;
+      r.placement = inplace ? "in" : "out";
+      r.l = l;
+      r.iters = m.iters;
+      r.t = m.t[0];
+      r.wrong = m.wrong[0];
+      ctx.wrong += std::max(0L, r.wrong);
+      Row rr = r;
+      if (raw) {
+        rr.system = "gloo-raw";
+        rr.algo = o.algo.empty() ? default_algo(op) : o.algo;
+        rr.t = m.t[1];
+        rr.wrong = m.wrong[1];
+        ctx.wrong += std::max(0L, rr.wrong);
+        r.baseline = "gloo-raw";
+        r.ratio = rr.t.median_us > 0 ? r.t.median_us / rr.t.median_us : 0;
+      }
+      if (ctx.rank == 0) {
+        if (o.json) {
+          print_json(r);
+          if (raw) print_json(rr);
+        } else {
+          print_table_row(r, raw ? &rr : nullptr);
+        }
+      }
+    }
+  }
+}
+
+int run(const Options& o) {
+  if (o.backend == "nccl") {
+#if defined(COMM_HAS_NCCL)
+    if (const auto dc = comm::nccl::device_count(); dc.count < 1) {
+      std::fprintf(stderr, "comm-bench: --backend nccl: no usable CUDA device on this machine (%s)\n", dc.why.c_str());
+      return 2;
+    }
+    return run_nccl(o);
+#else
+    std::fprintf(stderr,
+                 "comm-bench: --backend nccl: this build has no NCCL backend (COMM_HAS_NCCL is not defined: CUDA and "
+                 "NCCL were not found when comm was configured); use --backend gloo\n");
+#endif
+    return 2;
+  }
+  if (o.backend != "gloo") {
+    std::fprintf(stderr, "comm-bench: unknown --backend '%s' (gloo|nccl)\n", o.backend.c_str());
+    return 2;
+  }
+
+  comm::InitResult init = comm::init_env();
+  // COMM_BENCH_LOOP_NICE (prototype, see raw_gloo.hpp make_device): create the communicator on a
+  // helper thread at that nice value, so that gloo's event-loop thread inherits it.
+  const int loop_nice = loop_nice_from_env();
+  std::optional<GlooComm> made;
+  if (loop_nice == 0) {
+    made.emplace(GlooComm::create(init.store, init.rank, init.size));
+  } else {
+    std::exception_ptr err;
+    std::thread t([&] {
+      ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), loop_nice);
+      try {
+        made.emplace(GlooComm::create(init.store, init.rank, init.size));
+      } catch (...) {
+        err = std::current_exception();
+      }
+    });
+    t.join();
+    if (err) std::rethrow_exception(err);
+  }
+  GlooComm& c = *made;
+  Context ctx{o, 0, init.rank, init.size, c, nullptr, {}};
+  ctx.x.max = [&](std::span<double> v) { c.all_reduce(v, comm::ReduceOp::max); };
+  ctx.x.sum = [&](std::span<double> v) { c.all_reduce(v, comm::ReduceOp::sum); };
+  if (o.baseline == "raw") ctx.raw_ctx = make_raw_context(init.store, init.rank, init.size, "comm-bench/raw/", c.backend().timeout());
+
+  const bool known = with_dtype(o.dtype, [&](auto t) { run_dtype<decltype(t)>(ctx); });
+  if (!known) throw std::invalid_argument("unknown --dtype '" + o.dtype + "'");
+
+  // Peak RSS of every rank.
+  std::vector<double> rss(static_cast<std::size_t>(init.size), 0.0);
+  rss[static_cast<std::size_t>(init.rank)] = static_cast<double>(peak_rss_kb());
+  ctx.x.max(rss);
+  std::vector<long> rss_kb(rss.begin(), rss.end());
+  if (init.rank == 0) {
+    if (o.json) {
+      print_json_memory(o.async ? "comm-gloo-async" : "comm-gloo", init.size, rss_kb);
+    } else {
+      std::printf("# peak RSS per rank (KiB):");
+      for (long k : rss_kb) std::printf(" %ld", k);
+      std::printf("\n");
+    }
+  }
+  c.barrier();
+  if (ctx.wrong > 0) {
+    if (init.rank == 0) std::fprintf(stderr, "comm-bench: --check found %ld wrong elements\n", ctx.wrong);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    parse_args(argc, argv, o, kHelp, [](std::string_view, std::string_view) { return 0; });
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "comm-bench: %s\n", e.what());
+    return 2;
+  }
+  try {
+    return run(o);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "comm-bench: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "comm-bench: %s\n", e.what());
+    return 1;
+  }
+}

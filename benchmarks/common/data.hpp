@@ -1,0 +1,144 @@
+#pragma once
+// Inputs and expected results for --check. Values are small integers, exact in every element type
+// (half and bfloat16 included), so sums, products, minima and maxima are exact; avg on floating
+// types is compared with a relative tolerance (it multiplies by 1/n).
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <type_traits>
+
+#include <comm/types.hpp>
+
+#include "bench.hpp"
+
+namespace comm::bench {
+
+template <class T>
+[[nodiscard]] constexpr double to_double(T v) noexcept {
+  if constexpr (std::is_same_v<T, comm::half> || std::is_same_v<T, comm::bfloat16>)
+    return static_cast<double>(static_cast<float>(v));
+  else
+    return static_cast<double>(v);
+}
+
+template <class T>
+[[nodiscard]] constexpr T from_double(double v) noexcept {
+  if constexpr (std::is_same_v<T, comm::half> || std::is_same_v<T, comm::bfloat16>)
+    return T(static_cast<float>(v));
+  else
+    return static_cast<T>(v);
+}
+
+/// Element i of `rank`'s input. Reductions use 1..3 (products of 4 ranks stay below 127);
+/// the other ops use 1..97 so a block in the wrong slot is seen.
+[[nodiscard]] inline double input_value(bool reduction, int rank, std::size_t i) noexcept {
+  if (reduction) return static_cast<double>((static_cast<std::size_t>(rank) + i) % 3 + 1);
+  return static_cast<double>((static_cast<std::size_t>(rank) * 5 + i) % 97 + 1);
+}
+
+/// Fills `buf` as rank `rank`'s input where element j is global element `first + j`.
+template <class T>
+void fill(std::span<T> buf, bool reduction, int rank, std::size_t first = 0) {
+  for (std::size_t j = 0; j < buf.size(); ++j) buf[j] = from_double<T>(input_value(reduction, rank, first + j));
+}
+
+/// The reduction of global element `i` over `n` ranks, as comm defines it.
+template <class T>
+[[nodiscard]] double expected_reduction(comm::ReduceOp op, int n, std::size_t i) {
+  double acc = input_value(true, 0, i);
+  for (int r = 1; r < n; ++r) {
+    const double v = input_value(true, r, i);
+    switch (op) {
+      case comm::ReduceOp::sum:
+      case comm::ReduceOp::avg: acc += v; break;
+      case comm::ReduceOp::prod: acc *= v; break;
+      case comm::ReduceOp::min: acc = v < acc ? v : acc; break;
+      case comm::ReduceOp::max: acc = v > acc ? v : acc; break;
+      case comm::ReduceOp::band: acc = static_cast<double>(static_cast<long>(acc) & static_cast<long>(v)); break;
+      case comm::ReduceOp::bor: acc = static_cast<double>(static_cast<long>(acc) | static_cast<long>(v)); break;
+      case comm::ReduceOp::bxor: acc = static_cast<double>(static_cast<long>(acc) ^ static_cast<long>(v)); break;
+    }
+  }
+  if (op == comm::ReduceOp::avg) {
+    if constexpr (std::is_integral_v<T>)
+      acc = std::floor(acc / n);
+    else
+      acc = acc / n;
+  }
+  return acc;
+}
+
+template <class T>
+[[nodiscard]] bool same(T got, double want, bool approx) noexcept {
+  const double g = to_double(got);
+  if (!approx) return g == to_double(from_double<T>(want));
+  constexpr bool low = sizeof(T) == 2;
+  const double tol = (low ? 1e-2 : 1e-5) * (want < 0 ? -want : want) + 1e-12;
+  return (g - want <= tol) && (want - g <= tol);
+}
+
+/// Wrong elements in this rank's result of `op`.
+///   all_reduce: out[i] = R_r in_r[i]          reduce_scatter: out[i] = R_r in_r[rank*block + i]
+///   all_gather/gather (root): out[q*block + i] = in_q[i]     broadcast: data[i] = in_root[i]
+template <class T>
+[[nodiscard]] long count_wrong(Op op, comm::ReduceOp redop, std::span<const T> out, const Layout& l, int rank, int n,
+                               int root) {
+  long wrong = 0;
+  const bool approx = redop == comm::ReduceOp::avg && !std::is_integral_v<T>;
+  switch (op) {
+    case Op::all_reduce:
+      for (std::size_t i = 0; i < l.count; ++i) wrong += !same(out[i], expected_reduction<T>(redop, n, i), approx);
+      break;
+    case Op::reduce_scatter: {
+      const std::size_t base = static_cast<std::size_t>(rank) * l.block;
+      for (std::size_t i = 0; i < l.block; ++i)
+        wrong += !same(out[i], expected_reduction<T>(redop, n, base + i), approx);
+      break;
+    }
+    case Op::all_gather:
+    case Op::gather:
+      if (op == Op::gather && rank != root) break;
+      for (int q = 0; q < n; ++q)
+        for (std::size_t i = 0; i < l.block; ++i)
+          wrong += !same(out[static_cast<std::size_t>(q) * l.block + i], input_value(false, q, i), false);
+      break;
+    case Op::broadcast:
+      for (std::size_t i = 0; i < l.count; ++i) wrong += !same(out[i], input_value(false, root, i), false);
+      break;
+  }
+  return wrong;
+}
+
+[[nodiscard]] inline std::optional<comm::ReduceOp> parse_redop(std::string_view s) {
+  for (auto op : {comm::ReduceOp::sum, comm::ReduceOp::prod, comm::ReduceOp::min, comm::ReduceOp::max,
+                  comm::ReduceOp::avg, comm::ReduceOp::band, comm::ReduceOp::bor, comm::ReduceOp::bxor})
+    if (s == comm::to_string(op)) return op;
+  return std::nullopt;
+}
+
+/// Calls `f(T{})` for the element type named `dtype`; false when the name is unknown.
+template <class F>
+bool with_dtype(std::string_view dtype, F&& f) {
+  if (dtype == "float" || dtype == "float32") return f(float{}), true;
+  if (dtype == "double" || dtype == "float64") return f(double{}), true;
+  if (dtype == "half" || dtype == "float16") return f(comm::half{}), true;
+  if (dtype == "bfloat16" || dtype == "bf16") return f(comm::bfloat16{}), true;
+  if (dtype == "int8") return f(std::int8_t{}), true;
+  if (dtype == "uint8") return f(std::uint8_t{}), true;
+  if (dtype == "int32" || dtype == "int") return f(std::int32_t{}), true;
+  if (dtype == "uint32") return f(std::uint32_t{}), true;
+  if (dtype == "int64") return f(std::int64_t{}), true;
+  if (dtype == "uint64") return f(std::uint64_t{}), true;
+  return false;
+}
+
+template <class T>
+[[nodiscard]] constexpr std::string_view dtype_name() noexcept {
+  return comm::to_string(comm::dtype_of<T>);
+}
+
+}  // namespace comm::bench

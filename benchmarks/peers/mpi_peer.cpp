@@ -1,0 +1,192 @@
+// OpenMPI peer of benchmarks/compare: MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather,
+// MPI_Bcast, MPI_Gather with the same command line, methodology and JSON lines as comm-bench.
+//
+//   mpirun -n 2 --mca btl self,vader comm-bench-mpi-peer --system mpi-shm --op all_reduce --json
+//   mpirun -n 2 --mca btl self,tcp --mca btl_tcp_if_include lo comm-bench-mpi-peer --system mpi-tcp ...
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "../common/bench.hpp"
+#include "../common/cli.hpp"
+#include "../common/data.hpp"
+#include "../common/harness.hpp"
+#include "../common/views.hpp"
+
+namespace {
+
+using namespace comm::bench;
+
+constexpr std::string_view kHelp =
+    R"(Usage: mpirun -n N comm-bench-mpi-peer [options]
+
+OpenMPI collectives, timed like comm-bench.
+  --system NAME   the "system" field of the JSON lines (default mpi)
+)";
+
+template <class T>
+MPI_Datatype mpi_type() {
+  if constexpr (std::is_same_v<T, float>) return MPI_FLOAT;
+  if constexpr (std::is_same_v<T, double>) return MPI_DOUBLE;
+  if constexpr (std::is_same_v<T, std::int8_t>) return MPI_INT8_T;
+  if constexpr (std::is_same_v<T, std::uint8_t>) return MPI_UINT8_T;
+  if constexpr (std::is_same_v<T, std::int32_t>) return MPI_INT32_T;
+  if constexpr (std::is_same_v<T, std::uint32_t>) return MPI_UINT32_T;
+  if constexpr (std::is_same_v<T, std::int64_t>) return MPI_INT64_T;
+  if constexpr (std::is_same_v<T, std::uint64_t>) return MPI_UINT64_T;
+  return MPI_DATATYPE_NULL;
+}
+
+MPI_Op mpi_op(comm::ReduceOp op) {
+  switch (op) {
+    case comm::ReduceOp::sum: return MPI_SUM;
+    case comm::ReduceOp::prod: return MPI_PROD;
+    case comm::ReduceOp::min: return MPI_MIN;
+    case comm::ReduceOp::max: return MPI_MAX;
+    case comm::ReduceOp::band: return MPI_BAND;
+    case comm::ReduceOp::bor: return MPI_BOR;
+    case comm::ReduceOp::bxor: return MPI_BXOR;
+    case comm::ReduceOp::avg: break;
+  }
+  throw std::invalid_argument("MPI has no avg reduction");
+}
+
+void check(int rc, const char* what) {
+  if (rc != MPI_SUCCESS) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    throw std::runtime_error(std::string(what) + ": " + std::string(msg, static_cast<std::size_t>(len)));
+  }
+}
+
+template <class T>
+void run_dtype(const Options& o, int rank, int n, const CrossRank& x, const std::string& system) {
+  const MPI_Datatype dt = mpi_type<T>();
+  if (dt == MPI_DATATYPE_NULL) throw std::invalid_argument("MPI has no " + std::string(dtype_name<T>()) + " type");
+  const auto redop_opt = parse_redop(o.redop);
+  if (!redop_opt) throw std::invalid_argument("unknown --redop '" + o.redop + "'");
+  const auto redop = *redop_opt;
+  const auto sizes = size_list(o.min_bytes, o.max_bytes, o.factor, o.sizes);
+  for (Op op : o.ops) {
+    const bool inplace = in_place(o, op);
+    const MPI_Op mop = is_reduction(op) ? mpi_op(redop) : MPI_OP_NULL;
+    Buffers<T> bufs;
+    bufs.reserve(op, sizes, n, inplace);
+    if (rank == 0 && !o.json) {
+      std::printf("# %s %s: world %d, dtype %s\n", system.c_str(), std::string(to_string(op)).c_str(), n,
+                  std::string(dtype_name<T>()).c_str());
+      print_table_header(o.check, false);
+    }
+    for (std::size_t bytes : sizes) {
+      const Layout l = layout(op, bytes, sizeof(T), n);
+      const View<T> v = view(bufs, op, l, inplace, rank, o.root);
+      const int count = static_cast<int>(l.count), block = static_cast<int>(l.block);
+      std::vector<Candidate> c(1);
+      c[0].call = [&] {
+        switch (op) {
+          case Op::all_reduce:
+            check(MPI_Allreduce(v.in == v.out ? MPI_IN_PLACE : v.in, v.out, count, dt, mop, MPI_COMM_WORLD),
+                  "MPI_Allreduce");
+            break;
+          case Op::reduce_scatter:
+            if (v.out == v.in + static_cast<std::size_t>(rank) * l.block) {
+              // In place: MPI leaves the block at the start of the buffer.
+              check(MPI_Reduce_scatter_block(MPI_IN_PLACE, v.in, block, dt, mop, MPI_COMM_WORLD),
+                    "MPI_Reduce_scatter_block");
+              if (rank != 0) std::memmove(v.out, v.in, l.block * sizeof(T));
+            } else {
+              check(MPI_Reduce_scatter_block(v.in, v.out, block, dt, mop, MPI_COMM_WORLD), "MPI_Reduce_scatter_block");
+            }
+            break;
+          case Op::all_gather:
+            if (v.in == v.out + static_cast<std::size_t>(rank) * l.block)
+              check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, v.out, block, dt, MPI_COMM_WORLD), "MPI_Allgather");
+            else
+              check(MPI_Allgather(v.in, block, dt, v.out, block, dt, MPI_COMM_WORLD), "MPI_Allgather");
+            break;
+          case Op::broadcast: check(MPI_Bcast(v.out, count, dt, o.root, MPI_COMM_WORLD), "MPI_Bcast"); break;
+          case Op::gather:
+            check(MPI_Gather(v.in, block, dt, v.out, block, dt, o.root, MPI_COMM_WORLD), "MPI_Gather");
+            break;
+        }
+      };
+      c[0].fill = [&] { fill_view(v, op, rank); };
+      c[0].verify = [&] { return verify_view(v, op, redop, l, rank, n, o.root); };
+      const Measured m = measure(o, c, x);
+      Row r;
+      r.system = system;
+      r.op = op;
+      r.dtype = std::string(dtype_name<T>());
+      r.redop = is_reduction(op) ? o.redop : "none";
+      r.root = is_rooted(op) ? o.root : -1;
+      r.world = n;
+      r.placement = inplace ? "in" : "out";
+      r.l = l;
+      r.iters = m.iters;
+      r.t = m.t[0];
+      r.wrong = m.wrong[0];
+      if (rank == 0) {
+        if (o.json)
+          print_json(r);
+        else
+          print_table_row(r, nullptr);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  int rank = 0, n = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  Options o;
+  std::string system = "mpi";
+  int rc = 0;
+  try {
+    parse_args(argc, argv, o, kHelp, [&](std::string_view f, std::string_view next) {
+      if (f == "--system" && !next.empty()) {
+        system = next;
+        return 2;
+      }
+      return 0;
+    });
+    CrossRank x;
+    x.max = [](std::span<double> v) {
+      check(MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+    };
+    x.sum = [](std::span<double> v) {
+      check(MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+    };
+    const bool known = with_dtype(o.dtype, [&](auto t) { run_dtype<decltype(t)>(o, rank, n, x, system); });
+    if (!known) throw std::invalid_argument("unknown --dtype '" + o.dtype + "'");
+    std::vector<double> rss(static_cast<std::size_t>(n), 0.0);
+    rss[static_cast<std::size_t>(rank)] = static_cast<double>(peak_rss_kb());
+    x.max(rss);
+    if (rank == 0 && o.json) print_json_memory(system, n, std::vector<long>(rss.begin(), rss.end()));
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "comm-bench-mpi-peer: %s\n", e.what());
+    rc = 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "comm-bench-mpi-peer: %s\n", e.what());
+    rc = 1;
+  }
+  if (rc != 0) MPI_Abort(MPI_COMM_WORLD, rc);
+  MPI_Finalize();
+  return rc;
+}
