@@ -579,6 +579,67 @@ TEST_CASE("the server enforces max_total_bytes") {
   CHECK(s.get("c").size() == big.size());
 }
 
+TEST_CASE("a wait on millions of keys is charged against max_total_bytes; nothing is copied first") {
+  // 8 bytes per key on the wire (empty keys), about 150 per key once copied and parked: without
+  // the charge one request of 4 MiB would make the server take about 80 MiB.
+  auto so = server_options();
+  so.max_total_bytes = 8 << 20;
+  comm::TcpStore s("127.0.0.1", 0, so);
+  check_healthy(s.port());
+  constexpr std::uint32_t n = 1 << 19;
+  auto keys_frame = [&](sp::Op op, std::optional<std::uint64_t> ms) {
+    return frame(op, [&](sp::Writer& w) {
+      w.u32(n);
+      for (std::uint32_t i = 0; i < n; ++i) w.u64(0);
+      if (ms) w.u64(*ms);
+    });
+  };
+  // Generous deadlines: sanitizer builds on a loaded machine move megabytes slowly.
+  auto send = [](Raw& r, const Bytes& b) {
+    return comm::detail::send_all(r.fd.get(), b, comm::detail::deadline_after(30s)).ok();
+  };
+  auto reply = [](Raw& r) {
+    std::uint8_t head[8];
+    Bytes p;
+    if (!comm::detail::recv_all(r.fd.get(), head, comm::detail::deadline_after(30s)).ok()) return p;
+    p.resize(sp::read_u64(head));
+    if (!comm::detail::recv_all(r.fd.get(), p, comm::detail::deadline_after(30s)).ok()) p.clear();
+    return p;
+  };
+  const auto parked = keys_frame(sp::Op::wait, 10000);
+  const auto at_once = keys_frame(sp::Op::wait, 0);
+  const auto check = keys_frame(sp::Op::check, std::nullopt);
+  const long rss0 = rss_kib();
+  Raw r(s.port());
+  REQUIRE(r.hello() == 0);
+  REQUIRE(send(r, parked));
+  auto p = reply(r);
+  REQUIRE(p.size() > 1);
+  CHECK(p[0] == static_cast<std::uint8_t>(sp::Status::failed));
+  CHECK(contains(std::string(p.begin(), p.end()), "store full: waiting on 524288 keys"));
+  // ms = 0 answers at once with the missing keys (a reply no larger than the request)...
+  REQUIRE(send(r, at_once));
+  p = reply(r);
+  REQUIRE(p.size() > 5);
+  CHECK(p[0] == static_cast<std::uint8_t>(sp::Status::timeout));
+  CHECK(sp::Reader(std::span(p).subspan(1)).u32() == n);
+  // ... and check() only looks.
+  REQUIRE(send(r, check));
+  p = reply(r);
+  REQUIRE(p.size() == 2);
+  CHECK(p[1] == 0);
+  // The 4 MiB requests were buffered and answered: far below the 80 MiB of copies.
+  CHECK(rss_kib() - rss0 < 48 * 1024);
+  // A normal wait still parks and is woken.
+  comm::TcpStore c("127.0.0.1", s.port(), client_options());
+  auto waiter = std::thread([&] { c.wait({"x", "y"}, 3s); });
+  std::this_thread::sleep_for(20ms);
+  s.set("x", "1");
+  s.set("y", "1");
+  waiter.join();
+  check_healthy(s.port());
+}
+
 TEST_CASE("large values round-trip") {
   comm::TcpStore s("127.0.0.1", 0, server_options());
   std::string v(16 << 20, '\0');

@@ -89,7 +89,9 @@ struct TcpStoreOptions {
   std::size_t max_value_bytes = std::size_t{64} << 20;
   /// Largest key accepted (bytes).
   std::size_t max_key_bytes = 4096;
-  /// Server: total bytes of keys and values it stores; a set beyond it fails with RemoteError.
+  /// Server: total bytes of keys and values it stores, plus the keys that blocked get()/wait()
+  /// calls wait on (128 bytes of bookkeeping each); a set, or a wait, beyond it fails with
+  /// RemoteError ("store full").
   std::size_t max_total_bytes = std::size_t{1} << 30;
   /// Server: a connection whose handshake does not complete within this long, or whose half-sent
   /// request or unread reply makes no progress for this long, is dropped (so stalled peers cannot

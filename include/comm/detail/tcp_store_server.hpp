@@ -7,7 +7,9 @@
 // deadline passes. A connection is dropped when it sends a bad magic, a wrong token, an
 // oversized or malformed frame (after an error reply where the framing still holds), when its
 // handshake does not complete within the stall timeout, or when a started request or a pending
-// reply makes no progress for the stall timeout. Nothing here throws out of the thread.
+// reply makes no progress for the stall timeout. Memory: stored keys and values, and the keys that
+// parked requests wait on, count against max_total_bytes together. Nothing here throws out of
+// the thread.
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -25,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -141,7 +144,16 @@ class TcpStoreServer {
     Op op = Op::get;
     std::vector<std::string> keys;
     Clock::time_point deadline;
+    std::size_t cost = 0;  // counted in parked_bytes_
   };
+
+  // What one key of a parked get()/wait() costs the server: its copy, its place in the request's
+  // key list and in waiters_. Counted against max_total_bytes, so that a request of millions of
+  // empty keys (8 bytes each on the wire) cannot make the server take many times its size.
+  static constexpr std::size_t parked_key_overhead = 128;
+  [[nodiscard]] static std::size_t parked_cost(std::string_view key) noexcept {
+    return key.size() + parked_key_overhead;
+  }
 
   struct Conn {
     Fd fd;
@@ -487,12 +499,20 @@ class TcpStoreServer {
   }
 
   void reply_timeout(Conn& c, const std::vector<std::string>& missing) {
+    reply_timeout_with(c, missing.size(), [&](store_proto::Writer& w) {
+      for (const auto& k : missing) w.str(k);
+    });
+  }
+
+  // A timeout reply naming `n` missing keys, which `keys(w)` writes.
+  template <class F>
+  void reply_timeout_with(Conn& c, std::size_t n, F&& keys) {
     start_reply(c);
     const auto at = store_proto::begin_frame(c.out);
     store_proto::Writer w(c.out);
     w.u8(static_cast<std::uint8_t>(Status::timeout));
-    w.u32(static_cast<std::uint32_t>(missing.size()));
-    for (const auto& k : missing) w.str(k);
+    w.u32(static_cast<std::uint32_t>(n));
+    keys(w);
     store_proto::finish_frame(c.out, at);
   }
 
@@ -552,11 +572,11 @@ class TcpStoreServer {
     auto it = kv_.find(key);
     const std::size_t old = it == kv_.end() ? 0 : key.size() + it->second.size();
     const std::size_t add = key.size() + value.size();
-    if (add > old && total_bytes_ - old + add > opts_.max_total_bytes) {
+    if (add > old && total_bytes_ + parked_bytes_ - old + add > opts_.max_total_bytes) {
       reply_error(c, Status::failed,
                   "store full: storing " + std::to_string(add) + " bytes for " + quote_key(key) + " would pass " +
                       "max_total_bytes (" + std::to_string(opts_.max_total_bytes) + "; " +
-                      std::to_string(total_bytes_) + " in use)");
+                      std::to_string(total_bytes_ + parked_bytes_) + " in use)");
       return false;
     }
     if (it == kv_.end()) {
@@ -566,6 +586,17 @@ class TcpStoreServer {
     }
     total_bytes_ = total_bytes_ - old + add;
     return true;
+  }
+
+  // Whether parking keys that cost `cost` fits in max_total_bytes (else replies `failed`).
+  bool parked_fits(Conn& c, std::size_t keys, std::size_t cost) {
+    if (cost <= opts_.max_total_bytes && total_bytes_ + parked_bytes_ <= opts_.max_total_bytes - cost) return true;
+    reply_error(c, Status::failed,
+                "store full: waiting on " + std::to_string(keys) + (keys == 1 ? " key" : " keys") + " takes about " +
+                    std::to_string(cost) + " bytes of server memory, which would pass max_total_bytes (" +
+                    std::to_string(opts_.max_total_bytes) + "; " + std::to_string(total_bytes_ + parked_bytes_) +
+                    " in use)");
+    return false;
   }
 
   void malformed(Conn& c, Clock::time_point now) {
@@ -598,9 +629,9 @@ class TcpStoreServer {
         if (auto it = kv_.find(key); it != kv_.end()) {
           return reply_ok_with(c, [&](store_proto::Writer& w) { w.bytes(it->second); });
         }
-        std::vector<std::string> keys{std::string(key)};
-        if (ms == 0) return reply_timeout(c, keys);
-        return park(c, Op::get, std::move(keys), now + std::chrono::milliseconds(ms));
+        if (ms == 0) return reply_timeout_with(c, 1, [&](store_proto::Writer& w) { w.str(key); });
+        if (!parked_fits(c, 1, parked_cost(key))) return;
+        return park(c, Op::get, {std::string(key)}, now + std::chrono::milliseconds(ms), parked_cost(key));
       }
       case Op::add: {
         const auto key = r.str();
@@ -636,24 +667,42 @@ class TcpStoreServer {
       }
       case Op::wait:
       case Op::check: {
+        // Two passes over the keys. The first checks and counts them without copying anything:
+        // a key costs 8 bytes on the wire but much more once copied and parked, so nothing is
+        // copied before that cost is known to fit (parked_fits).
         const std::uint32_t n = r.u32();
-        std::vector<std::string> missing;
-        std::vector<std::string> keys;
+        const store_proto::Reader first_key = r;
+        std::size_t count = 0, missing = 0, cost = 0;
         for (std::uint32_t i = 0; i < n && r.ok(); ++i) {
           const auto key = r.str();
           if (!r.ok()) break;
           if (!key_ok(c, key)) return;
-          keys.emplace_back(key);
-          if (kv_.find(key) == kv_.end()) missing.emplace_back(key);
+          ++count;
+          cost += parked_cost(key);
+          if (kv_.find(key) == kv_.end()) ++missing;
         }
         const auto ms = op == Op::wait ? clamp_ms(r.u64()) : 0;
         if (!r.done()) return malformed(c, now);
         if (op == Op::check) {
-          return reply_ok_with(c, [&](store_proto::Writer& w) { w.u8(missing.empty() ? 1 : 0); });
+          return reply_ok_with(c, [&](store_proto::Writer& w) { w.u8(missing == 0 ? 1 : 0); });
         }
-        if (missing.empty()) return reply_ok(c);
-        if (ms == 0) return reply_timeout(c, missing);
-        return park(c, Op::wait, std::move(keys), now + std::chrono::milliseconds(ms));
+        if (missing == 0) return reply_ok(c);
+        auto each_key = [&](auto&& f) {
+          store_proto::Reader k = first_key;
+          for (std::size_t i = 0; i < count; ++i) f(k.str());
+        };
+        if (ms == 0) {
+          return reply_timeout_with(c, missing, [&](store_proto::Writer& w) {
+            each_key([&](std::string_view key) {
+              if (kv_.find(key) == kv_.end()) w.str(key);
+            });
+          });
+        }
+        if (!parked_fits(c, count, cost)) return;
+        std::vector<std::string> keys;
+        keys.reserve(count);
+        each_key([&](std::string_view key) { keys.emplace_back(key); });
+        return park(c, Op::wait, std::move(keys), now + std::chrono::milliseconds(ms), cost);
       }
       case Op::num_keys: {
         if (!r.done()) return malformed(c, now);
@@ -678,10 +727,11 @@ class TcpStoreServer {
 
   // --- parked get()/wait() ----------------------------------------------------------------------
 
-  void park(Conn& c, Op op, std::vector<std::string> keys, Clock::time_point deadline) {
+  void park(Conn& c, Op op, std::vector<std::string> keys, Clock::time_point deadline, std::size_t cost) {
     for (const auto& k : keys)
       if (kv_.find(k) == kv_.end()) waiters_[k].push_back(c.id);
-    c.pending = Pending{op, std::move(keys), deadline};
+    c.pending = Pending{op, std::move(keys), deadline, cost};
+    parked_bytes_ += cost;
   }
 
   void unpark(Conn& c) {
@@ -691,6 +741,7 @@ class TcpStoreServer {
       std::erase(it->second, c.id);
       if (it->second.empty()) waiters_.erase(it);
     }
+    parked_bytes_ -= c.pending->cost;
     c.pending.reset();
   }
 
@@ -794,6 +845,7 @@ class TcpStoreServer {
 
   std::map<std::string, Bytes, std::less<>> kv_;
   std::size_t total_bytes_ = 0;
+  std::size_t parked_bytes_ = 0;  // what parked get()/wait() requests hold (Pending::cost)
   std::map<std::string, std::vector<std::uint64_t>, std::less<>> waiters_;
   std::unordered_map<std::uint64_t, std::unique_ptr<Conn>> conns_;
   std::vector<std::uint64_t> ready_;

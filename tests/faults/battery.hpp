@@ -1,0 +1,174 @@
+#pragma once
+// Shared pieces of the fault battery: where the helper programs are, a hard per-scenario
+// deadline (a hang kills the test process with a message naming the scenario), the report lines
+// the docs quote, and starting a world of fault_peer ranks with an explicit environment.
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <comm/detail/socket.hpp>
+
+#include "process.hpp"
+
+#ifndef COMM_FAULT_PEER_EXE
+#error "COMM_FAULT_PEER_EXE must name the fault_peer program"
+#endif
+#ifndef COMM_RUN_EXE
+#error "COMM_RUN_EXE must name the comm-run program"
+#endif
+
+namespace comm::faults {
+
+using namespace std::chrono_literals;
+
+inline constexpr const char* fault_peer = COMM_FAULT_PEER_EXE;
+inline constexpr const char* comm_run = COMM_RUN_EXE;
+
+/// The hard deadline of one scenario: if the scenario is still running when it passes, the whole
+/// test process prints what hung and exits with 124 (a Process's children die with their group
+/// leader's pipe; CTest's TIMEOUT is the last line of defence).
+class HangGuard {
+ public:
+  HangGuard(std::string scenario, milliseconds limit) : scenario_(std::move(scenario)) {
+    thread_ = std::thread([this, limit] {
+      std::unique_lock lock(mu_);
+      if (!cv_.wait_for(lock, limit, [&] { return done_; })) {
+        std::fprintf(stderr, "fault-battery: HANG: scenario '%s' still running after %lld ms; aborting\n",
+                     scenario_.c_str(), static_cast<long long>(limit.count()));
+        std::fflush(stderr);
+        std::_Exit(124);
+      }
+    });
+  }
+  ~HangGuard() {
+    {
+      std::lock_guard lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  HangGuard(const HangGuard&) = delete;
+  HangGuard& operator=(const HangGuard&) = delete;
+
+ private:
+  std::string scenario_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+/// One measured outcome. Printed as
+///   fault-battery | <scenario> | <outcome> | <ms> ms | bound <ms> ms | <message>
+/// and appended as a tab-separated line to $COMM_FAULT_REPORT when that is set.
+inline void report(const std::string& scenario, const std::string& outcome, double ms, double bound_ms,
+                   const std::string& message = {}) {
+  char head[512];
+  std::snprintf(head, sizeof head, "fault-battery | %s | %s | %.1f ms | bound %.0f ms | ", scenario.c_str(),
+                outcome.c_str(), ms, bound_ms);
+  std::printf("%s%s\n", head, message.c_str());
+  std::fflush(stdout);
+  if (const char* path = std::getenv("COMM_FAULT_REPORT"); path != nullptr && *path != '\0') {
+    std::ofstream f(path, std::ios::app);
+    f << scenario << '\t' << outcome << '\t' << ms << '\t' << bound_ms << '\t' << message << '\n';
+  }
+}
+
+/// Percentile (0..100) of `v` (nearest rank); 0 for an empty list.
+inline double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const auto k = static_cast<std::size_t>(std::clamp(p / 100.0 * static_cast<double>(v.size()) + 0.5, 1.0,
+                                                     static_cast<double>(v.size())));
+  return v[k - 1];
+}
+
+inline bool contains(const std::string& hay, const std::string& needle) { return hay.find(needle) != std::string::npos; }
+
+/// The launcher environment of rank `rank` of `size`, store at 127.0.0.1:`port`.
+inline Process::Env rank_env(int rank, int size, std::uint16_t port, const std::string& timeout,
+                             const std::string& token = "fault-battery-token") {
+  return {{"RANK", std::to_string(rank)},
+          {"WORLD_SIZE", std::to_string(size)},
+          {"LOCAL_RANK", std::to_string(rank)},
+          {"LOCAL_WORLD_SIZE", std::to_string(size)},
+          {"MASTER_ADDR", "127.0.0.1"},
+          {"MASTER_PORT", std::to_string(port)},
+          {"COMM_STORE_TOKEN", token},
+          {"COMM_TIMEOUT", timeout}};
+}
+
+/// A world of fault_peer ranks, each with its own arguments and environment.
+struct World {
+  std::vector<std::unique_ptr<Process>> ranks;
+
+  Process& operator[](std::size_t i) { return *ranks.at(i); }
+  [[nodiscard]] std::size_t size() const { return ranks.size(); }
+
+  /// Waits until every rank in `which` (all when empty) printed a line starting with `prefix`.
+  bool all_said(const std::string& prefix, milliseconds within, std::vector<int> which = {}) {
+    if (which.empty())
+      for (std::size_t i = 0; i < ranks.size(); ++i) which.push_back(static_cast<int>(i));
+    const auto deadline = Clock::now() + within;
+    for (int r : which) {
+      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+      if (!ranks.at(static_cast<std::size_t>(r))->wait_line(prefix, std::max(left, milliseconds(1)))) return false;
+    }
+    return true;
+  }
+
+  /// Every rank's output, prefixed with its rank (for failure messages).
+  std::string outputs() {
+    std::string s;
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      const auto out = ranks[i]->output();
+      std::size_t at = 0;
+      while (at < out.size()) {
+        const auto nl = out.find('\n', at);
+        s += "[" + std::to_string(i) + "] " + out.substr(at, nl == std::string::npos ? std::string::npos : nl - at) + "\n";
+        if (nl == std::string::npos) break;
+        at = nl + 1;
+      }
+    }
+    return s;
+  }
+};
+
+/// Starts `size` fault_peer ranks: rank r runs `fault_peer args(r)...` with rank_env(r) + `extra`.
+template <class ArgsOf>
+World start_world(int size, std::uint16_t port, const std::string& timeout, ArgsOf&& args_of,
+                  const Process::Env& extra = {}) {
+  World w;
+  for (int r = 0; r < size; ++r) {
+    std::vector<std::string> argv{fault_peer};
+    for (auto& a : args_of(r)) argv.push_back(a);
+    auto env = rank_env(r, size, port, timeout);
+    for (const auto& [k, v] : extra) env[k] = v;
+    w.ranks.push_back(std::make_unique<Process>(std::move(argv), env));
+  }
+  return w;
+}
+
+/// The RESULT line of a finished rank, as fields (empty when there was none).
+inline std::map<std::string, std::string> result_of(Process& p, milliseconds within = 10s) {
+  auto line = p.wait_line("RESULT ", within);
+  return line ? fields(*line) : std::map<std::string, std::string>{};
+}
+
+/// A loopback port nobody listens on right now.
+inline std::uint16_t free_port() { return detail::free_port("127.0.0.1"); }
+
+}  // namespace comm::faults
