@@ -2,10 +2,12 @@
 // reads the launcher environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, COMM_STORE_TOKEN,
 // COMM_TIMEOUT) the battery gives it, and reports on stdout in lines the battery parses:
 //
-//   READY ...                     set up (store served / connected / communicator created)
+//   READY ...                     set up (store served / connected / communicator created; the
+//                                 gloo mode adds rank, size, pid and t_ns)
 //   ITER <n>                      the first operations completed (printed at n = 1, 2, 4, 8, ...)
+//   NEXT kind=<...> ms=<...>      after a failed operation: how the next one ended (see after_failure)
 //   RESULT status=ok ...          finished without error
-//   RESULT status=error kind=<Timeout|RemoteError|InvalidArgument|BackendError|Error> op=<op>
+//   RESULT status=error kind=<Timeout|RemoteError|DesyncError|InvalidArgument|BackendError|Error> op=<op>
 //          rank=<r> peer=<p> t_ns=<when, CLOCK_MONOTONIC> start_ns=<when the failing call began>
 //          iter=<i> what=<the full message>
 //
@@ -24,7 +26,8 @@
 //       --exit-rank R                        only rank R leaves (default: every rank)
 //       --bad-buffers                        call every collective with wrong buffers first
 //       --proxy-store                        connect the ranks through the battery's proxies
-//   cdb double-init | after-destroy          init_distributed() lifecycle checks
+//   cdb double-init | after-destroy          init_distributed() lifecycle checks (after-destroy
+//                                            re-initializes on FAULT_REINIT_PORT when set)
 // The gloo and cdb modes exist when comm::gloo is available.
 
 #include <arpa/inet.h>
@@ -63,6 +66,7 @@ long long mono_ns() {
 }
 
 const char* kind_of(const comm::Error& e) {
+  if (dynamic_cast<const comm::DesyncError*>(&e)) return "DesyncError";
   if (dynamic_cast<const comm::Timeout*>(&e)) return "Timeout";
   if (dynamic_cast<const comm::RemoteError*>(&e)) return "RemoteError";
   if (dynamic_cast<const comm::InvalidArgument*>(&e)) return "InvalidArgument";

@@ -30,11 +30,6 @@ constexpr const char* short_timeout = "2s";
 constexpr double t_ms = 2000;
 constexpr double silent_slack_ms = 3000;
 
-struct Sample {
-  std::string kind;
-  double ms = 0;
-};
-
 std::vector<double> g_death_ms;     // time to error after a SIGKILL, every survivor of every run
 int g_death_timeouts = 0;          // survivors that got Timeout (libgloo missed the closed connection)
 std::vector<double> g_overshoot_ms;  // Timeout errors after a SIGSTOP: (error - stop) - timeout
@@ -296,15 +291,14 @@ TEST_CASE("link cut between two network namespaces (veth down; root only)") {
 }
 
 TEST_CASE("mismatched collectives between ranks: no hang; an error, or a result the desync check must catch") {
-  // What each mismatch does today, without the desync check (issue 7 item 1):
+  // What each mismatch does without the desync check:
   enum class Expect {
     timeout,     // a rank ends with comm::Timeout at its deadline, then closes its connections:
                  // the other gets Timeout too, or RemoteError when that close reaches it first
     gloo_abort,  // the rank that receives the larger message aborts inside libgloo (an EnforceNotMet
                  // thrown on gloo's event-loop thread: std::terminate, tcp/pair.cc:510); its
-                 // peer gets RemoteError at once. Known libgloo behaviour; a clean comm::Error on
-                 // every rank (once the desync check lands) passes too.
-    undetected,  // completes with a meaningless result; a comm::Error passes too
+                 // peer gets RemoteError at once
+    undetected,  // completes with a meaningless result
   };
   struct Mismatch {
     const char* name;
@@ -331,52 +325,69 @@ TEST_CASE("mismatched collectives between ranks: no hang; an error, or a result 
       {"reduction (sum vs max)", with({"--reduce", "sum"}), with({"--reduce", "max"}), Expect::undetected},
   };
   const double bound = 2 * t_ms + silent_slack_ms;  // the mismatched op's deadline, then the check op's
-  for (const auto& m : cases) {
-    const std::string name = std::string("mismatched ") + m.name;
-    HangGuard guard(name, 60s);
-    auto w = start_world(2, free_port(), short_timeout, [&](int r) { return r == 0 ? m.rank0 : m.rank1; });
-    REQUIRE_MESSAGE(w.all_said("READY", 30s), w.outputs());
-    const auto t0 = Clock::now();
-    int errors = 0, aborts = 0, timeouts = 0;
-    double worst = 0;
-    std::string outcome, sample;
-    for (std::size_t r = 0; r < 2; ++r) {
-      const auto e = w[r].wait_or_kill(std::chrono::milliseconds(static_cast<long long>(bound) + 5000));
-      CHECK_FALSE_MESSAGE(e.killed_by_us, w.outputs());
-      const double ms = ms_since(t0, w[r].exited_at());
-      worst = std::max(worst, ms);
-      auto res = result_of(w[r], 1s);
-      std::string what;
-      if (e.signal == SIGABRT && contains(w[r].output(), "op.preamble.length <= op.nbytes")) {
-        ++aborts;
-        what = "ABORT in libgloo";
-        sample = "rank " + std::to_string(r) + ": gloo::EnforceNotMet 'op.preamble.length <= op.nbytes' on gloo's "
-                 "loop thread (std::terminate)";
-      } else {
-        CHECK_MESSAGE(!res.empty(), w.outputs());
-        if (res.empty()) continue;
-        what = res.at("status") == "error" ? res.at("kind") : res.at("status");
-        if (res.at("status") == "error") {
-          ++errors;
-          timeouts += res.at("kind") == "Timeout" ? 1 : 0;
-          CHECK(e.code == 10);
-          CHECK(res.at("rank") == std::to_string(r));
-          if (sample.empty()) sample = res.at("what");
+  // With the desync check (COMM_DEBUG=DETAIL) every mismatch is a DesyncError on every rank,
+  // before anything is sent, naming both calls.
+  constexpr double desync_bound_ms = 1000;
+  for (const bool desync : {false, true}) {
+    for (const auto& m : cases) {
+      const std::string name = std::string("mismatched ") + m.name + (desync ? ", desync check on" : "");
+      HangGuard guard(name, 60s);
+      Process::Env env;
+      if (desync) env["COMM_DEBUG"] = "DETAIL";
+      auto w = start_world(2, free_port(), short_timeout, [&](int r) { return r == 0 ? m.rank0 : m.rank1; }, env);
+      REQUIRE_MESSAGE(w.all_said("READY", 30s), w.outputs());
+      const auto t0 = Clock::now();
+      int errors = 0, aborts = 0, timeouts = 0, desyncs = 0;
+      double worst = 0;
+      std::string outcome, sample;
+      for (std::size_t r = 0; r < 2; ++r) {
+        const auto e = w[r].wait_or_kill(std::chrono::milliseconds(static_cast<long long>(bound) + 5000));
+        CHECK_FALSE_MESSAGE(e.killed_by_us, w.outputs());
+        auto res = result_of(w[r], 1s);
+        std::string what;
+        if (e.signal == SIGABRT && contains(w[r].output(), "op.preamble.length <= op.nbytes")) {
+          ++aborts;
+          what = "ABORT in libgloo";
+          sample = "rank " + std::to_string(r) +
+                   ": gloo::EnforceNotMet 'op.preamble.length <= op.nbytes' on gloo's loop thread (std::terminate)";
         } else {
-          CHECK(e.code == 0);
+          CHECK_MESSAGE(!res.empty(), w.outputs());
+          if (res.empty()) continue;
+          what = res.at("status") == "error" ? res.at("kind") : res.at("status");
+          if (res.at("status") == "error") {
+            ++errors;
+            timeouts += res.at("kind") == "Timeout" ? 1 : 0;
+            desyncs += res.at("kind") == "DesyncError" ? 1 : 0;
+            CHECK(e.code == 10);
+            CHECK(res.at("rank") == std::to_string(r));
+            const double ms = static_cast<double>(std::stoll(res.at("t_ns")) - std::stoll(res.at("start_ns"))) / 1e6;
+            worst = std::max(worst, ms);
+            if (sample.empty() || res.at("kind") == "DesyncError") sample = res.at("what");
+          } else {
+            CHECK(e.code == 0);
+          }
+        }
+        if (what.rfind("ABORT", 0) == 0 || res.empty() || res.at("status") != "error")
+          worst = std::max(worst, ms_since(t0, w[r].exited_at()));
+        outcome += (r ? ", " : "") + what;
+      }
+      if (desync) {
+        CHECK_MESSAGE(desyncs == 2, w.outputs());
+        CHECK(worst < desync_bound_ms);
+        CHECK(contains(sample, "while rank 0 called"));
+      } else {
+        CHECK(worst < bound);
+        switch (m.expect) {
+          case Expect::timeout: CHECK_MESSAGE((errors == 2 && timeouts >= 1), w.outputs()); break;
+          case Expect::gloo_abort: CHECK_MESSAGE((aborts == 1 && errors == 1), w.outputs()); break;
+          case Expect::undetected: CHECK_MESSAGE((aborts == 0 && errors == 0), w.outputs()); break;
         }
       }
-      outcome += (r ? ", " : "") + what;
+      if (errors + aborts == 0) sample = "not detected (enable the desync check: COMM_DEBUG=DETAIL)";
+      report(name + " [rank 0, rank 1: " + outcome + "]",
+             aborts > 0 ? "ABORT+RemoteError" : (desyncs > 0 ? "DesyncError" : (errors > 0 ? "Error" : "undetected")),
+             worst, desync ? desync_bound_ms : bound, sample);
     }
-    CHECK(worst < bound);
-    switch (m.expect) {
-      case Expect::timeout: CHECK_MESSAGE((errors == 2 && timeouts >= 1), w.outputs()); break;
-      case Expect::gloo_abort: CHECK_MESSAGE((aborts + errors == 2 && errors >= 1), w.outputs()); break;
-      case Expect::undetected: CHECK(aborts == 0); break;
-    }
-    if (errors + aborts == 0) sample = "not detected: needs the desync check (issue 7 item 1)";
-    report(name + " [rank 0, rank 1: " + outcome + "]",
-           aborts > 0 ? "ABORT+RemoteError" : (errors > 0 ? "Error" : "undetected"), worst, bound, sample);
   }
 }
 

@@ -10,7 +10,6 @@ using namespace comm::faults;
 
 namespace {
 
-constexpr auto timeout = 2000ms;
 constexpr const char* timeout_env = "2s";
 constexpr double t_ms = 2000;
 // A rank that waits for a deadline must give up by then plus this (process start, connection
