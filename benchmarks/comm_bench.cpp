@@ -76,18 +76,7 @@ template <class T>
     }
     return;
   }
-  switch (op) {
-    case Op::all_reduce:
-      if (v.in == v.out)
-        c.all_reduce(out, redop);
-      else
-        c.all_reduce(in, out, redop);
-      break;
-    case Op::reduce_scatter: c.reduce_scatter(in, out, redop); break;
-    case Op::all_gather: c.all_gather(in, out); break;
-    case Op::broadcast: c.broadcast(out, root); break;
-    case Op::gather: c.gather(in, out, root); break;
-  }
+  blocking_call(c, op, v, redop, root);
 }
 
 template <class T>
@@ -100,12 +89,6 @@ template <class T>
     case Op::broadcast: g.broadcast(v.out, l.count, root); break;
     case Op::gather: g.gather(v.in, v.out, l.block, root); break;
   }
-}
-
-[[nodiscard]] std::string default_algo(Op op) {
-  if (op == Op::all_reduce) return "ring";
-  if (op == Op::reduce_scatter) return "hd";
-  return "";
 }
 
 struct Context {
@@ -135,7 +118,6 @@ void run_dtype(Context& ctx) {
 
   for (Op op : o.ops) {
     const bool inplace = in_place(o, op);
-    const int root = is_rooted(op) ? o.root : -1;
     if (is_rooted(op) && o.root >= ctx.size)
       throw std::invalid_argument("--root " + std::to_string(o.root) + " is not below the world size " +
                                   std::to_string(ctx.size));
@@ -150,7 +132,7 @@ void run_dtype(Context& ctx) {
                     o.min_iters, o.budget_s, o.warmup, raw ? ", baseline raw gloo" : "",
                     o.async ? ", async form" : "");
         if (raw)
-          std::printf("# raw algorithm: %s\n", (o.algo.empty() ? default_algo(op) : o.algo).c_str());
+          std::printf("# raw algorithm: %s\n", (o.algo.empty() ? raw_default_algo(op) : o.algo).c_str());
         print_table_header(o.check, raw.has_value());
       }
     }
@@ -171,37 +153,8 @@ void run_dtype(Context& ctx) {
       const Measured m = measure(o, cands, ctx.x);
       if (raw) raw->clear_persistent();
 
-      Row r;
-      r.system = system;
-      r.op = op;
-      r.dtype = std::string(dtype_name<T>());
-      r.redop = is_reduction(op) ? o.redop : "none";
-      r.root = root;
-      r.world = ctx.size;
-      r.placement = inplace ? "in" : "out";
-      r.l = l;
-      r.iters = m.iters;
-      r.t = m.t[0];
-      r.wrong = m.wrong[0];
-      ctx.wrong += std::max(0L, r.wrong);
-      Row rr = r;
-      if (raw) {
-        rr.system = "gloo-raw";
-        rr.algo = o.algo.empty() ? default_algo(op) : o.algo;
-        rr.t = m.t[1];
-        rr.wrong = m.wrong[1];
-        ctx.wrong += std::max(0L, rr.wrong);
-        r.baseline = "gloo-raw";
-        r.ratio = rr.t.median_us > 0 ? r.t.median_us / rr.t.median_us : 0;
-      }
-      if (ctx.rank == 0) {
-        if (o.json) {
-          print_json(r);
-          if (raw) print_json(rr);
-        } else {
-          print_table_row(r, raw ? &rr : nullptr);
-        }
-      }
+      ctx.wrong += report(o, ctx.rank, ctx.size, op, std::string(dtype_name<T>()), inplace, l, m,
+                          {system, "", raw ? "gloo-raw" : "", o.algo.empty() ? raw_default_algo(op) : o.algo});
     }
   }
 }

@@ -629,7 +629,12 @@ TEST_CASE("a wait on millions of keys is charged against max_total_bytes; nothin
   REQUIRE(p.size() == 2);
   CHECK(p[1] == 0);
   // The 4 MiB requests were buffered and answered: far below the 80 MiB of copies.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // ASan's quarantine and TSan's shadow keep freed request buffers resident: no RSS bound there.
+  MESSAGE("RSS bound not checked under a sanitizer; grew by " << (rss_kib() - rss0) << " KiB");
+#else
   CHECK(rss_kib() - rss0 < 48 * 1024);
+#endif
   // A normal wait still parks and is woken.
   comm::TcpStore c("127.0.0.1", s.port(), client_options());
   auto waiter = std::thread([&] { c.wait({"x", "y"}, 3s); });

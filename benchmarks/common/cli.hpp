@@ -40,7 +40,8 @@ struct Options {
 inline constexpr std::string_view kCommonHelp =
     R"(  --op OPS          all_reduce|reduce_scatter|all_gather|broadcast|gather, a comma list, or all
                     (default all_reduce)
-  --dtype T         float|double|half|bfloat16|int8|uint8|int32|uint32|int64|uint64 (default float)
+  --dtype T         float|double|half|bfloat16|float8_e4m3|float8_e5m2|int8|uint8|int32|uint32|int64|uint64
+                    (default float; fp8 also as fp8_e4m3/e4m3, fp8_e5m2/e5m2)
   --redop R         sum|prod|min|max|avg|band|bor|bxor (default sum)
   --root R          root of broadcast and gather (default 0)
   -b, --minbytes N  smallest size (default 8); K, M, G suffixes are binary

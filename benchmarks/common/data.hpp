@@ -1,7 +1,9 @@
 #pragma once
 // Inputs and expected results for --check. Values are small integers, exact in every element type
 // (half and bfloat16 included), so sums, products, minima and maxima are exact; avg on floating
-// types is compared with a relative tolerance (it multiplies by 1/n).
+// types is compared with a relative tolerance (it multiplies by 1/n). fp8 (3 or 4 significant bits)
+// rounds sums and products of several ranks at every step: its reductions are compared with a
+// relative tolerance of 1/4, its moves (all_gather, gather, broadcast) exactly.
 
 #include <cmath>
 #include <cstddef>
@@ -17,9 +19,14 @@
 
 namespace comm::bench {
 
+/// comm's floating types narrower than float: half, bfloat16, fp8.
+template <class T>
+inline constexpr bool narrow_float_v = std::is_same_v<T, comm::half> || std::is_same_v<T, comm::bfloat16> ||
+                                       std::is_same_v<T, comm::float8_e4m3> || std::is_same_v<T, comm::float8_e5m2>;
+
 template <class T>
 [[nodiscard]] constexpr double to_double(T v) noexcept {
-  if constexpr (std::is_same_v<T, comm::half> || std::is_same_v<T, comm::bfloat16>)
+  if constexpr (narrow_float_v<T>)
     return static_cast<double>(static_cast<float>(v));
   else
     return static_cast<double>(v);
@@ -27,7 +34,7 @@ template <class T>
 
 template <class T>
 [[nodiscard]] constexpr T from_double(double v) noexcept {
-  if constexpr (std::is_same_v<T, comm::half> || std::is_same_v<T, comm::bfloat16>)
+  if constexpr (narrow_float_v<T>)
     return T(static_cast<float>(v));
   else
     return static_cast<T>(v);
@@ -76,8 +83,8 @@ template <class T>
 [[nodiscard]] bool same(T got, double want, bool approx) noexcept {
   const double g = to_double(got);
   if (!approx) return g == to_double(from_double<T>(want));
-  constexpr bool low = sizeof(T) == 2;
-  const double tol = (low ? 1e-2 : 1e-5) * (want < 0 ? -want : want) + 1e-12;
+  const double rel = sizeof(T) == 1 ? 0.25 : (sizeof(T) == 2 ? 1e-2 : 1e-5);
+  const double tol = rel * (want < 0 ? -want : want) + 1e-12;
   return (g - want <= tol) && (want - g <= tol);
 }
 
@@ -88,7 +95,7 @@ template <class T>
 [[nodiscard]] long count_wrong(Op op, comm::ReduceOp redop, std::span<const T> out, const Layout& l, int rank, int n,
                                int root) {
   long wrong = 0;
-  const bool approx = redop == comm::ReduceOp::avg && !std::is_integral_v<T>;
+  const bool approx = !std::is_integral_v<T> && (redop == comm::ReduceOp::avg || sizeof(T) == 1);
   switch (op) {
     case Op::all_reduce:
       for (std::size_t i = 0; i < l.count; ++i) wrong += !same(out[i], expected_reduction<T>(redop, n, i), approx);
@@ -127,6 +134,8 @@ bool with_dtype(std::string_view dtype, F&& f) {
   if (dtype == "double" || dtype == "float64") return f(double{}), true;
   if (dtype == "half" || dtype == "float16") return f(comm::half{}), true;
   if (dtype == "bfloat16" || dtype == "bf16") return f(comm::bfloat16{}), true;
+  if (dtype == "float8_e4m3" || dtype == "fp8_e4m3" || dtype == "e4m3") return f(comm::float8_e4m3{}), true;
+  if (dtype == "float8_e5m2" || dtype == "fp8_e5m2" || dtype == "e5m2") return f(comm::float8_e5m2{}), true;
   if (dtype == "int8") return f(std::int8_t{}), true;
   if (dtype == "uint8") return f(std::uint8_t{}), true;
   if (dtype == "int32" || dtype == "int") return f(std::int32_t{}), true;

@@ -2,11 +2,15 @@
 // The measuring loop shared by comm-bench and the C++ peers: optional check, warm-up, iteration
 // planning, alternating timed calls, cross-rank max per iteration, median.
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdio>
 #include <functional>
 #include <span>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "bench.hpp"
@@ -86,6 +90,55 @@ inline Measured measure(const Options& o, std::span<Candidate> cands, const Cros
     m.t.push_back(stats({flat.begin() + static_cast<std::ptrdiff_t>(c * static_cast<std::size_t>(m.iters)),
                          flat.begin() + static_cast<std::ptrdiff_t>((c + 1) * static_cast<std::size_t>(m.iters))}));
   return m;
+}
+
+/// What the rows of one measured size are called: candidate 0 is `system`, candidate 1 (when
+/// measured) `baseline`, and candidate 0's row carries the ratio of their medians.
+struct RowNames {
+  std::string system;
+  std::string algo;
+  std::string baseline;  ///< empty: one candidate
+  std::string baseline_algo;
+};
+
+/// Builds the rows of `m`, prints them on rank 0 (JSON lines or the table) and returns the wrong
+/// elements they counted (0 when not checked).
+inline long report(const Options& o, int rank, int world, Op op, std::string dtype, bool inplace, const Layout& l,
+                   const Measured& m, const RowNames& names) {
+  Row r;
+  r.system = names.system;
+  r.algo = names.algo;
+  r.op = op;
+  r.dtype = std::move(dtype);
+  r.redop = is_reduction(op) ? o.redop : "none";
+  r.root = is_rooted(op) ? o.root : -1;
+  r.world = world;
+  r.placement = inplace ? "in" : "out";
+  r.l = l;
+  r.iters = m.iters;
+  r.t = m.t[0];
+  r.wrong = m.wrong[0];
+  long wrong = std::max(0L, r.wrong);
+  const bool baseline = !names.baseline.empty() && m.t.size() > 1;
+  Row rr = r;
+  if (baseline) {
+    rr.system = names.baseline;
+    rr.algo = names.baseline_algo;
+    rr.t = m.t[1];
+    rr.wrong = m.wrong[1];
+    wrong += std::max(0L, rr.wrong);
+    r.baseline = names.baseline;
+    r.ratio = rr.t.median_us > 0 ? r.t.median_us / rr.t.median_us : 0;
+  }
+  if (rank == 0) {
+    if (o.json) {
+      print_json(r);
+      if (baseline) print_json(rr);
+    } else {
+      print_table_row(r, baseline ? &rr : nullptr);
+    }
+  }
+  return wrong;
 }
 
 }  // namespace comm::bench

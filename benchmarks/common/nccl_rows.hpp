@@ -45,6 +45,13 @@ ncclDataType_t nccl_type() {
   if constexpr (std::is_same_v<T, double>) return ncclFloat64;
   if constexpr (std::is_same_v<T, comm::half>) return ncclFloat16;
   if constexpr (std::is_same_v<T, comm::bfloat16>) return ncclBfloat16;
+#if NCCL_VERSION_CODE >= 22400
+  if constexpr (std::is_same_v<T, comm::float8_e4m3>) return ncclFloat8e4m3;
+  if constexpr (std::is_same_v<T, comm::float8_e5m2>) return ncclFloat8e5m2;
+#else
+  if constexpr (std::is_same_v<T, comm::float8_e4m3> || std::is_same_v<T, comm::float8_e5m2>)
+    return ncclUint8;  // fp8 before NCCL 2.24: moved as bytes only
+#endif
   if constexpr (std::is_same_v<T, std::int8_t>) return ncclInt8;
   if constexpr (std::is_same_v<T, std::uint8_t>) return ncclUint8;
   if constexpr (std::is_same_v<T, std::int32_t>) return ncclInt32;
@@ -95,7 +102,6 @@ void run_nccl_dtype(const Options& o, NcclComm& c, const CrossRank& x, long& wro
 
   for (Op op : o.ops) {
     const bool inplace = in_place(o, op);
-    const int root = is_rooted(op) ? o.root : -1;
     Buffers<T> host;  // host mirror: fill and check happen here, then copy
     host.reserve(op, sizes, n, inplace);
     DeviceBuffers<T> dev(host.in.size(), host.out.size());
@@ -128,22 +134,9 @@ void run_nccl_dtype(const Options& o, NcclComm& c, const CrossRank& x, long& wro
         return verify_view(hv, op, redop, l, rank, n, o.root);
       };
       auto sync = [&] { cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize"); };
-      const std::span<const T> in(dv.in, dv.in_n);
-      const std::span<T> out(dv.out, dv.out_n);
       std::vector<Candidate> cands;
       cands.push_back({[&] {
-                         switch (op) {
-                           case Op::all_reduce:
-                             if (dv.in == dv.out)
-                               c.all_reduce(out, redop);
-                             else
-                               c.all_reduce(in, out, redop);
-                             break;
-                           case Op::reduce_scatter: c.reduce_scatter(in, out, redop); break;
-                           case Op::all_gather: c.all_gather(in, out); break;
-                           case Op::broadcast: c.broadcast(out, o.root); break;
-                           case Op::gather: c.gather(in, out, o.root); break;
-                         }
+                         blocking_call(c, op, dv, redop, o.root);
                          sync();
                        },
                        fill, verify});
@@ -182,36 +175,8 @@ void run_nccl_dtype(const Options& o, NcclComm& c, const CrossRank& x, long& wro
                          fill, verify});
       }
       const Measured m = measure(o, cands, x);
-      Row r;
-      r.system = "comm-nccl";
-      r.op = op;
-      r.dtype = std::string(dtype_name<T>());
-      r.redop = is_reduction(op) ? o.redop : "none";
-      r.root = root;
-      r.world = n;
-      r.placement = inplace ? "in" : "out";
-      r.l = l;
-      r.iters = m.iters;
-      r.t = m.t[0];
-      r.wrong = m.wrong[0];
-      wrong_total += std::max(0L, r.wrong);
-      Row rr = r;
-      if (baseline) {
-        rr.system = "nccl-raw";
-        rr.t = m.t[1];
-        rr.wrong = m.wrong[1];
-        wrong_total += std::max(0L, rr.wrong);
-        r.baseline = "nccl-raw";
-        r.ratio = rr.t.median_us > 0 ? r.t.median_us / rr.t.median_us : 0;
-      }
-      if (rank == 0) {
-        if (o.json) {
-          print_json(r);
-          if (baseline) print_json(rr);
-        } else {
-          print_table_row(r, baseline ? &rr : nullptr);
-        }
-      }
+      wrong_total += report(o, rank, n, op, std::string(dtype_name<T>()), inplace, l, m,
+                            {"comm-nccl", "", baseline ? "nccl-raw" : "", ""});
     }
   }
 }

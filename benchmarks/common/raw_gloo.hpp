@@ -140,8 +140,16 @@ struct gloo_elem<comm::half> {
 template <class T>
 using gloo_elem_t = typename gloo_elem<T>::type;
 
+/// The algorithm RawGloo runs for `op` when none is named (see RawGloo's member functions).
+[[nodiscard]] inline std::string raw_default_algo(Op op) {
+  if (op == Op::all_reduce) return "ring";
+  if (op == Op::reduce_scatter) return "hd";
+  return "";
+}
+
 template <class T>
-inline constexpr bool raw_supported_v = !std::is_same_v<T, comm::bfloat16>;
+inline constexpr bool raw_supported_v = !std::is_same_v<T, comm::bfloat16> && !std::is_same_v<T, comm::float8_e4m3> &&
+                                        !std::is_same_v<T, comm::float8_e5m2>;  // gloo has no bfloat16 or fp8
 
 /// Tags of the raw calls: one sequence per process, shared by every RawGloo<T> (all of them use
 /// the same context in practice), so that no two calls ever use the same slot.

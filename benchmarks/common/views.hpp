@@ -92,4 +92,24 @@ template <class T>
   return count_wrong<T>(op, redop, std::span<const T>(v.out, v.out_n), l, rank, n, root);
 }
 
+/// The blocking comm call of `op` on view `v`, for any comm::Communicator `c` (comm-bench's Gloo
+/// and NCCL rows time the same calls).
+template <class C, class T>
+void blocking_call(C& c, Op op, const View<T>& v, comm::ReduceOp redop, int root) {
+  const std::span<const T> in(v.in, v.in_n);
+  const std::span<T> out(v.out, v.out_n);
+  switch (op) {
+    case Op::all_reduce:
+      if (v.in == v.out)
+        c.all_reduce(out, redop);
+      else
+        c.all_reduce(in, out, redop);
+      break;
+    case Op::reduce_scatter: c.reduce_scatter(in, out, redop); break;
+    case Op::all_gather: c.all_gather(in, out); break;
+    case Op::broadcast: c.broadcast(out, root); break;
+    case Op::gather: c.gather(in, out, root); break;
+  }
+}
+
 }  // namespace comm::bench

@@ -17,6 +17,7 @@
 #include "../common/cli.hpp"
 #include "../common/data.hpp"
 #include "../common/harness.hpp"
+#include "../common/peer.hpp"
 #include "../common/raw_gloo.hpp"
 #include "../common/views.hpp"
 
@@ -34,60 +35,23 @@ Raw Gloo collectives (gloo::allreduce, allgather, broadcast, gather, ReduceScatt
 
 template <class T>
 void run_dtype(const Options& o, RawGloo<T>& g, const CrossRank& x, const std::string& system) {
-  const auto redop_opt = parse_redop(o.redop);
-  if (!redop_opt) throw std::invalid_argument("unknown --redop '" + o.redop + "'");
-  const auto redop = *redop_opt;
-  const auto sizes = size_list(o.min_bytes, o.max_bytes, o.factor, o.sizes);
-  const int rank = g.rank(), n = g.size();
-  for (Op op : o.ops) {
-    const bool inplace = in_place(o, op);
-    Buffers<T> bufs;
-    bufs.reserve(op, sizes, n, inplace);
-    const std::string algo = o.algo.empty() ? (op == Op::all_reduce ? "ring" : op == Op::reduce_scatter ? "hd" : "")
-                                            : o.algo;
-    if (rank == 0 && !o.json) {
-      std::printf("# gloo-raw %s: world %d, dtype %s, algo %s\n", std::string(to_string(op)).c_str(), n,
-                  std::string(dtype_name<T>()).c_str(), algo.empty() ? "default" : algo.c_str());
-      print_table_header(o.check, false);
+  const auto redop = parse_redop(o.redop).value_or(comm::ReduceOp::sum);  // run_peer rejects a bad name
+  PeerSystem<T> s;
+  s.name = system;
+  s.algo = [&](Op op) { return o.algo.empty() ? raw_default_algo(op) : o.algo; };
+  s.call = [&](Op op, const View<T>& v, const Layout& l) -> std::function<void()> {
+    const std::string algo = s.algo(op);
+    switch (op) {
+      case Op::all_reduce: return [&g, v, l, redop, algo] { g.all_reduce(v.in, v.out, l.count, redop, algo); };
+      case Op::reduce_scatter: return [&g, v, l, redop, algo] { g.reduce_scatter(v.in, v.out, l.block, redop, algo); };
+      case Op::all_gather: return [&g, v, l] { g.all_gather(v.in, v.out, l.block); };
+      case Op::broadcast: return [&g, v, l, root = o.root] { g.broadcast(v.out, l.count, root); };
+      case Op::gather: return [&g, v, l, root = o.root] { g.gather(v.in, v.out, l.block, root); };
     }
-    for (std::size_t bytes : sizes) {
-      const Layout l = layout(op, bytes, sizeof(T), n);
-      const View<T> v = view(bufs, op, l, inplace, rank, o.root);
-      std::vector<Candidate> c(1);
-      c[0].call = [&] {
-        switch (op) {
-          case Op::all_reduce: g.all_reduce(v.in, v.out, l.count, redop, algo); break;
-          case Op::reduce_scatter: g.reduce_scatter(v.in, v.out, l.block, redop, algo); break;
-          case Op::all_gather: g.all_gather(v.in, v.out, l.block); break;
-          case Op::broadcast: g.broadcast(v.out, l.count, o.root); break;
-          case Op::gather: g.gather(v.in, v.out, l.block, o.root); break;
-        }
-      };
-      c[0].fill = [&] { fill_view(v, op, rank); };
-      c[0].verify = [&] { return verify_view(v, op, redop, l, rank, n, o.root); };
-      const Measured m = measure(o, c, x);
-      g.clear_persistent();
-      Row r;
-      r.system = system;
-      r.algo = algo;
-      r.op = op;
-      r.dtype = std::string(dtype_name<T>());
-      r.redop = is_reduction(op) ? o.redop : "none";
-      r.root = is_rooted(op) ? o.root : -1;
-      r.world = n;
-      r.placement = inplace ? "in" : "out";
-      r.l = l;
-      r.iters = m.iters;
-      r.t = m.t[0];
-      r.wrong = m.wrong[0];
-      if (rank == 0) {
-        if (o.json)
-          print_json(r);
-        else
-          print_table_row(r, nullptr);
-      }
-    }
-  }
+    return {};
+  };
+  s.after_size = [&g] { g.clear_persistent(); };
+  run_peer(o, g.rank(), g.size(), x, s);
 }
 
 }  // namespace

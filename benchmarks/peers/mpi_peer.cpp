@@ -20,6 +20,7 @@
 #include "../common/cli.hpp"
 #include "../common/data.hpp"
 #include "../common/harness.hpp"
+#include "../common/peer.hpp"
 #include "../common/views.hpp"
 
 namespace {
@@ -73,76 +74,43 @@ template <class T>
 void run_dtype(const Options& o, int rank, int n, const CrossRank& x, const std::string& system) {
   const MPI_Datatype dt = mpi_type<T>();
   if (dt == MPI_DATATYPE_NULL) throw std::invalid_argument("MPI has no " + std::string(dtype_name<T>()) + " type");
-  const auto redop_opt = parse_redop(o.redop);
-  if (!redop_opt) throw std::invalid_argument("unknown --redop '" + o.redop + "'");
-  const auto redop = *redop_opt;
-  const auto sizes = size_list(o.min_bytes, o.max_bytes, o.factor, o.sizes);
-  for (Op op : o.ops) {
-    const bool inplace = in_place(o, op);
+  const auto redop = parse_redop(o.redop).value_or(comm::ReduceOp::sum);  // run_peer rejects a bad name
+  PeerSystem<T> s;
+  s.name = system;
+  s.call = [&](Op op, const View<T>& v, const Layout& l) -> std::function<void()> {
     const MPI_Op mop = is_reduction(op) ? mpi_op(redop) : MPI_OP_NULL;
-    Buffers<T> bufs;
-    bufs.reserve(op, sizes, n, inplace);
-    if (rank == 0 && !o.json) {
-      std::printf("# %s %s: world %d, dtype %s\n", system.c_str(), std::string(to_string(op)).c_str(), n,
-                  std::string(dtype_name<T>()).c_str());
-      print_table_header(o.check, false);
+    const int count = static_cast<int>(l.count), block = static_cast<int>(l.block), root = o.root;
+    switch (op) {
+      case Op::all_reduce:
+        return [=] {
+          check(MPI_Allreduce(v.in == v.out ? MPI_IN_PLACE : v.in, v.out, count, dt, mop, MPI_COMM_WORLD),
+                "MPI_Allreduce");
+        };
+      case Op::reduce_scatter:
+        return [=] {
+          if (v.out == v.in + static_cast<std::size_t>(rank) * l.block) {
+            // In place: MPI leaves the block at the start of the buffer.
+            check(MPI_Reduce_scatter_block(MPI_IN_PLACE, v.in, block, dt, mop, MPI_COMM_WORLD),
+                  "MPI_Reduce_scatter_block");
+            if (rank != 0) std::memmove(v.out, v.in, l.block * sizeof(T));
+          } else {
+            check(MPI_Reduce_scatter_block(v.in, v.out, block, dt, mop, MPI_COMM_WORLD), "MPI_Reduce_scatter_block");
+          }
+        };
+      case Op::all_gather:
+        return [=] {
+          if (v.in == v.out + static_cast<std::size_t>(rank) * l.block)
+            check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, v.out, block, dt, MPI_COMM_WORLD), "MPI_Allgather");
+          else
+            check(MPI_Allgather(v.in, block, dt, v.out, block, dt, MPI_COMM_WORLD), "MPI_Allgather");
+        };
+      case Op::broadcast: return [=] { check(MPI_Bcast(v.out, count, dt, root, MPI_COMM_WORLD), "MPI_Bcast"); };
+      case Op::gather:
+        return [=] { check(MPI_Gather(v.in, block, dt, v.out, block, dt, root, MPI_COMM_WORLD), "MPI_Gather"); };
     }
-    for (std::size_t bytes : sizes) {
-      const Layout l = layout(op, bytes, sizeof(T), n);
-      const View<T> v = view(bufs, op, l, inplace, rank, o.root);
-      const int count = static_cast<int>(l.count), block = static_cast<int>(l.block);
-      std::vector<Candidate> c(1);
-      c[0].call = [&] {
-        switch (op) {
-          case Op::all_reduce:
-            check(MPI_Allreduce(v.in == v.out ? MPI_IN_PLACE : v.in, v.out, count, dt, mop, MPI_COMM_WORLD),
-                  "MPI_Allreduce");
-            break;
-          case Op::reduce_scatter:
-            if (v.out == v.in + static_cast<std::size_t>(rank) * l.block) {
-              // In place: MPI leaves the block at the start of the buffer.
-              check(MPI_Reduce_scatter_block(MPI_IN_PLACE, v.in, block, dt, mop, MPI_COMM_WORLD),
-                    "MPI_Reduce_scatter_block");
-              if (rank != 0) std::memmove(v.out, v.in, l.block * sizeof(T));
-            } else {
-              check(MPI_Reduce_scatter_block(v.in, v.out, block, dt, mop, MPI_COMM_WORLD), "MPI_Reduce_scatter_block");
-            }
-            break;
-          case Op::all_gather:
-            if (v.in == v.out + static_cast<std::size_t>(rank) * l.block)
-              check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, v.out, block, dt, MPI_COMM_WORLD), "MPI_Allgather");
-            else
-              check(MPI_Allgather(v.in, block, dt, v.out, block, dt, MPI_COMM_WORLD), "MPI_Allgather");
-            break;
-          case Op::broadcast: check(MPI_Bcast(v.out, count, dt, o.root, MPI_COMM_WORLD), "MPI_Bcast"); break;
-          case Op::gather:
-            check(MPI_Gather(v.in, block, dt, v.out, block, dt, o.root, MPI_COMM_WORLD), "MPI_Gather");
-            break;
-        }
-      };
-      c[0].fill = [&] { fill_view(v, op, rank); };
-      c[0].verify = [&] { return verify_view(v, op, redop, l, rank, n, o.root); };
-      const Measured m = measure(o, c, x);
-      Row r;
-      r.system = system;
-      r.op = op;
-      r.dtype = std::string(dtype_name<T>());
-      r.redop = is_reduction(op) ? o.redop : "none";
-      r.root = is_rooted(op) ? o.root : -1;
-      r.world = n;
-      r.placement = inplace ? "in" : "out";
-      r.l = l;
-      r.iters = m.iters;
-      r.t = m.t[0];
-      r.wrong = m.wrong[0];
-      if (rank == 0) {
-        if (o.json)
-          print_json(r);
-        else
-          print_table_row(r, nullptr);
-      }
-    }
-  }
+    return {};
+  };
+  run_peer(o, rank, n, x, s);
 }
 
 }  // namespace

@@ -123,6 +123,8 @@ decltype(auto) visit_dtype(Dtype d, F&& f) {
     case Dtype::bfloat16: return f.template operator()<bfloat16>();
     case Dtype::float32: return f.template operator()<float>();
     case Dtype::float64: return f.template operator()<double>();
+    case Dtype::float8_e4m3: return f.template operator()<float8_e4m3>();
+    case Dtype::float8_e5m2: return f.template operator()<float8_e5m2>();
   }
   throw InvalidArgument("dispatch", -1, "unknown element type " + std::to_string(static_cast<int>(d)));
 }
@@ -405,7 +407,7 @@ class AnyCommunicator {
   static constexpr void check_element() {
     static_assert(element<T>,
                   "comm: unsupported element type; use int8_t, uint8_t, int32_t, uint32_t, int64_t, uint64_t, float, "
-                  "double, comm::half or comm::bfloat16");
+                  "double, comm::half, comm::bfloat16, comm::float8_e4m3 or comm::float8_e5m2");
   }
 
   template <class T, class Op>

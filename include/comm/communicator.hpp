@@ -18,7 +18,7 @@
 /// only on backends that run one, e.g. Gloo). Compile-time ops are checked when the call compiles;
 /// `ReduceOp` values are checked when the call runs and throw comm::InvalidArgument.
 ///   - sum/prod on signed integers wrap around (two's complement), never UB.
-///   - half/bfloat16 reduce in float and round to the element type after every step.
+///   - half/bfloat16/float8_e4m3/float8_e5m2 reduce in float and round to the element type after every step.
 ///   - bitwise ops (band/bor/bxor) need an integer element type.
 ///   - **avg** is the sum divided by size(): floating types multiply by 1/size() at the end;
 ///     **integer types use floor division** (an average of -7 over 2 ranks is -4, not -3).
@@ -362,7 +362,7 @@ class Communicator {
     using T = detail::buffer_value_t<R>;
     static_assert(element<T>,
                   "comm: unsupported element type; use int8_t, uint8_t, int32_t, uint32_t, int64_t, uint64_t, float, "
-                  "double, comm::half or comm::bfloat16");
+                  "double, comm::half, comm::bfloat16, comm::float8_e4m3 or comm::float8_e5m2");
     if constexpr (element<T>)
       static_assert(supports_element<Backend, T>, "comm: this backend does not support this element type");
     if constexpr (Output)

@@ -5,7 +5,7 @@
 /// operation is described in them and in desync errors ("all_reduce(float x4, sum)").
 ///
 /// ### Flight recorder
-/// Every communicator of a backend that has one (Gloo) keeps its last N operations in a fixed ring:
+/// Every communicator of a backend that has one (Gloo and NCCL) keeps its last N operations in a fixed ring:
 /// sequence number, operation, element type, count, root, reduction, state (queued, started,
 /// completed, failed), the times of those transitions, and the error of a failed one.
 /// - N: the backend option `flight_recorder_size`, default COMM_FLIGHT_RECORDER_SIZE, else 256;

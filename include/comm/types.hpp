@@ -122,8 +122,120 @@ struct bfloat16 {
 
 static_assert(sizeof(half) == 2 && sizeof(bfloat16) == 2);
 
+/// 1: comm::float8_e4m3 and comm::float8_e5m2 exist (backends test it to compile their fp8 paths).
+#define COMM_HAS_FLOAT8 1
+
+namespace detail {
+/// Encoding of an OCP 8-bit float with `E` exponent and `M` mantissa bits (bias 2^(E-1) - 1), as
+/// CUDA's `__nv_fp8_*` constructors do it (__NV_SATFINITE), so that host and device agree bit for
+/// bit: round to nearest even; finite values beyond the largest and infinities saturate to +-max;
+/// every NaN becomes 0x7f. `MaxBits` is the largest finite magnitude's pattern; `Ieee`: the top
+/// exponent is reserved for inf/NaN (e5m2), else only S.1111.111 is NaN (e4m3).
+template <int E, int M, std::uint8_t MaxBits, bool Ieee>
+struct fp8_codec {
+  static constexpr int bias = (1 << (E - 1)) - 1;
+  static constexpr int exp_mask = (1 << E) - 1;
+
+  [[nodiscard]] static constexpr std::uint8_t encode(float f) noexcept {
+    const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+    const auto sign = static_cast<std::uint8_t>((x >> 24) & 0x80u);
+    const std::uint32_t absx = x & 0x7fffffffu;
+    // Every NaN becomes the canonical 0x7f (a NaN in both formats), sign dropped, as CUDA does.
+    if (absx > 0x7f800000u) return 0x7fu;
+    const int e = static_cast<int>(absx >> 23) - 127;  // float subnormals give -127: flush below
+    std::uint32_t v = 0;
+    if (e >= 1 - bias) {
+      // Inf and huge values make v exceed MaxBits here and saturate below; no overflow in 32 bits.
+      const int drop = 23 - M;
+      v = (absx >> drop) - (static_cast<std::uint32_t>(127 - bias) << M);
+      const std::uint32_t rem = absx & ((1u << drop) - 1u);
+      const std::uint32_t halfway = 1u << (drop - 1);
+      if (rem > halfway || (rem == halfway && (v & 1u))) ++v;  // a carry into the exponent is right
+    } else {
+      // Subnormal target: v counts units of 2^(1 - bias - M); at most 24 bits are shifted out.
+      const int shift = 23 + 1 - bias - M - e;
+      if (shift > 24) return sign;
+      const std::uint32_t mant = (absx & 0x7fffffu) | 0x800000u;
+      v = mant >> shift;
+      const std::uint32_t rem = mant & ((1u << shift) - 1u);
+      const std::uint32_t halfway = 1u << (shift - 1);
+      if (rem > halfway || (rem == halfway && (v & 1u))) ++v;
+    }
+    if (v > MaxBits) v = MaxBits;
+    return static_cast<std::uint8_t>(sign | v);
+  }
+
+  [[nodiscard]] static constexpr float decode(std::uint8_t b) noexcept {
+    const std::uint32_t sign = static_cast<std::uint32_t>(b & 0x80u) << 24;
+    const std::uint32_t ef = (b >> M) & static_cast<std::uint32_t>(exp_mask);
+    const std::uint32_t m = b & ((1u << M) - 1u);
+    if constexpr (Ieee) {
+      if (ef == static_cast<std::uint32_t>(exp_mask)) return std::bit_cast<float>(sign | 0x7f800000u | (m << (23 - M)));
+    } else {
+      if ((b & 0x7fu) == 0x7fu) return std::bit_cast<float>(sign | 0x7fc00000u);
+    }
+    if (ef == 0) {
+      // Subnormal: m units of 2^(1 - bias - M), a product float represents exactly.
+      const float unit = std::bit_cast<float>(static_cast<std::uint32_t>(127 + 1 - bias - M) << 23);
+      const float mag = static_cast<float>(m) * unit;
+      return sign != 0 ? -mag : mag;
+    }
+    return std::bit_cast<float>(sign | ((ef - static_cast<std::uint32_t>(bias) + 127u) << 23) | (m << (23 - M)));
+  }
+};
+}  // namespace detail
+
+/// OCP FP8 E4M3 ("e4m3fn"), bit-compatible with CUDA `__nv_fp8_e4m3`: 1 sign, 4 exponent (bias 7)
+/// and 3 mantissa bits; no infinity; NaN is S.1111.111; largest finite 448, smallest subnormal
+/// 2^-9. From float, as CUDA's constructor: round to nearest even; beyond +-448 and +-inf saturate
+/// to +-448; every NaN becomes 0x7f. Arithmetic goes through float.
+struct float8_e4m3 {
+  std::uint8_t bits = 0;
+
+  float8_e4m3() = default;
+  constexpr float8_e4m3(float f) noexcept : bits(codec::encode(f)) {}  // NOLINT: implicit like __nv_fp8_e4m3
+  [[nodiscard]] static constexpr float8_e4m3 from_bits(std::uint8_t b) noexcept {
+    float8_e4m3 h;
+    h.bits = b;
+    return h;
+  }
+  constexpr operator float() const noexcept { return codec::decode(bits); }  // NOLINT
+  friend constexpr bool operator==(float8_e4m3 a, float8_e4m3 b) noexcept { return a.bits == b.bits; }
+
+ private:
+  using codec = detail::fp8_codec<4, 3, 0x7e, false>;
+};
+
+/// OCP FP8 E5M2, bit-compatible with CUDA `__nv_fp8_e5m2`: 1 sign, 5 exponent (bias 15) and 2
+/// mantissa bits, IEEE-like (the top half of a binary16): +-inf, NaNs, largest finite 57344,
+/// smallest subnormal 2^-16. From float, as CUDA's constructor: round to nearest even; beyond
+/// +-57344 and +-inf saturate to +-57344 (an infinity is from_bits(0x7c)); every NaN becomes 0x7f.
+/// Arithmetic goes through float.
+struct float8_e5m2 {
+  std::uint8_t bits = 0;
+
+  float8_e5m2() = default;
+  constexpr float8_e5m2(float f) noexcept : bits(codec::encode(f)) {}  // NOLINT: implicit like __nv_fp8_e5m2
+  [[nodiscard]] static constexpr float8_e5m2 from_bits(std::uint8_t b) noexcept {
+    float8_e5m2 h;
+    h.bits = b;
+    return h;
+  }
+  constexpr operator float() const noexcept { return codec::decode(bits); }  // NOLINT
+  friend constexpr bool operator==(float8_e5m2 a, float8_e5m2 b) noexcept { return a.bits == b.bits; }
+
+ private:
+  using codec = detail::fp8_codec<5, 2, 0x7b, true>;
+};
+
+static_assert(sizeof(float8_e4m3) == 1 && sizeof(float8_e5m2) == 1);
+static_assert(std::is_trivially_copyable_v<float8_e4m3> && std::is_trivially_copyable_v<float8_e5m2>);
+
 /// Runtime tag of an element type, used in messages, fingerprints and type-erased calls.
-enum class Dtype : std::uint8_t { int8, uint8, int32, uint32, int64, uint64, float16, bfloat16, float32, float64 };
+/// New entries go last: the values are flight-recorder and desync-fingerprint codes.
+enum class Dtype : std::uint8_t {
+  int8, uint8, int32, uint32, int64, uint64, float16, bfloat16, float32, float64, float8_e4m3, float8_e5m2
+};
 
 [[nodiscard]] constexpr std::string_view to_string(Dtype d) noexcept {
   switch (d) {
@@ -137,6 +249,8 @@ enum class Dtype : std::uint8_t { int8, uint8, int32, uint32, int64, uint64, flo
     case Dtype::bfloat16: return "bfloat16";
     case Dtype::float32: return "float";
     case Dtype::float64: return "double";
+    case Dtype::float8_e4m3: return "float8_e4m3";
+    case Dtype::float8_e5m2: return "float8_e5m2";
   }
   return "unknown";
 }
@@ -153,9 +267,11 @@ template <> struct dtype_of_impl<half> { static constexpr Dtype value = Dtype::f
 template <> struct dtype_of_impl<bfloat16> { static constexpr Dtype value = Dtype::bfloat16; };
 template <> struct dtype_of_impl<float> { static constexpr Dtype value = Dtype::float32; };
 template <> struct dtype_of_impl<double> { static constexpr Dtype value = Dtype::float64; };
+template <> struct dtype_of_impl<float8_e4m3> { static constexpr Dtype value = Dtype::float8_e4m3; };
+template <> struct dtype_of_impl<float8_e5m2> { static constexpr Dtype value = Dtype::float8_e5m2; };
 }  // namespace detail
 
-/// The element types comm moves: int8..uint64, float, double, half, bfloat16.
+/// The element types comm moves: int8..uint64, float, double, half, bfloat16, float8_e4m3, float8_e5m2.
 template <class T>
 concept element = requires { detail::dtype_of_impl<std::remove_cv_t<T>>::value; };
 
@@ -166,7 +282,9 @@ inline constexpr Dtype dtype_of = detail::dtype_of_impl<std::remove_cv_t<T>>::va
 template <class T>
 concept floating_element = element<T> && (std::is_floating_point_v<std::remove_cv_t<T>> ||
                                           std::is_same_v<std::remove_cv_t<T>, half> ||
-                                          std::is_same_v<std::remove_cv_t<T>, bfloat16>);
+                                          std::is_same_v<std::remove_cv_t<T>, bfloat16> ||
+                                          std::is_same_v<std::remove_cv_t<T>, float8_e4m3> ||
+                                          std::is_same_v<std::remove_cv_t<T>, float8_e5m2>);
 
 template <class T>
 concept integral_element = element<T> && std::is_integral_v<std::remove_cv_t<T>>;
@@ -174,7 +292,9 @@ concept integral_element = element<T> && std::is_integral_v<std::remove_cv_t<T>>
 [[nodiscard]] constexpr std::size_t size_of(Dtype d) noexcept {
   switch (d) {
     case Dtype::int8:
-    case Dtype::uint8: return 1;
+    case Dtype::uint8:
+    case Dtype::float8_e4m3:
+    case Dtype::float8_e5m2: return 1;
     case Dtype::float16:
     case Dtype::bfloat16: return 2;
     case Dtype::int32:
@@ -188,7 +308,8 @@ concept integral_element = element<T> && std::is_integral_v<std::remove_cv_t<T>>
 }
 
 [[nodiscard]] constexpr bool is_floating(Dtype d) noexcept {
-  return d == Dtype::float16 || d == Dtype::bfloat16 || d == Dtype::float32 || d == Dtype::float64;
+  return d == Dtype::float16 || d == Dtype::bfloat16 || d == Dtype::float32 || d == Dtype::float64 ||
+         d == Dtype::float8_e4m3 || d == Dtype::float8_e5m2;
 }
 
 /// Tag: pass `comm::async` as the last argument of a collective to get a `comm::Work` back.

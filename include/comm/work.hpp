@@ -56,6 +56,12 @@ class WorkState {
   /// block, and a later failure surfaces through the backend's watchdog. Host backends return false.
   virtual bool wait_on_stream() { return false; }
 
+  /// Called by Work::wait / Work::synchronize when their deadline passed with the operation still
+  /// running, before they throw comm::Timeout. A backend whose engine could go on writing into the
+  /// caller's buffers stops the operation here (bounded); when it ended, its own error is
+  /// reported instead. Returns a note for the Timeout's message. Default: nothing to stop.
+  virtual std::string on_wait_timeout() { return {}; }
+
   [[nodiscard]] const std::string& op() const noexcept { return op_; }
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
@@ -114,10 +120,13 @@ class [[nodiscard]] Work {
   void synchronize() {
     if (!state_) return;
     const auto deadline = std::chrono::steady_clock::now() + state_->timeout();
-    if (!state_->wait_until(deadline))
-      throw Timeout(state_->op(), state_->rank(),
-                    "Work::wait gave up after " + std::to_string(state_->timeout().count()) +
-                        " ms; the operation did not complete");
+    if (!state_->wait_until(deadline)) {
+      std::string note = state_->on_wait_timeout();
+      if (!state_->done())
+        throw Timeout(state_->op(), state_->rank(),
+                      "Work::wait gave up after " + std::to_string(state_->timeout().count()) +
+                          " ms; the operation did not complete" + note);
+    }
     finish();
   }
 

@@ -111,6 +111,8 @@ TEST_CASE("arguments: runtime ReduceOp checked at run time") {
   expect_invalid([&] { c.all_reduce(f, comm::ReduceOp::band); },
                  {"all_reduce", rank, "band", "float", "integer element type"});
   expect_invalid([&] { c.all_reduce(h, comm::ReduceOp::bxor); }, {"all_reduce", rank, "bxor", "half"});
+  std::vector<comm::float8_e4m3> f8(4);
+  expect_invalid([&] { c.all_reduce(f8, comm::ReduceOp::band); }, {"all_reduce", rank, "band", "float8_e4m3"});
   expect_invalid([&] { (void)c.reduce_scatter(out, f, comm::ReduceOp::bor, comm::async); },
                  {"reduce_scatter", rank, "bor", "float"});
   expect_invalid([&] { c.all_reduce(f, static_cast<comm::ReduceOp>(42)); }, {"all_reduce", rank, "42"});

@@ -13,6 +13,7 @@
 
 #include <comm/backends/gloo.hpp>
 #include <comm/communicator.hpp>
+#include <support/collective_test_util.hpp>
 #include <support/multirank.hpp>
 
 namespace gloo_test {
@@ -27,10 +28,10 @@ inline Comm make_comm(comm::backends::Gloo::Options o = {}) {
 
 #define GLOO_TEST_ALL_TYPES                                                                              \
   std::int8_t, std::uint8_t, std::int32_t, std::uint32_t, std::int64_t, std::uint64_t, float, double, \
-      comm::half, comm::bfloat16
+      comm::half, comm::bfloat16, comm::float8_e4m3, comm::float8_e5m2
 
-template <class T>
-inline constexpr bool is_int = std::is_integral_v<T>;
+using comm::test::is_fp8;
+using comm::test::is_int;
 
 template <class T>
 std::vector<ReduceOp> ops_for() {
@@ -43,44 +44,8 @@ std::vector<ReduceOp> ops_for() {
   return ops;
 }
 
-inline std::uint64_t mix(std::uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return x;
-}
-
-/// Rank `rank`'s input element `i` for reduction `op`: small integers, so that every float sum,
-/// product, min and max over up to 4 ranks is exact and independent of the order of reduction.
-template <class T>
-T input_value(int rank, std::size_t i, ReduceOp op) {
-  const auto r = static_cast<long long>(rank);
-  const auto k = static_cast<long long>(i % 1000003);
-  long long v = 0;
-  switch (op) {
-    case ReduceOp::sum:
-    case ReduceOp::avg: v = (r * 7 + k * 3) % 11 - 5; break;
-    case ReduceOp::prod: {
-      const long long m = (r + k) % 3;  // {1, 2, -1}: |product over 4 ranks| <= 16
-      v = m == 0 ? 1 : (m == 1 ? 2 : -1);
-      break;
-    }
-    case ReduceOp::min:
-    case ReduceOp::max: v = (r * 13 + k * 5) % 17 - 8; break;
-    case ReduceOp::band:
-    case ReduceOp::bor:
-    case ReduceOp::bxor:
-      if constexpr (is_int<T>) return static_cast<T>(mix(static_cast<std::uint64_t>(r * 1000003 + k)));
-      break;
-  }
-  if constexpr (std::is_unsigned_v<T>) v = v < 0 ? -v : v;
-  if constexpr (is_int<T>)
-    return static_cast<T>(v);
-  else
-    return T(static_cast<float>(v));
-}
+using comm::test::input_value;
+using comm::test::mix;
 
 /// The reduction of element `i` over `n` ranks, computed without comm's kernels.
 template <class T>
@@ -148,13 +113,7 @@ std::string show(T v) {
     return std::to_string(static_cast<double>(static_cast<float>(v)));
 }
 
-template <class T>
-bool same(T a, T b) {
-  if constexpr (std::is_floating_point_v<T>)
-    return a == b || (a != a && b != b);
-  else
-    return a == b;
-}
+using comm::test::same;
 
 /// Index of the first element where `got` differs from `want(i)`, or -1. On a mismatch it
 /// also prints both values.

@@ -95,4 +95,16 @@ TEST_CASE("reduce_scatter: multi-segment pipeline and more than a million elemen
     CHECK(first_mismatch(got, [&](std::size_t i) { return reference<std::int64_t>(ReduceOp::avg, n, r * count + i); }) ==
           -1);
   }
+  {  // a chunk of ~24 segments: the pipeline's buffering must not deadlock however long a chunk is
+    const std::size_t count = (std::size_t{3} << 20) + 17;
+    std::vector<float> in(count * static_cast<std::size_t>(n)), out(count);
+    for (std::size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>((i + r) % 5);
+    c.reduce_scatter(in, out);
+    CHECK(first_mismatch(out, [&](std::size_t i) {
+            float want = 0;
+            for (std::size_t q = 0; q < static_cast<std::size_t>(n); ++q)
+              want += static_cast<float>((r * count + i + q) % 5);
+            return want;
+          }) == -1);
+  }
 }

@@ -1,5 +1,5 @@
 // comm's reduction kernels (detail/reduce.hpp), one process: semantics per type and op, aliasing,
-// wrap-around without UB, half/bfloat16 through float, avg finishing, custom callables.
+// wrap-around without UB, half/bfloat16/fp8 through float, avg finishing, custom callables.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -41,6 +41,29 @@ TEST_CASE("reduce kernels: half and bfloat16 compute in float and round each ste
   CHECK(static_cast<float>(combine<ReduceOp::sum, comm::half>(comm::half(2048.0f), comm::half(1.0f))) == 2048.0f);
   CHECK(static_cast<float>(combine<ReduceOp::max, comm::bfloat16>(comm::bfloat16(-1.0f), comm::bfloat16(0.5f))) ==
         0.5f);
+}
+
+TEST_CASE("reduce kernels: fp8 computes in float and rounds each step") {
+  using E4 = comm::float8_e4m3;
+  using E5 = comm::float8_e5m2;
+  CHECK(static_cast<float>(combine<ReduceOp::sum, E4>(E4(1.0f), E4(2.0f))) == 3.0f);
+  CHECK(static_cast<float>(combine<ReduceOp::prod, E5>(E5(3.0f), E5(-2.0f))) == -6.0f);
+  CHECK(static_cast<float>(combine<ReduceOp::min, E4>(E4(-1.0f), E4(0.5f))) == -1.0f);
+  CHECK(static_cast<float>(combine<ReduceOp::max, E5>(E5(-1.0f), E5(0.5f))) == 0.5f);
+  // 16 + 1 is not representable in e4m3 (spacing 2 above 16): ties to even, 16.
+  CHECK(static_cast<float>(combine<ReduceOp::sum, E4>(E4(16.0f), E4(1.0f))) == 16.0f);
+  // e4m3 sums saturate at 448 (it has no infinity); e5m2 at 57344.
+  CHECK(static_cast<float>(combine<ReduceOp::sum, E4>(E4(448.0f), E4(448.0f))) == 448.0f);
+  CHECK(static_cast<float>(combine<ReduceOp::sum, E5>(E5(57344.0f), E5(57344.0f))) == 57344.0f);
+  std::vector<E5> acc{E5(1.0f), E5(2.0f), E5(4.0f)}, in{E5(1.0f), E5(-2.0f), E5(4.0f)};
+  comm::detail::reduce_kernel<ReduceOp::sum, E5>(acc.data(), acc.data(), in.data(), acc.size());
+  CHECK(static_cast<float>(acc[0]) == 2.0f);
+  CHECK(static_cast<float>(acc[1]) == 0.0f);
+  CHECK(static_cast<float>(acc[2]) == 8.0f);
+  std::vector<E4> avg{E4(6.0f), E4(-3.0f)};
+  comm::detail::finish_avg<E4>(avg.data(), avg.size(), 4);
+  CHECK(static_cast<float>(avg[0]) == 1.5f);
+  CHECK(static_cast<float>(avg[1]) == -0.75f);
 }
 
 TEST_CASE("reduce kernels: type-erased kernel handles out == a, out == b and distinct buffers") {

@@ -176,21 +176,7 @@ TEST_CASE("watchdog: a stuck operation ends with Timeout naming it and the rank;
 TEST_CASE("adopt: reuses an existing NCCL communicator without owning it") {
   NCCL_REQUIRE_GPU();
   const auto& w = comm::test::world();
-  auto store = comm::test::fresh_store();
-  const int device = std::atoi(std::getenv("LOCAL_RANK") ? std::getenv("LOCAL_RANK") : "0") %
-                     comm::nccl::device_count().count;
-  NCCL_TEST_CUDA(cudaSetDevice(device));
-  ncclUniqueId id{};
-  if (w.rank == 0) {
-    REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-    store->set("uid", std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(&id), sizeof(id)));
-  } else {
-    auto v = store->get("uid");
-    REQUIRE(v.size() == sizeof(id));
-    std::memcpy(&id, v.data(), sizeof(id));
-  }
-  ncclComm_t raw = nullptr;
-  REQUIRE(ncclCommInitRank(&raw, w.size, id, w.rank) == ncclSuccess);
+  ncclComm_t raw = raw_nccl_comm();
   Stream s;
   DeviceBuffer<std::int64_t> d(std::vector<std::int64_t>(5, 3));
   {

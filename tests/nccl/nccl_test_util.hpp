@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <span>
 #include <string>
@@ -18,6 +19,7 @@
 
 #include <comm/backends/nccl.hpp>
 #include <comm/communicator.hpp>
+#include <support/collective_test_util.hpp>
 #include <support/multirank.hpp>
 
 namespace nccl_test {
@@ -113,6 +115,29 @@ class DeviceBuffer {
   std::size_t n_ = 0;
 };
 
+/// A blocking ncclComm_t of the whole world made with NCCL's own calls (the unique id shared
+/// through a store private to the calling test case), on this rank's device, which it makes
+/// current. The caller destroys it.
+inline ncclComm_t raw_nccl_comm() {
+  const auto& w = comm::test::world();
+  auto store = comm::test::fresh_store();
+  const char* lr = std::getenv("LOCAL_RANK");
+  const int device = std::atoi(lr ? lr : "0") % comm::nccl::device_count().count;
+  NCCL_TEST_CUDA(cudaSetDevice(device));
+  ncclUniqueId id{};
+  if (w.rank == 0) {
+    REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+    store->set("uid", std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(&id), sizeof(id)));
+  } else {
+    auto v = store->get("uid");
+    REQUIRE(v.size() == sizeof(id));
+    std::memcpy(&id, v.data(), sizeof(id));
+  }
+  ncclComm_t raw = nullptr;
+  REQUIRE(ncclCommInitRank(&raw, w.size, id, w.rank) == ncclSuccess);
+  return raw;
+}
+
 /// A communicator over a store private to the calling test case.
 inline Comm make_comm(comm::backends::Nccl::Options o = {}) {
   const auto& w = comm::test::world();
@@ -123,8 +148,9 @@ inline Comm make_comm(comm::backends::Nccl::Options o = {}) {
   std::int8_t, std::uint8_t, std::int32_t, std::uint32_t, std::int64_t, std::uint64_t, float, double, \
       comm::half, comm::bfloat16
 
-template <class T>
-inline constexpr bool is_int = std::is_integral_v<T>;
+using comm::test::input_value;
+using comm::test::is_int;
+using comm::test::same;
 
 /// The reductions the NCCL backend runs on T.
 template <class T>
@@ -132,30 +158,6 @@ std::vector<ReduceOp> ops_for() {
   std::vector<ReduceOp> ops{ReduceOp::sum, ReduceOp::prod, ReduceOp::min, ReduceOp::max};
   if (comm::backends::Nccl::supports_reduction(ReduceOp::avg, comm::dtype_of<T>)) ops.push_back(ReduceOp::avg);
   return ops;
-}
-
-/// Rank `rank`'s input element `i` for `op`: small integers, so that sums, products, minima and
-/// maxima over up to 8 ranks are exact in every type and independent of the reduction order.
-template <class T>
-T input_value(int rank, std::size_t i, ReduceOp op) {
-  const auto r = static_cast<long long>(rank);
-  const auto k = static_cast<long long>(i % 1000003);
-  long long v = 0;
-  switch (op) {
-    case ReduceOp::sum:
-    case ReduceOp::avg: v = (r * 7 + k * 3) % 11 - 5; break;
-    case ReduceOp::prod: {
-      const long long m = (r + k) % 3;  // {1, 2, -1}: |product over 4 ranks| <= 16
-      v = m == 0 ? 1 : (m == 1 ? 2 : -1);
-      break;
-    }
-    default: v = (r * 13 + k * 5) % 17 - 8; break;
-  }
-  if constexpr (std::is_unsigned_v<T>) v = v < 0 ? -v : v;
-  if constexpr (is_int<T>)
-    return static_cast<T>(v);
-  else
-    return T(static_cast<float>(v));
 }
 
 /// The reference result of `op` over ranks 0..n-1 at element `i`, as a double.
@@ -205,14 +207,6 @@ T tag(int rank, std::size_t i) {
     return static_cast<T>(v);
   else
     return T(static_cast<float>(v));
-}
-
-template <class T>
-bool same(T a, T b) {
-  if constexpr (is_int<T>)
-    return a == b;
-  else
-    return static_cast<double>(a) == static_cast<double>(b);
 }
 
 }  // namespace nccl_test

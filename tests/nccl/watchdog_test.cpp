@@ -284,3 +284,73 @@ TEST_CASE("watchdog: many operations in flight complete promptly (default timing
   CHECK(wd.wait_idle(dn::Clock::now() + 1s));
   wd.stop();
 }
+
+namespace {
+
+/// A fake engine that feeds the watchdog's progress hooks to a real flight recorder.
+class RecordingTarget final : public dn::WatchTarget {
+ public:
+  std::optional<dn::Fault> async_error() noexcept override { return std::nullopt; }
+  void abort() noexcept override { aborted = true; }
+  void op_started(std::uint64_t seq) noexcept override { recorder.started(seq); }
+  void op_completed(std::uint64_t seq) noexcept override { recorder.completed(seq); }
+  void op_failed(std::uint64_t seq, const std::exception_ptr& e) noexcept override {
+    recorder.failed(seq, dn::what_of(e).c_str());
+  }
+  void failure_handled(const std::exception_ptr&) noexcept override {
+    aborted_first = aborted.load();
+    handled.fetch_add(1);
+  }
+  comm::detail::FlightRecorder recorder{8};
+  std::atomic<bool> aborted{false};
+  std::atomic<bool> aborted_first{false};
+  std::atomic<int> handled{0};
+};
+
+}  // namespace
+
+TEST_CASE("watchdog: progress hooks drive the flight recorder (started at the head, completed, failed)") {
+  RecordingTarget t;
+  dn::Watchdog wd(t, 3, fast());
+  wd.start();
+  const comm::detail::OpDesc desc{comm::detail::OpKind::all_reduce, 8, 0, -1, 4};
+  auto a = op("all_reduce", 0), b = op("all_reduce", 1, 150ms);
+  comm::Work wa(a), wb(b);
+  t.recorder.issued(0, desc);
+  t.recorder.issued(1, desc);
+  const auto now = dn::Clock::now();
+  wd.track(a, now + 10s);
+  wd.track(b, now + 300ms);
+  auto state = [&](std::size_t i) { return t.recorder.snapshot("nccl", 3, 4, "").ops.at(i).state; };
+  CHECK(state(0) == comm::OpState::started);  // at the head of an idle queue
+  CHECK(state(1) == comm::OpState::queued);   // behind #0
+  a->state = 1;
+  CHECK(wa.wait_for(2s));
+  CHECK(state(0) == comm::OpState::completed);
+  // #1 became the head when #0 completed; it never finishes and fails at its deadline.
+  CHECK_THROWS_AS((void)wb.wait_for(std::chrono::milliseconds(2000)), comm::Timeout);
+  CHECK(wb.failed());
+  const auto f = t.recorder.snapshot("nccl", 3, 4, "");
+  REQUIRE(f.ops.size() == 2);
+  CHECK(f.ops[1].state == comm::OpState::failed);
+  CHECK(f.ops[1].started.time_since_epoch().count() != 0);
+  CHECK(contains(f.ops[1].error, "operation #1 did not complete within 150 ms"));
+  for (int i = 0; i < 200 && t.handled == 0; ++i) std::this_thread::sleep_for(5ms);
+  CHECK(t.handled == 1);          // once, after the abort and the failed operations
+  CHECK(t.aborted_first.load());
+  wd.stop();
+  CHECK(t.handled == 1);
+}
+
+TEST_CASE("watchdog: operation #0 at its deadline fails with the cause itself") {
+  FakeTarget t;
+  dn::Watchdog wd(t, 3, fast());
+  wd.start();
+  auto a = op("all_reduce", 0, 150ms);
+  comm::Work wa(a);
+  wd.track(a, dn::Clock::now() + 100ms);
+  const auto m = wait_error<comm::Timeout>(wa);
+  CHECK(contains(m, "operation #0 did not complete within 150 ms"));
+  CHECK_FALSE(contains(m, "aborted after a failure"));
+  wd.stop();
+}

@@ -19,13 +19,44 @@
 ///   communicator run in issue order on one worker thread (started on first use). The buffers must
 ///   stay alive and untouched until the Work completes.
 /// - **Threads:** one worker per communicator (only once it has gone async) and one event-loop
-///   thread per network device, shared across communicators.
+///   thread per network device, shared across communicators, at nice +19 (`Options::loop_nice`).
 /// - **Deadlines:** every operation ends by `Options::timeout` (default: COMM_TIMEOUT, else 30 min)
 ///   with comm::Timeout naming the operation and rank. A peer that exits makes the others fail with
 ///   comm::RemoteError as soon as its connections close. After a Timeout/RemoteError/BackendError
-///   the communicator is unusable: later operations fail at once with the first cause.
+///   the communicator is unusable: later operations fail at once with the first cause. A
+///   `Work::wait()` that gives up aborts the communicator (its pending operations fail, peers see
+///   RemoteError) and returns its Timeout once the operation has ended, so gloo no longer touches
+///   its buffers (bounded: at most one more timeout).
+/// - **Membership check** before connecting: a rank started with another world size fails at once
+///   with comm::InvalidArgument naming both processes; a rank that never joins is a Timeout naming
+///   it (and, when its rank is held by another process, that process).
+/// - **Algorithms:** all_reduce runs one exchange (2 ranks, <= 256 KiB) or recursive doubling
+///   (more ranks, <= 256 KiB), else gloo's ring; reduce_scatter runs recursive halving (power-of-two
+///   worlds, input <= 1 MiB), else comm's pipelined ring (detail/gloo/algorithms.hpp). Every rank
+///   gets bit-identical results.
 /// - **Destruction** finishes the queued operations (each bounded by the timeout; failing at once if
 ///   the communicator already failed), then closes the connections.
+/// - **CUDA device buffers** (cudaMalloc / cuMemAlloc memory) are accepted by every collective,
+///   blocking and async, in any mix with host buffers, so several ranks can share one GPU; comm
+///   stages them through pinned host memory (detail/gloo/device_staging.hpp). The rules:
+///   - the CUDA driver (libcuda.so.1) is loaded at run time on the first collective; there is no
+///     build dependency. Where it is absent, finds no device, or COMM_GLOO_DEVICE_BUFFERS=0, every
+///     buffer is host memory and the check costs one branch per call. Where it is present, the
+///     first collective pays for cuInit and each call asks the driver about its buffers (one
+///     cuPointerGetAttributes each); set COMM_GLOO_DEVICE_BUFFERS=0 to skip both.
+///   - managed (cudaMallocManaged) and pinned/registered host memory count as host memory.
+///   - a device input must be ready when the operation starts: synchronize the stream that wrote
+///     it before the call. The copies are synchronous copies on the legacy default stream, in the
+///     context the buffer was allocated in; inputs are copied to host when the operation runs (in
+///     its place in the issue order), results back to the device after it succeeded. A blocking
+///     call returns, and a Work completes, with the result in device memory.
+///   - only what the operation reads is copied in and only what it writes is copied out
+///     (broadcast: in on the root, out elsewhere; gather: out on the root).
+///   - pinned staging blocks come from a pool per communicator (grow-only: powers of two from
+///     64 KiB; up to 4 idle blocks kept) allocated in the primary context of the first device
+///     seen, which comm retains for the life of the process (do not cudaDeviceReset it).
+///   - a CUDA driver failure throws comm::BackendError naming the operation, the rank and the
+///     driver's text (cuGetErrorString); peers of a rank whose copy-in failed end by the timeout.
 /// - **Reductions:** every built-in op on every element type (bitwise: integers only) with comm's own
 ///   kernels (detail/reduce.hpp), and custom callables `T(T, T)`, which must be associative,
 ///   commutative and must not throw.
@@ -55,10 +86,13 @@
 #include <gloo/context.h>
 
 #include <comm/concepts.hpp>
+#include <comm/detail/backend_diagnostics.hpp>
 #include <comm/detail/desync.hpp>
 #include <comm/detail/env.hpp>
 #include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/gloo/device_staging.hpp>
 #include <comm/detail/gloo/engine.hpp>
+#include <comm/detail/groups.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
@@ -84,10 +118,16 @@ struct GlooOptions {
   /// How many operations the flight recorder keeps (0: none). Default: COMM_FLIGHT_RECORDER_SIZE,
   /// else 256.
   std::size_t flight_recorder_size = comm::detail::flight_recorder_size_default();
+  /// Nice value added to gloo's event-loop threads (0..19; 0: same priority as the process).
+  /// A loop thread that spins on a busy connection lock at the caller's priority keeps the caller
+  /// off the CPU until the next scheduler tick (4 ms stalls on a loaded machine); at a lower
+  /// priority the caller preempts it at once. Applies when a network device is first created in
+  /// the process (devices are shared). Default: COMM_GLOO_LOOP_NICE, else 19.
+  int loop_nice = comm::detail::gloo::loop_nice_default();
 };
 
 /// The Gloo backend policy. Move-only; its moved-from state may only be destroyed or assigned.
-class Gloo {
+class Gloo : public comm::detail::BackendDiagnostics<Gloo> {
  public:
   using backend_concept = comm::backend_t;
   static constexpr std::string_view name = "gloo";
@@ -128,24 +168,37 @@ class Gloo {
   [[nodiscard]] const std::shared_ptr<::gloo::Context>& context(std::size_t i = 0) const { return engine_->context(i); }
   [[nodiscard]] std::size_t num_devices() const noexcept { return engine_->num_contexts(); }
 
+  // Each collective first asks staging_ whether a buffer is CUDA device memory (one cached branch
+  // where no CUDA driver is usable); if so the engine runs on pinned host copies (see the header
+  // comment and detail/gloo/device_staging.hpp).
   template <element T, class Red, class Launch>
   auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l) {
+    if (auto s = staging_.all_reduce<T>(in, out, rank()))
+      return engine_->all_reduce<T>(s->in, s->out, std::move(red), l, std::move(s->hooks));
     return engine_->all_reduce<T>(in, out, std::move(red), l);
   }
   template <element T, class Red, class Launch>
   auto reduce_scatter(std::span<const T> in, std::span<T> out, Red red, Launch l) {
+    if (auto s = staging_.reduce_scatter<T>(in, out, rank()))
+      return engine_->reduce_scatter<T>(s->in, s->out, std::move(red), l, std::move(s->hooks));
     return engine_->reduce_scatter<T>(in, out, std::move(red), l);
   }
   template <element T, class Launch>
   auto all_gather(std::span<const T> in, std::span<T> out, Launch l) {
+    if (auto s = staging_.all_gather<T>(in, out, rank()))
+      return engine_->all_gather<T>(s->in, s->out, l, std::move(s->hooks));
     return engine_->all_gather<T>(in, out, l);
   }
   template <element T, class Launch>
   auto broadcast(std::span<T> data, int root, Launch l) {
+    if (auto s = staging_.broadcast<T>(data, root, rank()))
+      return engine_->broadcast<T>(s->out, root, l, std::move(s->hooks));
     return engine_->broadcast<T>(data, root, l);
   }
   template <element T, class Launch>
   auto gather(std::span<const T> in, std::span<T> out, int root, Launch l) {
+    if (auto s = staging_.gather<T>(in, out, root, rank()))
+      return engine_->gather<T>(s->in, s->out, root, l, std::move(s->hooks));
     return engine_->gather<T>(in, out, root, l);
   }
   template <class Launch>
@@ -162,15 +215,10 @@ class Gloo {
     require_store("split");
     const auto all = engine_->exchange_color_key(color, key);
     const auto k = engine_->next_group_index();
-    if (color < 0) return std::nullopt;
-    std::vector<std::pair<std::int64_t, int>> members;  // (key, rank here)
-    for (int r = 0; r < size(); ++r)
-      if (all[2 * static_cast<std::size_t>(r)] == color) members.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
-    std::sort(members.begin(), members.end());
-    const auto me = std::find(members.begin(), members.end(), std::pair<std::int64_t, int>{key, rank()});
-    const std::string group = "g" + std::to_string(k);
-    return child(engine_->key_prefix() + group + "/c" + std::to_string(color), group,
-                 static_cast<int>(me - members.begin()), static_cast<int>(members.size()));
+    const auto place = comm::detail::split_place(all, color, key, rank());
+    if (!place) return std::nullopt;
+    const std::string group = comm::detail::group_name(k);
+    return child(comm::detail::split_prefix(engine_->key_prefix(), group, color), group, place->rank, place->size);
   }
 
   /// A communicator of `ranks` (validated by the facade: in range, no duplicates), ranked in
@@ -186,23 +234,10 @@ class Gloo {
                  static_cast<int>(ranks.size()));
   }
 
-  /// See Communicator::monitored_barrier; a zero timeout means this communicator's timeout.
-  void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
-    engine_->monitored_barrier(timeout.count() > 0 ? timeout : engine_->timeout(), wait_all_ranks);
-  }
-
-  /// The flight recorder's contents (see <comm/diagnostics.hpp>).
-  [[nodiscard]] FlightRecord flight_record() const { return engine_->flight_record(); }
-  /// Writes the flight record to `path` ("-": stderr); comm::BackendError when it cannot.
-  void dump_flight_record(const std::string& path) const {
-    comm::detail::write_text_file(path, to_string(engine_->flight_record()), rank());
-  }
-  /// Whether the desync check runs before each operation.
-  [[nodiscard]] bool desync_check() const noexcept { return engine_->desync_check(); }
-  /// The options this communicator was made with (subgroups inherit them).
-  [[nodiscard]] const Options& options() const noexcept { return options_; }
 
  private:
+  friend class comm::detail::BackendDiagnostics<Gloo>;  // monitored_barrier, flight_record, options
+
   Gloo(std::unique_ptr<detail::gloo::Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
 
   static detail::gloo::EngineConfig config(const Options& o) {
@@ -212,6 +247,7 @@ class Gloo {
     c.hostname = o.hostname;
     c.desync_check = o.desync_check;
     c.flight_recorder_size = o.flight_recorder_size;
+    c.loop_nice = o.loop_nice;
     return c;
   }
 
@@ -239,6 +275,7 @@ class Gloo {
 
   std::unique_ptr<detail::gloo::Engine> engine_;
   Options options_;
+  detail::gloo::DeviceStaging staging_;  // CUDA device buffers (its pool outlives queued operations)
 };
 
 }  // namespace comm::backends

@@ -15,7 +15,10 @@
 ///   device, polled until `options.timeout` (then the half-made communicator is aborted and
 ///   comm::Timeout thrown). A rank that fails on the way tells the others through the store, so they
 ///   fail at once with comm::RemoteError naming it. The device is `options.device`, else
-///   `LOCAL_RANK % device count`, else `rank % device count`.
+///   `LOCAL_RANK % device count`, else `rank % device count`. The communicator keeps the store
+///   (and so, on rank 0 of env://, the TcpStore server) and its key prefix there
+///   ("comm/nccl/<n>/", n counting this rank's NCCL communicators on that store) for new_group and
+///   monitored_barrier.
 /// - `Communicator<Nccl>::adopt(comm, stream [, options])`: wraps an existing, initialized
 ///   `ncclComm_t` without owning it (it is never destroyed, and never aborted unless
 ///   `options.abort_adopted`); operations run on `stream`. Do not issue on that communicator from
@@ -89,6 +92,40 @@
 /// Destruction waits for issued operations (each bounded by its deadline), then finalizes and
 /// destroys an owned communicator.
 ///
+/// ### Subgroups
+/// - `split(color, key)`: ncclCommSplit, a collective over every rank of this communicator (an
+///   operation "split" in its sequence); NCCL_SPLIT_NOCOLOR for a negative color (nullopt). Ranks
+///   of one color are ranked by (key, rank here). Non-blocking and polled like construction: past
+///   the timeout (or on a failure) this communicator is aborted and fails like after a failed
+///   operation, the half-made new one is aborted, and comm::Timeout (or the failure) is thrown.
+///   Works on adopted communicators too (an adopted *blocking* ncclComm_t blocks in ncclCommSplit
+///   with no deadline of comm's).
+/// - `new_group(ranks)`: members only; non-members get nullopt at once without communicating.
+///   The first listed rank makes an ncclUniqueId and publishes it through a PrefixStore over this
+///   communicator's store, under this communicator's key prefix and the group's number `g<k>`
+///   (counted alike on every rank, members or not, and shared with split); the members then create
+///   the communicator as `create` does (same deadline and failure publication). Needs the store:
+///   an adopted communicator throws comm::InvalidArgument.
+/// - The new communicator has this one's options and device, a stream of its own, its own
+///   watchdog, flight recorder and operation sequence, and its own key prefix in the store (for its
+///   own subgroups and monitored_barrier). Either may be destroyed first.
+///
+/// ### Diagnostics
+/// - `monitored_barrier(timeout, wait_all_ranks)`: waits on the host until every operation issued
+///   so far completed (bounded by this communicator's timeout), then runs the store barrier of
+///   detail/monitored_barrier.hpp, naming the ranks that did not arrive. Needs the store.
+/// - Flight recorder (`flight_record()`, `dump_flight_record(path)`, see <comm/diagnostics.hpp>):
+///   queued when issued, started when the operation reaches the head of the communicator's stream
+///   (the watchdog saw every earlier one complete), completed/failed as the watchdog sees it.
+///   Dumped automatically (COMM_FLIGHT_RECORDER, else stderr at COMM_DEBUG >= WARN) once the
+///   watchdog has handled the first failure (timeout, NCCL error), after a desync or a failed
+///   monitored_barrier, and, with COMM_FLIGHT_RECORDER, when the communicator is destroyed.
+/// - Desync check (`options.desync_check`, default on with COMM_DEBUG=DETAIL; the same on every
+///   rank): before each operation (and split), an ncclAllGather of every rank's 32-byte fingerprint
+///   of (sequence number, operation, element type, count, root, reduction) on the communicator's
+///   stream, waited for on the host (so each operation also waits for the earlier ones: a debugging
+///   mode), then comm::DesyncError on every rank when they differ; the communicator stays usable.
+///
 /// ### Threads
 /// One watchdog thread per communicator. Operations from several threads on one communicator are
 /// serialized (NCCL allows one thread at a time per communicator).
@@ -107,13 +144,18 @@
 #include <utility>
 
 #include <comm/concepts.hpp>
+#include <comm/detail/backend_diagnostics.hpp>
+#include <comm/detail/desync.hpp>
 #include <comm/detail/env.hpp>
+#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/groups.hpp>
 #include <comm/detail/logging.hpp>
 #include <comm/detail/nccl/bootstrap.hpp>
 #include <comm/detail/nccl/device.hpp>
 #include <comm/detail/nccl/engine.hpp>
 #include <comm/detail/nccl/errors.hpp>
 #include <comm/detail/nccl/types.hpp>
+#include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
@@ -160,13 +202,21 @@ struct NcclOptions {
   int min_ctas = -1;
   int max_ctas = -1;
   std::string net_name;
-  /// Called with the ncclConfig_t before ncclCommInitRankConfig, for fields not named here
-  /// (`blocking` stays 0: construction depends on it).
+  /// Called with the ncclConfig_t before ncclCommInitRankConfig (and ncclCommSplit), for fields
+  /// not named here (`blocking` stays 0: construction depends on it).
   std::function<void(ncclConfig_t&)> configure;
+  /// Before each operation, compare (sequence number, operation, element type, count, root,
+  /// reduction) across ranks and throw comm::DesyncError on every rank when they differ (an
+  /// ncclAllGather of 32 bytes per rank, waited for on the host). Must be the same on every rank.
+  /// Default: on with COMM_DEBUG=DETAIL.
+  bool desync_check = comm::detail::desync_check_default();
+  /// How many operations the flight recorder keeps (0: none). Default: COMM_FLIGHT_RECORDER_SIZE,
+  /// else 256.
+  std::size_t flight_recorder_size = comm::detail::flight_recorder_size_default();
 };
 
 /// The NCCL backend policy. Move-only; its moved-from state may only be destroyed or assigned.
-class Nccl {
+class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
  public:
   using backend_concept = comm::backend_t;
   static constexpr std::string_view name = "nccl";
@@ -182,7 +232,6 @@ class Nccl {
   /// Connects `size` ranks through `store` (blocking; ends by `options.timeout`). Throws
   /// comm::BackendError when no CUDA device is usable.
   [[nodiscard]] static Nccl create(std::shared_ptr<Store> store, int rank, int size, const Options& options = {}) {
-    namespace dn = comm::detail::nccl;
     const std::string op = "nccl.init";
     if (!store) throw InvalidArgument(op, rank, "store is null");
     if (size < 1) throw InvalidArgument(op, rank, "size " + std::to_string(size) + " must be at least 1");
@@ -190,28 +239,7 @@ class Nccl {
       throw InvalidArgument(op, rank,
                             "rank " + std::to_string(rank) + " is out of range [0, " + std::to_string(size) + ")");
     check_options(options, rank, op);
-    const auto deadline = dn::Clock::now() + options.timeout;
-    auto rv = dn::open_rendezvous(std::move(store), rank);
-    int device = -1;
-    ncclComm_t comm = nullptr;
-    dn::GatherAlgorithm gather{};
-    try {
-      gather = dn::choose_gather(options.gather, COMM_NCCL_HAS_GATHER != 0, dn::runtime_version(), rank);
-      device = dn::select_device(options.device, rank, op);
-      if (options.stream) dn::check_stream_device(*options.stream, device, op, rank);
-      const ncclUniqueId id = dn::exchange_unique_id(rv, rank, deadline, options.timeout);
-      comm = dn::init_comm(id, rank, size, device, init_config(options), &rv, deadline, options.timeout);
-    } catch (const std::exception& e) {
-      dn::publish_failure(rv, rank, e.what());
-      throw;
-    }
-    auto engine = std::make_unique<dn::Engine>(comm, true, rank, size, device, options.stream,
-                                               settings(options, gather, /*may_abort=*/true));
-    comm::detail::log(comm::detail::LogLevel::info,
-                      "nccl: rank " + std::to_string(rank) + " of " + std::to_string(size) + " on device " +
-                          std::to_string(device) + ", NCCL " + dn::version_string(dn::runtime_version()) +
-                          ", gather " + std::string(dn::to_string(gather)));
-    return Nccl(std::move(engine));
+    return connect(std::move(store), rank, size, options, nullptr);
   }
 
   /// Wraps an existing NCCL communicator without owning it; operations run on `stream`
@@ -235,8 +263,12 @@ class Nccl {
     check_options(options, rank, op);
     const auto gather = dn::choose_gather(options.gather, COMM_NCCL_HAS_GATHER != 0, dn::runtime_version(), rank);
     dn::check_stream_device(stream, device, op, rank);
+    Options kept = options;
+    kept.stream.reset();  // not the adopted stream: subgroups make streams of their own
     return Nccl(std::make_unique<dn::Engine>(comm, false, rank, size, device, stream,
-                                             settings(options, gather, options.abort_adopted)));
+                                             settings(options, gather, options.abort_adopted),
+                                             dn::Origin{nullptr, {}, rank, "adopted"}),
+                std::move(kept));
   }
 
   Nccl(Nccl&&) noexcept = default;
@@ -312,8 +344,122 @@ class Nccl {
     return engine_->premul_sum<T>(true, in, out, scalar, comm::async);
   }
 
+  // ---- optional capabilities (see concepts.hpp): subgroups and diagnostics ----
+
+  /// Collective over every rank of this communicator (ncclCommSplit; see "Subgroups" above): ranks
+  /// with the same `color` >= 0 form a new communicator, ordered by (key, rank here); a negative
+  /// color gives nullopt. The new communicator inherits these options and this device.
+  [[nodiscard]] std::optional<Nccl> split(int color, int key) {
+    namespace dn = comm::detail::nccl;
+    const auto init = init_config(options_);
+    const ncclComm_t child = engine_->split(color, key, init);
+    const auto k = engine_->next_group_index();
+    if (child == nullptr) return std::nullopt;
+    const std::string group = comm::detail::group_name(k);
+    int rank = -1, size = 0;
+    dn::Origin origin = child_origin(group);
+    try {
+      COMM_NCCL_CHECK(ncclCommUserRank(child, &rank), "split", this->rank(), child);
+      COMM_NCCL_CHECK(ncclCommCount(child, &size), "split", this->rank(), child);
+      if (engine_->store()) {
+        auto rv = dn::open_rendezvous(std::make_shared<PrefixStore>(comm::detail::split_prefix(engine_->key_prefix(),
+                                                                                                group, color),
+                                                                    engine_->store()),
+                                      rank);
+        origin.store = std::move(rv.store);
+        origin.key_prefix = std::move(rv.prefix);
+      }
+    } catch (...) {
+      dn::abort_comm(child, device());
+      throw;
+    }
+    Options o = child_options();
+    auto s = settings(o, gather_algorithm(), /*may_abort=*/true);
+    return Nccl(std::make_unique<dn::Engine>(child, true, rank, size, device(), std::nullopt, std::move(s),
+                                             std::move(origin)),
+                std::move(o));
+  }
+
+  /// A communicator of `ranks` (validated by the facade: in range, no duplicates), ranked in that
+  /// order (see "Subgroups" above). Every rank calls it in the same order; non-members return
+  /// nullopt at once, without communicating; members rendezvous through the store.
+  [[nodiscard]] std::optional<Nccl> new_group(std::span<const int> ranks) {
+    if (!engine_->store()) throw comm::detail::nccl::no_store_error("new_group", rank());
+    const auto k = engine_->next_group_index();
+    const auto place = comm::detail::group_place(ranks, rank());
+    if (!place) return std::nullopt;
+    const std::string group = comm::detail::group_name(k);
+    auto store =
+        std::make_shared<PrefixStore>(comm::detail::group_prefix(engine_->key_prefix(), group), engine_->store());
+    const Parent parent{device(), gather_algorithm(), child_origin(group)};
+    return connect(std::move(store), place->rank, place->size, child_options(), &parent);
+  }
+
+
  private:
-  explicit Nccl(std::unique_ptr<comm::detail::nccl::Engine> e) noexcept : engine_(std::move(e)) {}
+  friend class comm::detail::BackendDiagnostics<Nccl>;  // monitored_barrier, flight_record, options
+
+  Nccl(std::unique_ptr<comm::detail::nccl::Engine> e, Options o) noexcept
+      : engine_(std::move(e)), options_(std::move(o)) {}
+
+  /// What a new_group inherits from its parent communicator.
+  struct Parent {
+    int device;
+    comm::nccl::GatherAlgorithm gather;
+    comm::detail::nccl::Origin origin;  ///< file_rank and name (store and prefix come from the rendezvous)
+  };
+
+  /// Rendezvous through `store` and ncclCommInitRankConfig: a root communicator (`parent` null) or
+  /// a new_group (`parent`: its device, gather path and name).
+  [[nodiscard]] static Nccl connect(std::shared_ptr<Store> store, int rank, int size, const Options& options,
+                                    const Parent* parent) {
+    namespace dn = comm::detail::nccl;
+    const std::string op = "nccl.init";
+    const auto deadline = dn::Clock::now() + options.timeout;
+    auto rv = dn::open_rendezvous(std::move(store), rank);
+    int device = -1;
+    ncclComm_t comm = nullptr;
+    dn::GatherAlgorithm gather{};
+    try {
+      gather = parent ? parent->gather
+                      : dn::choose_gather(options.gather, COMM_NCCL_HAS_GATHER != 0, dn::runtime_version(), rank);
+      device = parent ? parent->device : dn::select_device(options.device, rank, op);
+      if (options.stream) dn::check_stream_device(*options.stream, device, op, rank);
+      const ncclUniqueId id = dn::exchange_unique_id(rv, rank, deadline, options.timeout);
+      comm = dn::init_comm(id, rank, size, device, init_config(options), &rv, deadline, options.timeout);
+    } catch (const std::exception& e) {
+      dn::publish_failure(rv, rank, e.what());
+      throw;
+    }
+    dn::Origin origin = parent ? parent->origin : dn::Origin{};
+    if (!parent) {
+      origin.file_rank = rank;
+      origin.name = rv.number == 1 ? std::string() : "c" + std::to_string(rv.number);
+    }
+    origin.store = rv.store;
+    origin.key_prefix = rv.prefix;
+    const std::string what = origin.name.empty() ? std::string() : " (" + origin.name + ")";
+    auto engine = std::make_unique<dn::Engine>(comm, true, rank, size, device, options.stream,
+                                               settings(options, gather, /*may_abort=*/true), std::move(origin));
+    comm::detail::log(comm::detail::LogLevel::info,
+                      "nccl: rank " + std::to_string(rank) + " of " + std::to_string(size) + what + " on device " +
+                          std::to_string(device) + ", NCCL " + dn::version_string(dn::runtime_version()) +
+                          ", gather " + std::string(dn::to_string(gather)));
+    return Nccl(std::move(engine), options);
+  }
+
+  /// The options of a subgroup: these, on this device, with a stream of its own.
+  [[nodiscard]] Options child_options() const {
+    Options o = options_;
+    o.device = device();
+    o.stream.reset();
+    return o;
+  }
+
+  /// The dump naming of subgroup `group` (its store and key prefix are filled in later).
+  [[nodiscard]] comm::detail::nccl::Origin child_origin(const std::string& group) const {
+    return {nullptr, {}, engine_->file_rank(), comm::detail::child_name(engine_->name(), group)};
+  }
 
   static void check_options(const Options& o, int rank, const std::string& op) {
     if (o.timeout.count() <= 0)
@@ -336,10 +482,13 @@ class Nccl {
     s.check_pointers = o.check_pointers;
     s.may_abort = may_abort;
     s.timing.async_poll = o.watchdog_interval;
+    s.desync_check = o.desync_check;
+    s.flight_recorder_size = o.flight_recorder_size;
     return s;
   }
 
   std::unique_ptr<comm::detail::nccl::Engine> engine_;
+  Options options_;
 };
 
 }  // namespace comm::backends

@@ -70,7 +70,7 @@ template <class T>
 }
 
 [[nodiscard]] inline std::optional<Dtype> dtype_from_code(std::uint8_t c) noexcept {
-  if (c > static_cast<std::uint8_t>(Dtype::float64)) return std::nullopt;
+  if (c > static_cast<std::uint8_t>(Dtype::float8_e5m2)) return std::nullopt;
   return static_cast<Dtype>(c);
 }
 [[nodiscard]] inline std::optional<ReduceOp> reduce_from_code(std::uint8_t c) noexcept {

@@ -3,7 +3,7 @@
 //
 // Semantics (the reference every test checks against):
 //   sum, prod      signed integers wrap modulo 2^bits (computed in the unsigned type: no UB);
-//                  half/bfloat16 are widened to float, combined, and rounded back at every step.
+//                  half/bfloat16/fp8 are widened to float, combined, and rounded back at every step.
 //   min, max       `b < a ? b : a` / `a < b ? b : a` (maps onto minps/maxps; a NaN in `b` is
 //                  ignored, one in `a` is kept).
 //   band/bor/bxor  integers only.
@@ -21,7 +21,8 @@
 namespace comm::detail {
 
 template <class T>
-inline constexpr bool is_half_like_v = std::is_same_v<T, half> || std::is_same_v<T, bfloat16>;
+inline constexpr bool is_half_like_v = std::is_same_v<T, half> || std::is_same_v<T, bfloat16> ||
+                                      std::is_same_v<T, float8_e4m3> || std::is_same_v<T, float8_e5m2>;
 
 /// One step of reduction `R` on two values of `T`.
 template <ReduceOp R, class T>

@@ -12,17 +12,21 @@
 // independent of the number of communicators.
 
 #include <netdb.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <cerrno>
 #include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <gloo/common/logging.h>
@@ -96,8 +100,48 @@ struct DeviceSpec {
   return {{{}, "127.0.0.1", "the loopback default"}};
 }
 
-/// A TCP device for `spec`, shared with other communicators of this process.
-[[nodiscard]] inline std::shared_ptr<::gloo::transport::Device> shared_device(const DeviceSpec& spec, int rank) {
+/// COMM_GLOO_LOOP_NICE (the nice value added to gloo's event-loop threads), else 19.
+[[nodiscard]] inline int loop_nice_default() {
+  if (auto v = getenv_str("COMM_GLOO_LOOP_NICE"); v && !trim(*v).empty()) {
+    try {
+      return std::clamp(std::stoi(std::string(trim(*v))), 0, 19);
+    } catch (...) {
+      throw InvalidArgument("gloo.init", -1, "COMM_GLOO_LOOP_NICE='" + std::string(*v) + "' is not a number 0..19");
+    }
+  }
+  return 19;
+}
+
+/// Runs `make` on a short-lived thread whose nice value is raised by `nice`, so that the threads
+/// it starts (gloo's event loop) inherit it. Why: the loop thread spins on a level-triggered
+/// epoll while the caller holds the pair mutex; at equal priority it keeps the caller off the CPU
+/// until the next scheduler tick (4 ms stalls, benchmarks/analysis.md section 2), at a lower one
+/// the caller preempts it at once.
+template <class Make>
+auto on_niced_thread(int nice, Make&& make) {
+  using R = decltype(make());
+  if (nice <= 0) return make();
+  R result{};
+  std::exception_ptr error;
+  std::thread t([&] {
+    errno = 0;
+    const int now = ::getpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()));
+    if (errno == 0) (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), std::min(19, now + nice));
+    try {
+      result = make();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  t.join();
+  if (error) std::rethrow_exception(error);
+  return result;
+}
+
+/// A TCP device for `spec`, shared with other communicators of this process (the first one to
+/// ask sets its loop thread's nice value).
+[[nodiscard]] inline std::shared_ptr<::gloo::transport::Device> shared_device(const DeviceSpec& spec, int rank,
+                                                                             int loop_nice = 0) {
   static std::mutex mu;
   static std::map<std::string, std::weak_ptr<::gloo::transport::Device>> cache;
   const std::string key = spec.iface.empty() ? "host:" + spec.hostname : "iface:" + spec.iface;
@@ -109,7 +153,7 @@ struct DeviceSpec {
   attr.hostname = spec.hostname;
   std::string why;
   try {
-    auto dev = ::gloo::transport::tcp::CreateDevice(attr);
+    auto dev = on_niced_thread(loop_nice, [&] { return ::gloo::transport::tcp::CreateDevice(attr); });
     cache[key] = dev;
     return dev;
   } catch (const ::gloo::EnforceNotMet& e) {

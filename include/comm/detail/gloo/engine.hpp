@@ -5,6 +5,11 @@
 // exchange of a 32-byte fingerprint per rank before the operation: every rank sends its own to
 // every other rank at once, one message latency; a gloo ring allgather above kDirectExchangeMax
 // ranks, where n-1 messages per rank and operation would cost more than n-1 ring steps).
+//
+// The typed entry points (all_reduce<T>, ...) only fill an Op record (op.hpp); queueing,
+// execution, diagnostics and the gloo calls are plain functions, compiled once per translation
+// unit however many element types and reductions a program uses. gloo's typed options are used
+// through carrier types of the element's size (uint8_t..uint64_t): gloo only uses sizeof(T).
 
 #include <algorithm>
 #include <array>
@@ -33,8 +38,12 @@
 #include <gloo/types.h>
 
 #include <comm/concepts.hpp>
+#include <comm/detail/gloo/abort.hpp>
+#include <comm/detail/gloo/algorithms.hpp>
 #include <comm/detail/gloo/device.hpp>
 #include <comm/detail/gloo/errors.hpp>
+#include <comm/detail/gloo/membership.hpp>
+#include <comm/detail/gloo/op.hpp>
 #include <comm/detail/gloo/op_queue.hpp>
 #include <comm/detail/gloo/reduce_scatter.hpp>
 #include <comm/detail/gloo/store_adapter.hpp>
@@ -61,22 +70,6 @@ template <class Red>
     return false;
 }
 
-/// The reduction function gloo calls; for a custom op it refers to `red.fn`, which must outlive it.
-template <class T, class Red>
-[[nodiscard]] ReduceFunc reduce_func(const Red& red) {
-  if constexpr (std::is_same_v<Red, ReduceOp>) {
-    return ReduceFunc(reduce_kernel_for<T>(red));
-  } else if constexpr (builtin_reduction<Red>) {
-    constexpr ReduceOp r = reduce_op_of<Red> == ReduceOp::avg ? ReduceOp::sum : reduce_op_of<Red>;
-    return ReduceFunc(&reduce_kernel<r, T>);
-  } else {
-    const auto* f = &red.fn;
-    return [f](void* out, const void* a, const void* b, std::size_t n) {
-      reduce_custom<T>(*f, static_cast<T*>(out), static_cast<const T*>(a), static_cast<const T*>(b), n);
-    };
-  }
-}
-
 /// The flight recorder's / desync check's code of a reduction argument.
 template <class Red>
 [[nodiscard]] constexpr std::uint8_t reduce_code(const Red& red) noexcept {
@@ -86,6 +79,15 @@ template <class Red>
     return static_cast<std::uint8_t>(reduce_op_of<Red>);
   else
     return OpDesc::custom;
+}
+
+/// The reduction gloo (or comm's algorithms) call for `op`. Both forms fit std::function's small
+/// buffer (a function pointer; two pointers), so building one does not allocate.
+[[nodiscard]] inline ReduceFunc reduce_func(const Op& op) {
+  if (op.custom == nullptr) return ReduceFunc(op.kernel);
+  return [fn = op.custom, arg = op.custom_arg](void* out, const void* a, const void* b, std::size_t n) {
+    fn(arg, out, a, b, n);
+  };
 }
 
 /// What an Engine is built with besides its store, rank and size.
@@ -100,6 +102,55 @@ struct EngineConfig {
   /// creation number on the store).
   int file_rank = -1;
   std::string name;
+  /// Nice value added to the gloo devices' event-loop threads (see device.hpp); 0: inherit.
+  /// Default: COMM_GLOO_LOOP_NICE, else 19.
+  int loop_nice = loop_nice_default();
+  /// all_reduce / reduce_scatter algorithm choice (see algorithms.hpp).
+  AlgorithmConfig algorithms = algorithm_config_default();
+};
+
+class Engine;
+
+/// Lets a Work whose wait gave up stop the operation; outlives the engine (Work may).
+class AbortHandle {
+ public:
+  explicit AbortHandle(Engine* e) noexcept : engine_(e) {}
+  /// Aborts the communicator's operations; false when the engine is gone.
+  bool abort(const std::string& why, std::chrono::milliseconds grace);
+  void detach() noexcept {
+    std::lock_guard lock(mu_);
+    engine_ = nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  Engine* engine_;
+};
+
+/// The Work state of an async Gloo operation. When Work::wait's (or synchronize's) deadline passes
+/// it aborts the communicator and waits (bounded: at most timeout + 2 s more) for the operation to
+/// end, so that the Timeout reaches the caller only once gloo no longer touches the operation's
+/// buffers. Work::wait_for() lets the operation run on, as documented.
+class GlooWorkState final : public WorkState {
+ public:
+  GlooWorkState(const char* op, int rank, std::chrono::milliseconds timeout, std::shared_ptr<AbortHandle> abort)
+      : WorkState(op, rank, timeout), abort_(std::move(abort)) {}
+
+  std::string on_wait_timeout() override {
+    const std::string why = "Work::wait gave up after " + std::to_string(timeout().count()) +
+                            " ms: the operation did not complete; the communicator was aborted";
+    // The abort wakes every pending gloo wait at once, except a send the event loop had started
+    // writing (libgloo), which ends by its own deadline: at most the timeout.
+    const auto bound = timeout() + std::chrono::seconds(2);
+    // (A communicator already destroyed has drained its queue: the operation has ended.)
+    (void)abort_->abort(why, bound);
+    if (wait_until(std::chrono::steady_clock::now() + bound)) return {};
+    return "; the communicator was aborted, and the operation did not stop within " + std::to_string(bound.count()) +
+           " ms more: its buffers may still be in use";
+  }
+
+ private:
+  std::shared_ptr<AbortHandle> abort_;
 };
 
 class Engine {
@@ -111,6 +162,8 @@ class Engine {
   /// Slot prefix of the direct fingerprint exchange (comm's own algorithms use 0x21 and up).
   static constexpr std::uint8_t kDesyncSlotPrefix = 0x22;
   static constexpr int kDirectExchangeMax = 64;
+  /// Scratch kept between operations; more is freed after the operation that needed it.
+  static constexpr std::size_t kScratchKeep = std::size_t{8} << 20;
 
   [[nodiscard]] static constexpr std::uint32_t tag_of(std::uint64_t seq) noexcept {
     return static_cast<std::uint32_t>(seq & 0x7fffffffu);
@@ -124,6 +177,7 @@ class Engine {
         timeout_(cfg.timeout),
         store_(std::move(store)),
         desync_(cfg.desync_check),
+        algorithms_(cfg.algorithms),
         fingerprints_(static_cast<std::size_t>(size)),
         recorder_(cfg.flight_recorder_size),
         dump_path_(flight_recorder_path()) {
@@ -139,8 +193,9 @@ class Engine {
       file_rank_ = cfg.file_rank;
       name_ = cfg.name;
     }
+    if (size > 1) check_membership(*store_, key_prefix_, static_cast<std::uint64_t>(seq), rank, size, timeout_);
     for (std::size_t i = 0; i < specs.size(); ++i) {
-      auto dev = shared_device(specs[i], rank);
+      auto dev = shared_device(specs[i], rank, cfg.loop_nice);
       auto ctx = std::make_shared<::gloo::rendezvous::Context>(rank, size);
       ctx->setTimeout(timeout_);
       StoreAdapter adapter(store_, key_prefix_ + std::to_string(i) + "/", timeout_);
@@ -167,6 +222,7 @@ class Engine {
         file_rank_(ctx->rank),
         name_("adopted"),
         desync_(cfg.desync_check),
+        algorithms_(cfg.algorithms),
         fingerprints_(static_cast<std::size_t>(ctx->size)),
         recorder_(cfg.flight_recorder_size),
         dump_path_(flight_recorder_path()) {
@@ -177,6 +233,7 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
   ~Engine() {
     queue_.shutdown();
+    abort_->detach();
     if (!dump_path_.empty()) {
       try {
         write_text_file(dump_file(), to_string(flight_record()), rank_);
@@ -208,121 +265,77 @@ class Engine {
 
   // ---- launch: blocking runs inline (after queued work), async queues and returns Work ----
 
-  template <class Body>
-  void launch(const OpDesc& d, blocking_t, Body&& body) {
-    queue_.run_inline([&](std::uint64_t seq) { execute(d, seq, body); },
-                      [&](std::uint64_t seq) { recorder_.issued(seq, d); });
-  }
+  void launch(Op& op, blocking_t) { queue_.run_inline(op); }
 
-  template <class Body>
-  Work launch(const OpDesc& d, async_t, Body&& body) {
-    auto state = std::make_shared<WorkState>(op_name(d.kind), rank_, timeout_);
-    queue_.submit([this, d, body = std::forward<Body>(body)](std::uint64_t seq) mutable { execute(d, seq, body); },
-                  state, [&](std::uint64_t seq) { recorder_.issued(seq, d); });
+  Work launch(Op& op, async_t) {
+    auto state = std::make_shared<GlooWorkState>(op_name(op.desc.kind), rank_, timeout_, abort_);
+    queue_.submit(std::move(op), state);
     return Work(std::move(state));
   }
 
   // ---- collectives (arguments were validated by the facade) ----
+  // `hooks` (optional): steps run around the collective on the executing thread (see op.hpp).
 
   template <class T, class Red, class Launch>
-  auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l) {
-    const OpDesc d{OpKind::all_reduce, dtype_code<T>(), reduce_code(red), -1, in.size()};
-    return launch(d, l, [this, in, out, red = std::move(red)](const std::shared_ptr<::gloo::Context>& ctx,
-                                                              std::uint32_t tag) {
-      if (out.empty()) return;
-      ::gloo::AllreduceOptions o(ctx);
-      if (in.data() != out.data()) o.setInput(const_cast<T*>(in.data()), in.size());
-      o.setOutput(out.data(), out.size());
-      o.setReduceFunction(reduce_func<T>(red));
-      o.setTag(tag);
-      o.setTimeout(timeout_);
-      ::gloo::allreduce(o);
-      if (is_avg(red)) finish_avg<T>(out.data(), out.size(), size_);
-    });
+  auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l, OpHooks hooks = {}) {
+    Op op = make_op<T>(OpKind::all_reduce, in.data(), out.data(), in.size(), out.size());
+    op.desc.reduce = reduce_code(red);
+    op.desc.count = in.size();
+    op.hooks = std::move(hooks);
+    return with_reduction<T>(op, red, l);
   }
 
   template <class T, class Red, class Launch>
-  auto reduce_scatter(std::span<const T> in, std::span<T> out, Red red, Launch l) {
-    const OpDesc d{OpKind::reduce_scatter, dtype_code<T>(), reduce_code(red), -1, out.size()};
-    return launch(d, l, [this, in, out, red = std::move(red)](const std::shared_ptr<::gloo::Context>& ctx,
-                                                              std::uint32_t tag) {
-      if (out.empty()) return;
-      ring_reduce_scatter(ctx, tag, timeout_, in.data(), out.data(), out.size(), sizeof(T), reduce_func<T>(red),
-                          scratch_);
-      if (is_avg(red)) finish_avg<T>(out.data(), out.size(), size_);
-    });
+  auto reduce_scatter(std::span<const T> in, std::span<T> out, Red red, Launch l, OpHooks hooks = {}) {
+    Op op = make_op<T>(OpKind::reduce_scatter, in.data(), out.data(), in.size(), out.size());
+    op.desc.reduce = reduce_code(red);
+    op.desc.count = out.size();
+    op.hooks = std::move(hooks);
+    return with_reduction<T>(op, red, l);
   }
 
   template <class T, class Launch>
-  auto all_gather(std::span<const T> in, std::span<T> out, Launch l) {
-    const OpDesc d{OpKind::all_gather, dtype_code<T>(), OpDesc::none, -1, in.size()};
-    return launch(d, l, [this, in, out](const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag) {
-      if (in.empty()) return;
-      ::gloo::AllgatherOptions o(ctx);
-      // An input that already sits in this rank's slot of the output is gathered in place.
-      if (in.data() != out.data() + static_cast<std::size_t>(rank_) * in.size())
-        o.setInput(const_cast<T*>(in.data()), in.size());
-      o.setOutput(out.data(), out.size());
-      o.setTag(tag);
-      o.setTimeout(timeout_);
-      ::gloo::allgather(o);
-    });
+  auto all_gather(std::span<const T> in, std::span<T> out, Launch l, OpHooks hooks = {}) {
+    Op op = make_op<T>(OpKind::all_gather, in.data(), out.data(), in.size(), out.size());
+    op.desc.count = in.size();
+    op.hooks = std::move(hooks);
+    return launch(op, l);
   }
 
   template <class T, class Launch>
-  auto broadcast(std::span<T> data, int root, Launch l) {
-    const OpDesc d{OpKind::broadcast, dtype_code<T>(), OpDesc::none, root, data.size()};
-    return launch(d, l, [this, data, root](const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag) {
-      if (data.empty()) return;
-      ::gloo::BroadcastOptions o(ctx);
-      o.setOutput(data.data(), data.size());
-      o.setRoot(root);
-      o.setTag(tag);
-      o.setTimeout(timeout_);
-      ::gloo::broadcast(o);
-    });
+  auto broadcast(std::span<T> data, int root, Launch l, OpHooks hooks = {}) {
+    Op op = make_op<T>(OpKind::broadcast, nullptr, data.data(), 0, data.size());
+    op.desc.root = root;
+    op.desc.count = data.size();
+    op.hooks = std::move(hooks);
+    return launch(op, l);
   }
 
   template <class T, class Launch>
-  auto gather(std::span<const T> in, std::span<T> out, int root, Launch l) {
+  auto gather(std::span<const T> in, std::span<T> out, int root, Launch l, OpHooks hooks = {}) {
     // The input count: the output is only meaningful (and sized) on the root.
-    const OpDesc d{OpKind::gather, dtype_code<T>(), OpDesc::none, root, in.size()};
-    return launch(d, l, [this, in, out, root](const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag) {
-      if (in.empty()) return;
-      ::gloo::GatherOptions o(ctx);
-      o.setInput(const_cast<T*>(in.data()), in.size());
-      if (rank_ == root) o.setOutput(out.data(), out.size());
-      o.setRoot(root);
-      o.setTag(tag);
-      o.setTimeout(timeout_);
-      ::gloo::gather(o);
-    });
+    Op op = make_op<T>(OpKind::gather, in.data(), out.data(), in.size(), out.size());
+    op.desc.root = root;
+    op.desc.count = in.size();
+    op.hooks = std::move(hooks);
+    return launch(op, l);
   }
 
   template <class Launch>
-  auto barrier(Launch l) {
-    const OpDesc d{OpKind::barrier, OpDesc::none, OpDesc::none, -1, 0};
-    return launch(d, l, [this](const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag) {
-      ::gloo::BarrierOptions o(ctx);
-      o.setTag(tag);
-      o.setTimeout(timeout_);
-      ::gloo::barrier(o);
-    });
+  auto barrier(Launch l, OpHooks hooks = {}) {
+    Op op;
+    op.desc = OpDesc{OpKind::barrier, OpDesc::none, OpDesc::none, -1, 0};
+    op.hooks = std::move(hooks);
+    return launch(op, l);
   }
 
   /// split's collective step: every rank's (color, key), as 2*size() values in rank order.
   [[nodiscard]] std::vector<std::int64_t> exchange_color_key(int color, int key) {
     const std::array<std::int64_t, 2> mine{color, key};
     std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size_));
-    const OpDesc d{OpKind::split, dtype_code<std::int64_t>(), OpDesc::none, -1, 2};
-    launch(d, blocking, [&](const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag) {
-      ::gloo::AllgatherOptions o(ctx);
-      o.setInput(const_cast<std::int64_t*>(mine.data()), mine.size());
-      o.setOutput(all.data(), all.size());
-      o.setTag(tag);
-      o.setTimeout(timeout_);
-      ::gloo::allgather(o);
-    });
+    Op op = make_op<std::int64_t>(OpKind::split, mine.data(), all.data(), mine.size(), all.size());
+    op.desc.count = 2;
+    launch(op, blocking);
     return all;
   }
 
@@ -332,40 +345,189 @@ class Engine {
       throw InvalidArgument("monitored_barrier", rank_,
                             "this communicator was adopted from a gloo context and has no store; monitored_barrier "
                             "needs one (create the communicator with create() or from_env())");
-    const OpDesc d{OpKind::monitored_barrier, OpDesc::none, OpDesc::none, -1, 0};
-    queue_.run_inline(
-        [&](std::uint64_t seq) {
-          recorder_.started(seq);
-          try {
-            detail::monitored_barrier(*store_, key_prefix_ + "mb", monitored_barriers_++, rank_, size_, timeout,
-                                      wait_all_ranks);
-            recorder_.completed(seq);
-          } catch (const std::exception& e) {
-            recorder_.failed(seq, e.what());
-            dump_after_error();
-            throw;
-          }
-        },
-        [&](std::uint64_t seq) { recorder_.issued(seq, d); });
+    Op op;
+    op.desc = OpDesc{OpKind::monitored_barrier, OpDesc::none, OpDesc::none, -1, 0};
+    op.barrier_timeout = timeout;
+    op.wait_all_ranks = wait_all_ranks;
+    launch(op, blocking);
+  }
+
+  /// Makes every queued and running operation fail with Timeout(`why`) and the communicator
+  /// unusable: pending gloo waits wake at once, the connections close (peers fail with
+  /// RemoteError). Returns once no operation runs, or after `grace`.
+  void abort(const std::string& why, std::chrono::milliseconds grace) {
+    bool first = false;
+    {
+      std::lock_guard lock(failure_mu_);
+      if (!failure_) {
+        failure_ = Failure{FailureKind::timeout, why, {}};
+        first = true;
+      }
+    }
+    if (first) failure_to_dump_ = true;
+    for (auto& ctx : contexts_) abort_context(*ctx);
+    (void)queue_.wait_idle_until(std::chrono::steady_clock::now() + grace);
   }
 
  private:
-  /// One operation: flight-recorder transitions, the desync check when on, then `body(ctx, tag)`.
-  template <class Body>
-  void execute(const OpDesc& d, std::uint64_t seq, Body& body) {
-    const char* op = op_name(d.kind);
+  template <class T>
+  [[nodiscard]] static Op make_op(OpKind kind, const T* in, T* out, std::size_t in_count, std::size_t out_count) {
+    Op op;
+    op.desc = OpDesc{kind, dtype_code<T>(), OpDesc::none, -1, 0};
+    op.in = in;
+    op.out = out;
+    op.in_count = in_count;
+    op.out_count = out_count;
+    op.elem_size = sizeof(T);
+    return op;
+  }
+
+  /// Sets the reduction of `op` from `red`, then launches it. A custom callable is referred to
+  /// where it lives: in the caller's frame for a blocking call, in `op.keep` for an async one.
+  template <class T, class Red, class Launch>
+  auto with_reduction(Op& op, Red& red, Launch l) {
+    if constexpr (std::is_same_v<Red, ReduceOp>) {
+      op.kernel = reduce_kernel_for<T>(red);
+    } else if constexpr (builtin_reduction<Red>) {
+      constexpr ReduceOp r = reduce_op_of<Red> == ReduceOp::avg ? ReduceOp::sum : reduce_op_of<Red>;
+      op.kernel = &reduce_kernel<r, T>;
+    } else {
+      using F = std::remove_cvref_t<decltype(red.fn)>;
+      op.custom = &apply_custom<T, F>;
+      if constexpr (std::is_same_v<Launch, async_t>) {
+        auto held = std::make_shared<F>(std::move(red.fn));
+        op.custom_arg = held.get();
+        op.keep = std::move(held);
+      } else {
+        op.custom_arg = &red.fn;
+      }
+    }
+    if (is_avg(red)) op.finish = &finish_avg_erased<T>;
+    return launch(op, l);
+  }
+
+  static void execute_thunk(void* self, Op& op, std::uint64_t seq) { static_cast<Engine*>(self)->execute(op, seq); }
+  static void issue_thunk(void* self, const Op& op, std::uint64_t seq) {
+    static_cast<Engine*>(self)->recorder_.issued(seq, op.desc);
+  }
+
+  /// One operation: flight-recorder transitions, the desync check when on, the hooks and the
+  /// collective.
+  void execute(Op& op, std::uint64_t seq) {
+    const char* name = op_name(op.desc.kind);
     recorder_.started(seq);
     try {
-      if (desync_ && size_ > 1) check_desync(d, seq);
-      const std::uint32_t tag = tag_of(seq);
-      run(op, tag % contexts_.size(), [&](const std::shared_ptr<::gloo::Context>& ctx) { body(ctx, tag); });
+      if (op.desc.kind == OpKind::monitored_barrier) {
+        // Store-based: its failure is a verdict about peers, not a broken connection.
+        detail::monitored_barrier(*store_, key_prefix_ + "mb", monitored_barriers_++, rank_, size_,
+                                  op.barrier_timeout, op.wait_all_ranks);
+      } else {
+        if (desync_ && size_ > 1) check_desync(op.desc, seq);
+        const std::uint32_t tag = tag_of(seq);
+        // `before` runs inside run(): when it fails (a device copy-in), this rank's part of the
+        // collective never happens, so the communicator fails and closes its connections, and the
+        // peers get RemoteError at once instead of waiting for their timeout.
+        run(name, tag % contexts_.size(), [&](const std::shared_ptr<::gloo::Context>& ctx) {
+          if (op.hooks.before) run_hook(name, op.hooks.before);
+          perform(ctx, tag, op);
+        });
+        if (op.hooks.after) run_hook(name, op.hooks.after);
+      }
       recorder_.completed(seq);
     } catch (const std::exception& e) {
       recorder_.failed(seq, e.what());
       // A desync (every rank throws it, the communicator stays usable) and the first failure are
       // dumped; operations failing at once after that are not.
-      if (dynamic_cast<const DesyncError*>(&e) != nullptr || failure_to_dump_.exchange(false)) dump_after_error();
+      if (op.desc.kind == OpKind::monitored_barrier || dynamic_cast<const DesyncError*>(&e) != nullptr ||
+          failure_to_dump_.exchange(false))
+        dump_after_error();
       throw;
+    }
+  }
+
+  void run_hook(const char* name, const std::function<void()>& hook) {
+    try {
+      hook();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw BackendError(name, rank_, e.what());
+    }
+  }
+
+  /// The collective of `op` on `ctx` (comm's own algorithms or gloo's).
+  void perform(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, Op& op) {
+    switch (op.desc.kind) {
+      case OpKind::all_reduce: {
+        if (op.out_count == 0) return;
+        const ReduceFunc fn = reduce_func(op);
+        const void* in = op.in == op.out ? nullptr : op.in;
+        run_all_reduce(ctx, tag, timeout_, in, op.out, op.out_count, op.elem_size, fn, algorithms_, scratch_);
+        if (op.finish != nullptr) op.finish(op.out, op.out_count, size_);
+        return;
+      }
+      case OpKind::reduce_scatter: {
+        if (op.out_count == 0) return;
+        const ReduceFunc fn = reduce_func(op);
+        run_reduce_scatter(ctx, tag, timeout_, op.in, op.out, op.out_count, op.elem_size, fn, algorithms_, scratch_);
+        // Defensive: every algorithm's scratch is bounded (a few MiB), but never hold more.
+        if (scratch_.capacity() > kScratchKeep) Scratch().swap(scratch_);
+        if (op.finish != nullptr) op.finish(op.out, op.out_count, size_);
+        return;
+      }
+      case OpKind::all_gather:
+      case OpKind::split: {
+        if (op.in_count == 0) return;
+        with_carrier(op.elem_size, [&](auto c) {
+          using C = decltype(c);
+          ::gloo::AllgatherOptions o(ctx);
+          // An input that already sits in this rank's slot of the output is gathered in place.
+          if (op.in != static_cast<C*>(op.out) + static_cast<std::size_t>(rank_) * op.in_count)
+            o.setInput(const_cast<C*>(static_cast<const C*>(op.in)), op.in_count);
+          o.setOutput(static_cast<C*>(op.out), op.out_count);
+          o.setTag(tag);
+          o.setTimeout(timeout_);
+          ::gloo::allgather(o);
+        });
+        return;
+      }
+      case OpKind::broadcast: {
+        if (op.out_count == 0) return;
+        with_carrier(op.elem_size, [&](auto c) {
+          using C = decltype(c);
+          ::gloo::BroadcastOptions o(ctx);
+          o.setOutput(static_cast<C*>(op.out), op.out_count);
+          o.setRoot(op.desc.root);
+          o.setTag(tag);
+          o.setTimeout(timeout_);
+          ::gloo::broadcast(o);
+        });
+        return;
+      }
+      case OpKind::gather: {
+        if (op.in_count == 0) return;
+        with_carrier(op.elem_size, [&](auto c) {
+          using C = decltype(c);
+          ::gloo::GatherOptions o(ctx);
+          o.setInput(const_cast<C*>(static_cast<const C*>(op.in)), op.in_count);
+          if (rank_ == op.desc.root) o.setOutput(static_cast<C*>(op.out), op.out_count);
+          o.setRoot(op.desc.root);
+          o.setTag(tag);
+          o.setTimeout(timeout_);
+          ::gloo::gather(o);
+        });
+        return;
+      }
+      case OpKind::barrier: {
+        ::gloo::BarrierOptions o(ctx);
+        o.setTag(tag);
+        o.setTimeout(timeout_);
+        ::gloo::barrier(o);
+        return;
+      }
+      default: throw BackendError(op_name(op.desc.kind), rank_, "not an operation the gloo engine runs");
     }
   }
 
@@ -398,13 +560,9 @@ class Engine {
           fp_recv_->recv(p, slot, static_cast<std::size_t>(p) * fp, fp);
           fp_send_->send(p, slot);
         }
-        const auto deadline = std::chrono::steady_clock::now() + timeout_;
-        auto left = [&] {
-          return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                            deadline - std::chrono::steady_clock::now()));
-        };
-        for (int i = 1; i < size_; ++i) fp_recv_->waitRecv(left());
-        for (int i = 1; i < size_; ++i) fp_send_->waitSend(left());
+        const Deadline deadline(timeout_);
+        for (int i = 1; i < size_; ++i) wait_recv(*fp_recv_, deadline);
+        for (int i = 1; i < size_; ++i) wait_send(*fp_send_, deadline);
       });
     } catch (const Timeout& e) {
       throw Timeout(e.op(), e.rank(),
@@ -449,29 +607,25 @@ class Engine {
         rethrow_translated(op, rank_);
       } catch (const Error& e) {
         bool first = false;
+        std::optional<Failure> earlier;
         {
           std::lock_guard lock(failure_mu_);
           if (!failure_) {
             failure_ = Failure{kind_of(e), e.what(), e.peer()};
             first = true;
+          } else {
+            earlier = failure_;
           }
         }
         // Close every connection now, so that peers blocked on this rank fail at once with
         // RemoteError instead of waiting for their own timeout.
         if (first) {
           failure_to_dump_ = true;
-          close_connections();
+          for (auto& ctx : contexts_) abort_context(*ctx);
+          throw;
         }
-        throw;
-      }
-    }
-  }
-
-  void close_connections() noexcept {
-    for (auto& ctx : contexts_) {
-      try {
-        ctx->closeConnections();
-      } catch (...) {  // best effort: the connections are being abandoned anyway
+        // Woken by an abort (Work::wait gave up): report that cause, not gloo's echo of it.
+        throw_as(earlier->kind, op, rank_, earlier->what, earlier->peer);
       }
     }
   }
@@ -490,21 +644,30 @@ class Engine {
   int file_rank_ = 0;
   std::string name_;
   bool desync_;
+  AlgorithmConfig algorithms_;
   std::vector<Fingerprint> fingerprints_;  // one per rank; operations run one at a time
   Fingerprint fingerprint_;                // this rank's, being sent
   std::vector<std::shared_ptr<::gloo::Context>> contexts_;
   // The direct exchange's buffers over fingerprint_ and fingerprints_ (made at the first check;
   // destroyed before the contexts).
   std::unique_ptr<::gloo::transport::UnboundBuffer> fp_send_, fp_recv_;
-  std::vector<std::byte> scratch_;  // reduce_scatter buffers; ops run one at a time
+  Scratch scratch_;  // comm's algorithms' buffers; ops run one at a time
   std::atomic<std::uint64_t> groups_{0};
-  std::uint64_t monitored_barriers_ = 0;  // only touched inside run_inline
+  std::uint64_t monitored_barriers_ = 0;  // only touched by the executing operation
   FlightRecorder recorder_;
   std::string dump_path_;  // COMM_FLIGHT_RECORDER
   std::atomic<bool> failure_to_dump_{false};
   std::mutex failure_mu_;
   std::optional<Failure> failure_;
-  OpQueue queue_;  // last: destroyed (drained) first, while the contexts still exist
+  std::shared_ptr<AbortHandle> abort_ = std::make_shared<AbortHandle>(this);
+  OpQueue queue_{this, &Engine::execute_thunk, &Engine::issue_thunk};  // last: drained first
 };
+
+inline bool AbortHandle::abort(const std::string& why, std::chrono::milliseconds grace) {
+  std::lock_guard lock(mu_);
+  if (engine_ == nullptr) return false;
+  engine_->abort(why, grace);
+  return true;
+}
 
 }  // namespace comm::detail::gloo

@@ -7,9 +7,12 @@
 // (the common case: no thread hop, lowest latency), otherwise after the queue has drained.
 // Every operation gets the next sequence number when it is issued, under the same lock that fixes
 // its place in the order, so numbers follow execution order and match across ranks that issue the
-// same ops; an `on_issue(seq)` hook runs under that lock too (the flight recorder's "queued").
+// same ops; the owner's `issue(op, seq)` runs under that lock too (the flight recorder's "queued").
 // The engine derives each operation's gloo tag from its sequence number.
 // shutdown() lets the worker finish everything already queued, then joins it.
+//
+// Nothing here is a template: the queue holds one task type (an Op record and its Work state) and
+// calls its owner through two function pointers, so it is compiled once per translation unit.
 
 #include <chrono>
 #include <condition_variable>
@@ -21,27 +24,30 @@
 #include <thread>
 #include <utility>
 
+#include <comm/detail/gloo/op.hpp>
 #include <comm/work.hpp>
 
 namespace comm::detail::gloo {
 
 class OpQueue {
  public:
-  OpQueue() = default;
+  using ExecuteFn = void (*)(void* owner, Op& op, std::uint64_t seq);
+  using IssueFn = void (*)(void* owner, const Op& op, std::uint64_t seq);
+
+  OpQueue(void* owner, ExecuteFn execute, IssueFn issue) noexcept : owner_(owner), execute_(execute), issue_(issue) {}
   OpQueue(const OpQueue&) = delete;
   OpQueue& operator=(const OpQueue&) = delete;
   ~OpQueue() { shutdown(); }
 
-  /// Runs `f(seq)` on this thread once every earlier operation finished; returns its result.
-  template <class F, class OnIssue>
-  decltype(auto) run_inline(F&& f, OnIssue&& on_issue) {
+  /// Runs `op` on this thread once every earlier operation finished; rethrows what it threw.
+  void run_inline(Op& op) {
     std::uint64_t seq = 0;
     {
       std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return queue_.empty() && !running_; });
+      if (!queue_.empty() || running_) cv_.wait(lock, [&] { return queue_.empty() && !running_; });
       running_ = true;
       seq = next_seq_++;
-      on_issue(seq);
+      issue_(owner_, op, seq);
     }
     struct Release {
       OpQueue* q;
@@ -53,23 +59,21 @@ class OpQueue {
         q->cv_.notify_all();
       }
     } release{this};
-    return std::forward<F>(f)(seq);
+    execute_(owner_, op, seq);
   }
 
-  /// Queues `f(seq)`; `state` is completed with f's outcome (failed with what f threw).
-  template <class F, class OnIssue>
-  void submit(F&& f, std::shared_ptr<WorkState> state, OnIssue&& on_issue) {
-    auto task = std::make_unique<Task<std::decay_t<F>>>(std::forward<F>(f), std::move(state));
+  /// Queues `op`; `state` is completed with its outcome (failed with what it threw).
+  void submit(Op&& op, std::shared_ptr<WorkState> state) {
     {
       std::lock_guard lock(mu_);
-      task->seq = next_seq_++;
-      on_issue(task->seq);
-      queue_.push_back(std::move(task));
+      const std::uint64_t seq = next_seq_++;
+      issue_(owner_, op, seq);
+      queue_.push_back(Task{std::move(op), std::move(state), seq});
       if (!worker_alive_) {
         // A worker that retired after idling has left serve() and needs no lock: join is immediate.
         if (worker_.joinable()) worker_.join();
         worker_alive_ = true;
-        worker_ = std::thread([this] { serve(); });
+        worker_ = std::thread(&OpQueue::serve, this);
       }
     }
     cv_.notify_all();
@@ -85,30 +89,21 @@ class OpQueue {
     if (worker_.joinable()) worker_.join();
   }
 
+  /// Waits until nothing is running or queued, or until `deadline`; true when idle.
+  bool wait_idle_until(std::chrono::steady_clock::time_point deadline) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_until(lock, deadline, [&] { return queue_.empty() && !running_; });
+  }
+
  private:
   /// A worker with nothing to do for this long exits (the next async call starts a new one), so
   /// idle communicators hold no thread.
   static constexpr std::chrono::milliseconds kIdleExit{2000};
 
-  struct TaskBase {
-    virtual ~TaskBase() = default;
-    virtual void run() noexcept = 0;
-    std::uint64_t seq = 0;
-  };
-
-  template <class F>
-  struct Task final : TaskBase {
-    Task(F f, std::shared_ptr<WorkState> s) : fn(std::move(f)), state(std::move(s)) {}
-    void run() noexcept override {
-      try {
-        fn(this->seq);
-        state->complete();
-      } catch (...) {
-        state->fail(std::current_exception());
-      }
-    }
-    F fn;
+  struct Task {
+    Op op;
     std::shared_ptr<WorkState> state;
+    std::uint64_t seq = 0;
   };
 
   void serve() {
@@ -123,21 +118,36 @@ class OpQueue {
         return;
       }
       if (!ready) continue;
-      auto task = std::move(queue_.front());
+      Task task = std::move(queue_.front());
       queue_.pop_front();
       running_ = true;
       lock.unlock();
-      task->run();
-      task.reset();  // release captured buffers/callables before the op counts as finished
+      std::exception_ptr error;
+      try {
+        execute_(owner_, task.op, task.seq);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      auto state = std::move(task.state);
+      // Release captured buffers/callables before the op counts as finished.
+      { Task done = std::move(task); }
+      if (error)
+        state->fail(std::move(error));
+      else
+        state->complete();
+      state.reset();
       lock.lock();
       running_ = false;
       cv_.notify_all();
     }
   }
 
+  void* owner_;
+  ExecuteFn execute_;
+  IssueFn issue_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::unique_ptr<TaskBase>> queue_;
+  std::deque<Task> queue_;
   bool running_ = false;
   bool stopping_ = false;
   std::uint64_t next_seq_ = 0;

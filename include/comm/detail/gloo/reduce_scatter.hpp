@@ -10,8 +10,11 @@
 // Chunks are cut into segments of kSegmentBytes; the (step, segment) units form one pipeline:
 // two receives are always posted ahead (double-buffered in `tmp`), and a unit's forward send is
 // posted as soon as its reduction is done, so the network and the reduction kernel overlap.
-// Partial results alternate between two halves of a scratch buffer, so a half is only rewritten
-// after the send that reads it has completed.
+// Units go block by block (kBlockSegments segments through every step, then the next block), and
+// a block's partial results alternate between two halves of a scratch buffer by step parity; a
+// position is only rewritten after the send that read it has completed. The scratch is thus
+// 2 + 2 x kBlockSegments segments (5 MiB) at most, whatever the message size (it used to be two
+// whole chunks: 32 MiB kept after one 64 MiB reduce_scatter on 4 ranks).
 
 #include <algorithm>
 #include <chrono>
@@ -22,6 +25,7 @@
 #include <memory>
 #include <vector>
 
+#include <gloo/common/error.h>
 #include <gloo/context.h>
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
@@ -33,7 +37,10 @@ using ReduceFunc = std::function<void(void*, const void*, const void*, std::size
 
 /// Slot prefix for comm's own algorithms (gloo's built-in collectives use 0x01..0x08).
 inline constexpr std::uint8_t kRingReduceScatterSlotPrefix = 0x21;
+inline constexpr std::uint8_t kRingPartialSlotPrefix = 0x25;
 inline constexpr std::size_t kSegmentBytes = std::size_t{512} << 10;
+/// Segments that go through all steps together (bounds the scratch: 2 x this many segments).
+inline constexpr std::size_t kBlockSegments = 4;
 
 /// `in` holds size*count elements of `elem_size` bytes; `out` (count elements) may be exactly
 /// `in + rank*count` (in-place). `scratch` is reused across calls (grown as needed).
@@ -60,57 +67,82 @@ inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std
   const std::size_t seg_bytes = seg_elems * elem_size;
   const std::size_t k = (count + seg_elems - 1) / seg_elems;  // segments per chunk
   const std::size_t steps = static_cast<std::size_t>(n - 1);
-  const std::size_t units = steps * k;
   const int right = (r + 1) % n;
   const int left = (r + n - 1) % n;
   auto send_chunk = [&](std::size_t s) { return static_cast<std::size_t>((r + 2 * n - 1 - static_cast<int>(s)) % n); };
   auto recv_chunk = [&](std::size_t s) { return static_cast<std::size_t>((r + 2 * n - 2 - static_cast<int>(s)) % n); };
   auto seg_len = [&](std::size_t j) { return std::min(seg_bytes, chunk_bytes - j * seg_bytes); };
 
-  // scratch: [ tmp: 2 segments | acc: 2 chunks (only when there are intermediate steps) ]
-  const std::size_t acc_halves = n > 2 ? 2 : 0;
-  const std::size_t tmp_bytes = 2 * std::min(seg_bytes, chunk_bytes);
-  if (scratch.size() < tmp_bytes + acc_halves * chunk_bytes) scratch.resize(tmp_bytes + acc_halves * chunk_bytes);
+  // Units (step s, segment j) run block by block: kBlockSegments segments through every step,
+  // then the next block. Partial sums of one block alternate between two halves of `acc` by step
+  // parity, so the scratch is bounded by the block, not by the message.
+  const std::size_t w = std::min(kBlockSegments, k);  // segments per block
+  const std::size_t slot_bytes = std::min(seg_bytes, chunk_bytes);
+  const std::size_t acc_bytes = n > 2 ? 2 * w * slot_bytes : 0;
+  if (scratch.size() < 2 * slot_bytes + acc_bytes) scratch.resize(2 * slot_bytes + acc_bytes);
   std::byte* tmp = scratch.data();
-  std::byte* acc = scratch.data() + tmp_bytes;
-  const std::size_t tmp_half = tmp_bytes / 2;
+  std::byte* acc = scratch.data() + 2 * slot_bytes;
 
-  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingReduceScatterSlotPrefix, tag));
+  // Step 0 forwards this rank's own input on its own slot, all posted at once; the partial sums
+  // go on a second slot. Both arrive in the order their receives are posted (gloo matches the
+  // messages of one slot and pair in order), which a single slot would not give once blocks
+  // interleave the two kinds.
+  const auto in_slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingReduceScatterSlotPrefix, tag));
+  const auto acc_slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingPartialSlotPrefix, tag));
   auto in_buf = ctx->createUnboundBuffer(const_cast<std::byte*>(in_bytes), static_cast<std::size_t>(n) * chunk_bytes);
-  auto tmp_buf = ctx->createUnboundBuffer(tmp, tmp_bytes);
+  // One buffer per receive half: a buffer counts completions, not which receive completed.
+  std::unique_ptr<::gloo::transport::UnboundBuffer> tmp_buf[2] = {ctx->createUnboundBuffer(tmp, slot_bytes),
+                                                                  ctx->createUnboundBuffer(tmp + slot_bytes, slot_bytes)};
   std::unique_ptr<::gloo::transport::UnboundBuffer> acc_buf;
-  if (acc_halves > 0) acc_buf = ctx->createUnboundBuffer(acc, acc_halves * chunk_bytes);
+  if (acc_bytes > 0) acc_buf = ctx->createUnboundBuffer(acc, acc_bytes);
 
-  auto post_recv = [&](std::size_t u) { tmp_buf->recv(left, slot, (u % 2) * tmp_half, seg_len(u % k)); };
+  struct Unit {
+    std::size_t s, j;
+  };
+  const std::size_t units = steps * k;
+  auto unit = [&](std::size_t u) {
+    const std::size_t b = u / (steps * w);        // block
+    const std::size_t first = b * w;               // its first segment
+    const std::size_t bw = std::min(w, k - first);  // its width (the last block may be narrower)
+    const std::size_t i = u - b * steps * w;       // index inside the block
+    return Unit{i / bw, first + i % bw};
+  };
+  auto post_recv = [&](std::size_t u) {
+    const Unit x = unit(u);
+    tmp_buf[u % 2]->recv(left, x.s == 0 ? in_slot : acc_slot, 0, seg_len(x.j));
+  };
+  auto acc_pos = [&](const Unit& x) { return (x.s % 2) * w * slot_bytes + (x.j % w) * slot_bytes; };
+
+  std::vector<std::size_t> last_reader(2 * w, 0);  // per acc position: 1 + the acc send that read it
   std::size_t in_sends = 0, acc_sends_posted = 0, acc_sends_done = 0;
-
-  // Step 0 forwards this rank's own input: no dependency, post it all.
   for (std::size_t u = 0; u < std::min<std::size_t>(2, units); ++u) post_recv(u);
-  for (std::size_t j = 0; j < k; ++j, ++in_sends) in_buf->send(right, slot, send_chunk(0) * chunk_bytes + j * seg_bytes, seg_len(j));
+  for (std::size_t j = 0; j < k; ++j, ++in_sends)
+    in_buf->send(right, in_slot, send_chunk(0) * chunk_bytes + j * seg_bytes, seg_len(j));
 
   for (std::size_t u = 0; u < units; ++u) {
-    const std::size_t s = u / k;
-    const std::size_t j = u % k;
-    const std::size_t len = seg_len(j);
-    tmp_buf->waitRecv(remaining());
-    const bool last = s + 1 == steps;
-    std::byte* dst = last ? out_bytes + j * seg_bytes : acc + (s % 2) * chunk_bytes + j * seg_bytes;
-    if (!last && s >= 2) {
-      // dst was sent forward in unit u-k (acc send number u-2k); that send must be done.
-      while (acc_sends_done < u - 2 * k + 1) {
-        acc_buf->waitSend(remaining());
-        ++acc_sends_done;
-      }
+    const Unit x = unit(u);
+    const std::size_t len = seg_len(x.j);
+    if (!tmp_buf[u % 2]->waitRecv(remaining())) throw ::gloo::IoException("receive aborted");
+    const bool last = x.s + 1 == steps;
+    std::byte* dst = last ? out_bytes + x.j * seg_bytes : acc + acc_pos(x);
+    if (!last) {
+      // The send that last read this position must be done (sends to one peer complete in order).
+      const std::size_t need = last_reader[acc_pos(x) / slot_bytes];
+      for (; acc_sends_done < need; ++acc_sends_done)
+        if (!acc_buf->waitSend(remaining())) throw ::gloo::IoException("send aborted");
     }
-    reduce(dst, in_bytes + recv_chunk(s) * chunk_bytes + j * seg_bytes, tmp + (u % 2) * tmp_half, len / elem_size);
+    reduce(dst, in_bytes + recv_chunk(x.s) * chunk_bytes + x.j * seg_bytes, tmp + (u % 2) * slot_bytes,
+           len / elem_size);
     if (u + 2 < units) post_recv(u + 2);
     if (!last) {
-      acc_buf->send(right, slot, (s % 2) * chunk_bytes + j * seg_bytes, len);
-      ++acc_sends_posted;
+      acc_buf->send(right, acc_slot, acc_pos(x), len);
+      last_reader[acc_pos(x) / slot_bytes] = ++acc_sends_posted;
     }
   }
-  for (; in_sends > 0; --in_sends) in_buf->waitSend(remaining());
-  for (; acc_sends_done < acc_sends_posted; ++acc_sends_done) acc_buf->waitSend(remaining());
+  for (; in_sends > 0; --in_sends)
+    if (!in_buf->waitSend(remaining())) throw ::gloo::IoException("send aborted");
+  for (; acc_sends_done < acc_sends_posted; ++acc_sends_done)
+    if (!acc_buf->waitSend(remaining())) throw ::gloo::IoException("send aborted");
 }
 
 }  // namespace comm::detail::gloo

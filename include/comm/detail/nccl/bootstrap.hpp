@@ -57,17 +57,19 @@ struct InitConfig {
   std::function<void(ncclConfig_t&)> configure;
 };
 
-/// The store keys of one communicator's rendezvous.
+/// The store keys of one communicator's rendezvous. The communicator keeps the store and the
+/// prefix afterwards (subgroups, monitored_barrier).
 struct Rendezvous {
   std::shared_ptr<Store> store;
-  std::string prefix;  ///< "comm/nccl/<n>/"
+  std::string prefix;     ///< "comm/nccl/<n>/"
+  std::int64_t number = 1;  ///< n: this rank's NCCL communicators on this store so far
   [[nodiscard]] std::string uid_key() const { return prefix + "uid"; }
   [[nodiscard]] std::string failed_key() const { return prefix + "failed"; }
 };
 
 [[nodiscard]] inline Rendezvous open_rendezvous(std::shared_ptr<Store> store, int rank) {
   const auto n = store->add("comm/nccl/seq/" + std::to_string(rank), 1);
-  return Rendezvous{std::move(store), "comm/nccl/" + std::to_string(n) + "/"};
+  return Rendezvous{std::move(store), "comm/nccl/" + std::to_string(n) + "/", n};
 }
 
 /// Tells the other ranks that this one failed (best effort: the store may be gone too).
@@ -137,12 +139,9 @@ inline void publish_failure(const Rendezvous& rv, int rank, const std::string& w
          " GPU(s): NCCL before 2.30 refuses several ranks on one GPU; from 2.30 set NCCL_MULTI_RANK_GPU_ENABLE=1";
 }
 
-/// ncclCommInitRankConfig (non-blocking) on `device`, polled until ready or `deadline`.
-[[nodiscard]] inline ncclComm_t init_comm(const ncclUniqueId& id, int rank, int size, int device,
-                                          const InitConfig& c, const Rendezvous* rv, Clock::time_point deadline,
-                                          std::chrono::milliseconds timeout) {
-  const std::string op = "nccl.init";
-  DeviceGuard guard(device, op, rank);
+/// The ncclConfig_t of a new communicator (non-blocking: its deadline depends on it). It points
+/// into `c` (netName), which must outlive its use.
+[[nodiscard]] inline ncclConfig_t make_config(const InitConfig& c) {
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 0;
   if (c.cga_cluster_size >= 0) cfg.cgaClusterSize = c.cga_cluster_size;
@@ -150,7 +149,17 @@ inline void publish_failure(const Rendezvous& rv, int rank, const std::string& w
   if (c.max_ctas >= 0) cfg.maxCTAs = c.max_ctas;
   if (!c.net_name.empty()) cfg.netName = c.net_name.c_str();
   if (c.configure) c.configure(cfg);
-  cfg.blocking = 0;  // the deadline depends on it, whatever `configure` did
+  cfg.blocking = 0;  // whatever `configure` did
+  return cfg;
+}
+
+/// ncclCommInitRankConfig (non-blocking) on `device`, polled until ready or `deadline`.
+[[nodiscard]] inline ncclComm_t init_comm(const ncclUniqueId& id, int rank, int size, int device,
+                                          const InitConfig& c, const Rendezvous* rv, Clock::time_point deadline,
+                                          std::chrono::milliseconds timeout) {
+  const std::string op = "nccl.init";
+  DeviceGuard guard(device, op, rank);
+  ncclConfig_t cfg = make_config(c);
 
   ncclComm_t comm = nullptr;
   auto fail = [&](ncclResult_t r, const char* call) {

@@ -11,6 +11,13 @@
 //   3. a completion event is recorded and handed to the watchdog with the deadline;
 //   4. blocking form: the caller's current stream waits for that event (no host wait; barrier
 //      also waits on the host); async form: a Work on the event is returned.
+// With the desync check on, step 1 is preceded by an ncclAllGather of every rank's 32-byte
+// fingerprint of the operation on the communicator's stream, which the host waits for (so the
+// operation waits for the earlier ones) before it compares them (detail/desync.hpp).
+//
+// Every operation (and split, monitored_barrier) gets the next sequence number under the lock and
+// goes into the flight recorder: queued when issued, started when it reaches the head of the
+// stream (the watchdog saw its predecessors complete), completed or failed as the watchdog sees it.
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -29,14 +36,19 @@
 #include <utility>
 
 #include <comm/concepts.hpp>
+#include <comm/detail/desync.hpp>
+#include <comm/detail/flight_recorder.hpp>
 #include <comm/detail/logging.hpp>
+#include <comm/detail/monitored_barrier.hpp>
 #include <comm/detail/nccl/bootstrap.hpp>
 #include <comm/detail/nccl/device.hpp>
 #include <comm/detail/nccl/errors.hpp>
 #include <comm/detail/nccl/types.hpp>
 #include <comm/detail/nccl/watchdog.hpp>
 #include <comm/detail/nccl/work.hpp>
+#include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
+#include <comm/store.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
 
@@ -49,7 +61,35 @@ struct Settings {
   bool check_pointers = true;
   bool may_abort = true;  ///< the watchdog may ncclCommAbort the communicator after a failure
   WatchdogTiming timing{};
+  bool desync_check = false;
+  std::size_t flight_recorder_size = 256;
 };
+
+/// Where a communicator lives on its store, and how its flight-record dumps are named.
+struct Origin {
+  std::shared_ptr<comm::Store> store;  ///< the rendezvous store; null when adopted
+  std::string key_prefix;              ///< "comm/nccl/<n>/": this communicator's keys in `store`
+  int file_rank = 0;                   ///< the rank in dump file names (a subgroup: its root's)
+  std::string name;                    ///< "" (root), "c2" (2nd on its store), "g0", "g0.g1", "adopted"
+};
+
+/// The error for a subgroup or monitored_barrier on a communicator without a store.
+[[nodiscard]] inline InvalidArgument no_store_error(const std::string& op, int rank) {
+  return InvalidArgument(op, rank,
+                         "this communicator was adopted from an ncclComm_t and has no store; " + op +
+                             " needs one (create the communicator with create() or from_env(); split works "
+                             "without a store)");
+}
+
+/// ncclCommAbort on `device` (the caller's device is restored).
+inline void abort_comm(ncclComm_t comm, int device) noexcept {
+  if (comm == nullptr) return;
+  int prev = -1;
+  const bool restore = cudaGetDevice(&prev) == cudaSuccess && prev != device;
+  if (restore) (void)cudaSetDevice(device);
+  (void)ncclCommAbort(comm);
+  if (restore) (void)cudaSetDevice(prev);
+}
 
 template <class>
 inline constexpr bool always_false = false;
@@ -73,13 +113,16 @@ class Engine final : public WatchTarget {
   /// Takes `comm` (destroyed, or aborted after a failure, by the engine when `owns_comm`; else left
   /// to its owner) and runs on `stream`, or on a stream of its own when there is none.
   Engine(ncclComm_t comm, bool owns_comm, int rank, int size, int device, std::optional<cudaStream_t> stream,
-         Settings settings)
+         Settings settings, Origin origin = {})
       : comm_(comm),
         owns_comm_(owns_comm),
         rank_(rank),
         size_(size),
         device_(device),
         settings_(std::move(settings)),
+        origin_(std::move(origin)),
+        recorder_(settings_.flight_recorder_size),
+        dump_path_(flight_recorder_path()),
         events_(std::make_shared<EventPool>(device)),
         watchdog_(*this, rank, settings_.timing) {
     try {
@@ -96,6 +139,13 @@ class Engine final : public WatchTarget {
       COMM_CUDA_CHECK(cudaMemsetAsync(scratch_, 0, sizeof(float), stream_), op, rank_);
       COMM_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major_, cudaDevAttrComputeCapabilityMajor, device_), op, rank_);
       COMM_CUDA_CHECK(cudaDeviceGetAttribute(&cc_minor_, cudaDevAttrComputeCapabilityMinor, device_), op, rank_);
+      if (settings_.desync_check) {
+        // The fingerprint exchange: every rank's in fp_dev_[0, size), this rank's own at [size].
+        const std::size_t bytes = (static_cast<std::size_t>(size_) + 1) * sizeof(Fingerprint);
+        COMM_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&fp_dev_), bytes), op, rank_);
+        COMM_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&fp_host_), bytes, cudaHostAllocDefault), op, rank_);
+        COMM_CUDA_CHECK(cudaEventCreateWithFlags(&fp_done_, cudaEventDisableTiming), op, rank_);
+      }
     } catch (...) {
       release(/*healthy=*/false);
       throw;
@@ -111,6 +161,16 @@ class Engine final : public WatchTarget {
   ~Engine() override {
     (void)watchdog_.wait_idle(Clock::now() + settings_.timeout + std::chrono::seconds(5));
     watchdog_.stop();
+    if (!dump_path_.empty()) {
+      try {
+        write_text_file(dump_file(), to_string(flight_record()), rank_);
+      } catch (const std::exception& e) {
+        try {
+          log(LogLevel::warn, e.what());
+        } catch (...) {
+        }
+      }
+    }
     release(/*healthy=*/!watchdog_.failed());
   }
 
@@ -131,14 +191,78 @@ class Engine final : public WatchTarget {
   /// The first failure of the communicator, or null.
   [[nodiscard]] std::exception_ptr failure() const { return watchdog_.failure(); }
 
+  /// The store this communicator rendezvoused on (null when adopted) and its key prefix there.
+  [[nodiscard]] const std::shared_ptr<comm::Store>& store() const noexcept { return origin_.store; }
+  [[nodiscard]] const std::string& key_prefix() const noexcept { return origin_.key_prefix; }
+  [[nodiscard]] int file_rank() const noexcept { return origin_.file_rank; }
+  [[nodiscard]] const std::string& name() const noexcept { return origin_.name; }
+  [[nodiscard]] bool desync_check() const noexcept { return settings_.desync_check; }
+  /// The next subgroup number (split and new_group count on every rank of this communicator).
+  [[nodiscard]] std::uint64_t next_group_index() noexcept { return groups_.fetch_add(1); }
+
+  [[nodiscard]] FlightRecord flight_record() const {
+    return recorder_.snapshot("nccl", rank_, size_, origin_.name);
+  }
+  /// The file of automatic dumps: COMM_FLIGHT_RECORDER + "." + rank [+ "." + name].
+  [[nodiscard]] std::string dump_file() const {
+    return dump_path_ + "." + std::to_string(origin_.file_rank) +
+           (origin_.name.empty() ? std::string() : "." + origin_.name);
+  }
+
   /// Blocks the host until every operation issued so far has completed (bounded by the timeout),
   /// then throws the communicator's failure if it has one.
-  void synchronize() {
-    const auto limit = settings_.timeout + std::chrono::seconds(2);
-    if (!watchdog_.wait_idle(Clock::now() + limit))
-      throw Timeout("synchronize", rank_,
-                    "operations still running after " + std::to_string(limit.count()) + " ms");
-    throw_if_failed("synchronize");
+  void synchronize() { wait_issued("synchronize"); }
+
+  /// ncclCommSplit, a collective over every rank (an operation "split" in the sequence, with the
+  /// desync check when on): the new communicator (the caller owns it), or null for a negative
+  /// color. Ends by the timeout; a failure or the deadline fails (and aborts) this communicator,
+  /// as a failed operation does, and aborts the half-made new one.
+  [[nodiscard]] ncclComm_t split(int color, int key, const InitConfig& config) {
+    constexpr const char* op = "split";
+    const OpDesc d{OpKind::split, OpDesc::none, OpDesc::none, -1, 0};
+    std::lock_guard lock(nccl_mu_);
+    throw_if_failed(op);
+    if (comm_ == nullptr) throw BackendError(op, rank_, "the NCCL communicator is no longer usable");
+    DeviceGuard guard(device_, op, rank_);
+    const std::uint64_t seq = seq_++;
+    recorder_.issued(seq, d);
+    op_deadline_ = Clock::now() + settings_.timeout;
+    try {
+      if (settings_.desync_check) check_desync(d, seq);
+      recorder_.started(seq);
+      ncclComm_t child = split_comm(color, key, config, seq);
+      recorder_.completed(seq);
+      return child;
+    } catch (...) {
+      op_error(seq, std::current_exception());
+      throw;
+    }
+  }
+
+  /// See detail/monitored_barrier.hpp: through the store, after every operation issued so far has
+  /// completed (waited for on the host, bounded by this communicator's timeout).
+  void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
+    constexpr const char* op = "monitored_barrier";
+    if (!origin_.store) throw no_store_error(op, rank_);
+    std::uint64_t seq = 0, index = 0;
+    {
+      std::lock_guard lock(nccl_mu_);
+      throw_if_failed(op);
+      seq = seq_++;
+      index = monitored_barriers_++;
+      recorder_.issued(seq, OpDesc{OpKind::monitored_barrier, OpDesc::none, OpDesc::none, -1, 0});
+    }
+    try {
+      wait_issued(op);
+      recorder_.started(seq);
+      comm::detail::monitored_barrier(*origin_.store, origin_.key_prefix + "mb", index, rank_, size_, timeout,
+                                      wait_all_ranks);
+      recorder_.completed(seq);
+    } catch (const std::exception& e) {
+      recorder_.failed(seq, e.what());
+      dump_after_error();
+      throw;
+    }
   }
 
   // ---- collectives (arguments already checked by the facade, except device pointers) ----
@@ -150,7 +274,8 @@ class Engine final : public WatchTarget {
     check_buffer(op, in.data(), in.size_bytes(), "input");
     check_buffer(op, out.data(), out.size_bytes(), "output");
     const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
-    return issue(op, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
+    const OpDesc d{OpKind::all_reduce, dtype_code<T>(), static_cast<std::uint8_t>(r), -1, in.size()};
+    return issue(d, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
       return COMM_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), out.size(), dt, nccl_op(r), c, s), op, rank_, c);
     });
   }
@@ -162,7 +287,8 @@ class Engine final : public WatchTarget {
     check_buffer(op, in.data(), in.size_bytes(), "input");
     check_buffer(op, out.data(), out.size_bytes(), "output");
     const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
-    return issue(op, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
+    const OpDesc d{OpKind::reduce_scatter, dtype_code<T>(), static_cast<std::uint8_t>(r), -1, out.size()};
+    return issue(d, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
       return COMM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), out.size(), dt, nccl_op(r), c, s), op, rank_,
                              c);
     });
@@ -188,11 +314,13 @@ class Engine final : public WatchTarget {
     check_buffer(op, in.data(), in.size_bytes(), "input");
     check_buffer(op, out.data(), out.size_bytes(), "output");
     const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
-    return issue(op, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
+    const OpDesc d{scatter ? OpKind::reduce_scatter : OpKind::all_reduce, dtype_code<T>(),
+                   static_cast<std::uint8_t>(ReduceOp::sum), -1, out.size()};
+    return issue(d, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
       ncclRedOp_t pm{};
       if (COMM_NCCL_CHECK(ncclRedOpCreatePreMulSum(&pm, &scalar, dt, ncclScalarHostImmediate, c), op, rank_, c) ==
           ncclInProgress)
-        wait_enqueued(op, op_deadline_);
+        wait_enqueued(op);
       struct Destroy {
         ncclRedOp_t op;
         ncclComm_t comm;
@@ -202,7 +330,7 @@ class Engine final : public WatchTarget {
           scatter ? COMM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), out.size(), dt, pm, c, s), op, rank_, c)
                   : COMM_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), out.size(), dt, pm, c, s), op, rank_, c);
       // The operator may be destroyed once the call that uses it has returned, i.e. is enqueued.
-      if (r == ncclInProgress) wait_enqueued(op, op_deadline_);
+      if (r == ncclInProgress) wait_enqueued(op);
       return ncclSuccess;
     });
   }
@@ -213,7 +341,8 @@ class Engine final : public WatchTarget {
     check_buffer(op, in.data(), in.size_bytes(), "input");
     check_buffer(op, out.data(), out.size_bytes(), "output");
     const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
-    return issue(op, l, in.empty(), [&](ncclComm_t c, cudaStream_t s) {
+    const OpDesc d{OpKind::all_gather, dtype_code<T>(), OpDesc::none, -1, in.size()};
+    return issue(d, l, in.empty(), [&](ncclComm_t c, cudaStream_t s) {
       return COMM_NCCL_CHECK(ncclAllGather(in.data(), out.data(), in.size(), dt, c, s), op, rank_, c);
     });
   }
@@ -223,7 +352,8 @@ class Engine final : public WatchTarget {
     constexpr const char* op = "broadcast";
     check_buffer(op, data.data(), data.size_bytes(), "data");
     const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
-    return issue(op, l, data.empty(), [&](ncclComm_t c, cudaStream_t s) {
+    const OpDesc d{OpKind::broadcast, dtype_code<T>(), OpDesc::none, root, data.size()};
+    return issue(d, l, data.empty(), [&](ncclComm_t c, cudaStream_t s) {
       return COMM_NCCL_CHECK(ncclBroadcast(data.data(), data.data(), data.size(), dt, root, c, s), op, rank_, c);
     });
   }
@@ -235,13 +365,14 @@ class Engine final : public WatchTarget {
     if (rank_ == root) check_buffer(op, out.data(), out.size_bytes(), "output");
     const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
     void* recv = rank_ == root ? static_cast<void*>(out.data()) : nullptr;
+    const OpDesc d{OpKind::gather, dtype_code<T>(), OpDesc::none, root, in.size()};
 #if COMM_NCCL_HAS_GATHER
     if (settings_.gather == GatherAlgorithm::native)
-      return issue(op, l, in.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      return issue(d, l, in.empty(), [&](ncclComm_t c, cudaStream_t s) {
         return COMM_NCCL_CHECK(ncclGather(in.data(), recv, in.size(), dt, root, c, s), op, rank_, c);
       });
 #endif
-    return issue(op, l, in.empty(), [&](ncclComm_t c, cudaStream_t s) {
+    return issue(d, l, in.empty(), [&](ncclComm_t c, cudaStream_t s) {
       return gather_p2p(in.data(), recv, in.size(), sizeof(T), dt, root, c, s);
     });
   }
@@ -252,7 +383,7 @@ class Engine final : public WatchTarget {
   auto barrier(Launch l) {
     constexpr const char* op = "barrier";
     return issue(
-        op, l, false,
+        OpDesc{OpKind::barrier, OpDesc::none, OpDesc::none, -1, 0}, l, false,
         [&](ncclComm_t c, cudaStream_t s) {
           return COMM_NCCL_CHECK(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, c, s), op, rank_, c);
         },
@@ -296,12 +427,18 @@ class Engine final : public WatchTarget {
     if (restore) (void)cudaSetDevice(prev);
   }
 
+  void op_started(std::uint64_t seq) noexcept override { recorder_.started(seq); }
+  void op_completed(std::uint64_t seq) noexcept override { recorder_.completed(seq); }
+  void op_failed(std::uint64_t seq, const std::exception_ptr& e) noexcept override { record_failure(seq, e); }
+  void failure_handled(const std::exception_ptr&) noexcept override { dump_after_error(); }
+
  private:
   // ---- the common path of every operation ----
 
   template <class Launch, class Enqueue>
-  auto issue(const char* op, Launch, bool empty, Enqueue&& enqueue, bool host_wait = false) {
+  auto issue(const OpDesc& d, Launch, bool empty, Enqueue&& enqueue, bool host_wait = false) {
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
+    const char* op = op_name(d.kind);
     std::shared_ptr<NcclOp> state;
     {
       std::lock_guard lock(nccl_mu_);
@@ -309,22 +446,30 @@ class Engine final : public WatchTarget {
       if (comm_ == nullptr)  // adopted and failed, or aborted: failure() says why
         throw BackendError(op, rank_, "the NCCL communicator is no longer usable");
       DeviceGuard guard(device_, op, rank_);
+      const std::uint64_t seq = seq_++;
+      recorder_.issued(seq, d);
+      op_deadline_ = Clock::now() + settings_.timeout;
       const cudaStream_t caller = comm::nccl::current_stream();
       const bool same_stream = caller == stream_;
-      if (!same_stream) {
-        COMM_CUDA_CHECK(cudaEventRecord(ready_, caller), op, rank_);
-        COMM_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0), op, rank_);
-      }
-      state = std::make_shared<NcclOp>(op, rank_, settings_.timeout, ++seq_, events_, stream_);
-      op_deadline_ = Clock::now() + settings_.timeout;
-      if (!empty) enqueue_checked(op, enqueue);
       try {
-        COMM_CUDA_CHECK(cudaEventRecord(state->event(), stream_), op, rank_);
-        watchdog_.track(state, op_deadline_);
+        if (settings_.desync_check) check_desync(d, seq);
+        if (!same_stream) {
+          COMM_CUDA_CHECK(cudaEventRecord(ready_, caller), op, rank_);
+          COMM_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0), op, rank_);
+        }
+        state = std::make_shared<NcclOp>(op, rank_, settings_.timeout, seq, events_, stream_);
+        if (!empty) enqueue_checked(op, seq, enqueue);
+        try {
+          COMM_CUDA_CHECK(cudaEventRecord(state->event(), stream_), op, rank_);
+          watchdog_.track(state, op_deadline_);
+        } catch (...) {
+          // Issued but no longer followed: nothing could tell when it ends, so the communicator
+          // cannot be trusted any more.
+          fail_comm(seq, std::current_exception());
+          throw;
+        }
       } catch (...) {
-        // Issued but no longer followed: nothing could tell when it ends, so the communicator
-        // cannot be trusted any more.
-        watchdog_.fail(std::current_exception());
+        op_error(seq, std::current_exception());
         throw;
       }
       if (!is_async && !same_stream) COMM_CUDA_CHECK(cudaStreamWaitEvent(caller, state->event(), 0), op, rank_);
@@ -339,31 +484,196 @@ class Engine final : public WatchTarget {
   /// Runs the NCCL call(s); InvalidArgument leaves the communicator usable (NCCL did nothing),
   /// every other failure is the communicator's failure.
   template <class Enqueue>
-  void enqueue_checked(const char* op, Enqueue& enqueue) {
+  void enqueue_checked(const char* op, std::uint64_t seq, Enqueue& enqueue) {
     try {
-      if (enqueue(comm_, stream_) == ncclInProgress) wait_enqueued(op, op_deadline_);
+      if (enqueue(comm_, stream_) == ncclInProgress) wait_enqueued(op);
     } catch (const InvalidArgument&) {
       throw;
     } catch (...) {
-      watchdog_.fail(std::current_exception());
+      fail_comm(seq, std::current_exception());
       throw;
     }
   }
 
+  /// Operation `seq` failed on the issuing thread: the flight recorder says so (a desync, after
+  /// which the communicator stays usable, is also dumped).
+  void op_error(std::uint64_t seq, const std::exception_ptr& e) noexcept {
+    record_failure(seq, e);
+    try {
+      std::rethrow_exception(e);
+    } catch (const DesyncError&) {
+      dump_after_error();
+    } catch (...) {
+    }
+  }
+
+  /// Operation `seq` failed and takes the communicator with it: recorded before the watchdog
+  /// aborts and dumps.
+  void fail_comm(std::uint64_t seq, std::exception_ptr e) {
+    record_failure(seq, e);
+    watchdog_.fail(std::move(e));
+  }
+
+  void record_failure(std::uint64_t seq, const std::exception_ptr& e) noexcept {
+    try {
+      recorder_.failed(seq, what_of(e).c_str());
+    } catch (...) {  // no memory for the text: the state alone says it failed
+      recorder_.failed(seq, nullptr);
+    }
+  }
+
+  /// Writes the flight record where COMM_FLIGHT_RECORDER says, else to stderr at COMM_DEBUG>=WARN.
+  void dump_after_error() noexcept {
+    try {
+      const auto text = to_string(flight_record());
+      const std::string who = "nccl on rank " + std::to_string(rank_);
+      if (!dump_path_.empty()) {
+        const auto file = dump_file();
+        write_text_file(file, text, rank_);
+        log(LogLevel::warn, who + ": flight record written to " + file);
+      } else if (log_level() >= LogLevel::warn) {
+        log(LogLevel::warn, who + ": flight record after the error:\n" + text.substr(0, text.size() - 1));
+      }
+    } catch (...) {  // diagnostics must not replace the error being reported
+    }
+  }
+
+  /// Host wait until every operation issued so far completed (bounded), then the failure if any.
+  void wait_issued(const char* op) {
+    const auto limit = settings_.timeout + std::chrono::seconds(2);
+    if (!watchdog_.wait_idle(Clock::now() + limit))
+      throw Timeout(op, rank_, "operations still running after " + std::to_string(limit.count()) + " ms");
+    throw_if_failed(op);
+  }
+
+  /// The desync check (under nccl_mu_, on the device): an ncclAllGather of every rank's
+  /// fingerprint of operation `seq`, waited for on the host, then the comparison. A mismatch
+  /// throws DesyncError on every rank and leaves the communicator usable (nothing of the operation
+  /// was sent); a failed or late exchange is the communicator's failure.
+  void check_desync(const OpDesc& d, std::uint64_t seq) {
+    const char* op = op_name(d.kind);
+    constexpr std::size_t fp = sizeof(Fingerprint);
+    const std::size_t n = static_cast<std::size_t>(size_);
+    try {
+      Fingerprint* mine = fp_host_ + n;
+      *mine = fingerprint(seq, d);
+      std::byte* dev_mine = fp_dev_ + n * fp;
+      COMM_CUDA_CHECK(cudaMemcpyAsync(dev_mine, mine, fp, cudaMemcpyHostToDevice, stream_), op, rank_);
+      if (COMM_NCCL_CHECK(ncclAllGather(dev_mine, fp_dev_, fp, ncclUint8, comm_, stream_), op, rank_, comm_) ==
+          ncclInProgress)
+        wait_enqueued(op);
+      COMM_CUDA_CHECK(cudaMemcpyAsync(fp_host_, fp_dev_, n * fp, cudaMemcpyDeviceToHost, stream_), op, rank_);
+      COMM_CUDA_CHECK(cudaEventRecord(fp_done_, stream_), op, rank_);
+      Backoff backoff(std::chrono::microseconds(2), std::chrono::milliseconds(1));
+      for (;;) {
+        const cudaError_t e = cudaEventQuery(fp_done_);
+        if (e == cudaSuccess) break;
+        if (e != cudaErrorNotReady) {
+          (void)cudaGetLastError();
+          throw_cuda(e, "cudaEventQuery", op, rank_, "the desync check's fingerprint exchange failed: ");
+        }
+        ncclResult_t state = ncclSuccess;
+        COMM_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state), op, rank_, comm_);
+        if (state != ncclSuccess && state != ncclInProgress)
+          throw_nccl(state, "ncclCommGetAsyncError", op, rank_, comm_);
+        throw_if_failed(op);
+        if (Clock::now() >= op_deadline_)
+          throw Timeout(op, rank_,
+                        "the desync check's fingerprint exchange before op #" + std::to_string(seq) +
+                            " did not complete within " + std::to_string(settings_.timeout.count()) +
+                            " ms (a rank is late, hung, or runs without the check: it must be on for every rank "
+                            "or none); the communicator was aborted");
+        backoff.pause();
+      }
+    } catch (...) {
+      fail_comm(seq, std::current_exception());
+      throw;
+    }
+    check_fingerprints(std::span<const Fingerprint>(fp_host_, n), op, rank_);
+  }
+
+  /// The NCCL part of split (under nccl_mu_, device set). See split().
+  ncclComm_t split_comm([[maybe_unused]] int color, [[maybe_unused]] int key,
+                        [[maybe_unused]] const InitConfig& config, [[maybe_unused]] std::uint64_t seq) {
+    constexpr const char* op = "split";
+#if NCCL_VERSION_CODE >= 21800
+    ncclConfig_t cfg = make_config(config);
+    // A non-blocking split runs on NCCL's own thread, which writes the new communicator here when
+    // it ends: on the heap, so that a split abandoned at its deadline cannot write into a dead frame.
+    auto* slot = new ncclComm_t(nullptr);
+    bool job_done = false;  // NCCL no longer writes *slot
+    try {
+      const ncclResult_t r = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, slot, &cfg);
+      if (r != ncclSuccess && r != ncclInProgress) {
+        job_done = true;
+        throw_nccl(r, "ncclCommSplit", op, rank_, comm_);
+      }
+      wait_ready(comm_, op, "ncclCommSplit", std::chrono::microseconds(200), std::chrono::milliseconds(20),
+                 "ncclCommSplit did not complete",
+                 " (a rank that did not call split, or failed); the communicator was aborted", &job_done);
+      const ncclComm_t child = *slot;
+      delete slot;
+      slot = nullptr;
+      if (color < 0) {
+        if (child != nullptr) abort_comm(child, device_);  // not expected: NCCL makes none
+        return nullptr;
+      }
+      if (child == nullptr)
+        throw BackendError(op, rank_, "ncclCommSplit succeeded but returned no communicator for color " +
+                                          std::to_string(color));
+      try {
+        wait_ready(child, op, "ncclCommSplit", std::chrono::microseconds(100), std::chrono::milliseconds(20),
+                   "the communicator made by ncclCommSplit was not ready", "; the communicator was aborted");
+      } catch (...) {
+        abort_comm(child, device_);
+        throw;
+      }
+      return child;
+    } catch (...) {
+      if (settings_.may_abort && comm_ != nullptr) {
+        // Also stops NCCL's split thread and joins it (the parent's abort reaches the child).
+        (void)ncclCommAbort(comm_);
+        comm_ = nullptr;
+        job_done = true;
+      }
+      if (slot != nullptr && job_done) {
+        abort_comm(*slot, device_);
+        delete slot;
+      }  // else NCCL may still write *slot: left allocated on purpose
+      fail_comm(seq, std::current_exception());
+      throw;
+    }
+#else
+    throw InvalidArgument(op, rank_,
+                          "split needs ncclCommSplit (NCCL >= 2.18); comm was compiled against NCCL " +
+                              version_string(compiled_version));
+#endif
+  }
+
   /// A non-blocking communicator answered ncclInProgress: poll until the call is enqueued.
-  void wait_enqueued(const char* op, Clock::time_point deadline) {
-    Backoff backoff(std::chrono::microseconds(5), std::chrono::milliseconds(1));
+  void wait_enqueued(const char* op) {
+    wait_ready(comm_, op, "ncclCommGetAsyncError", std::chrono::microseconds(5), std::chrono::milliseconds(1),
+               "NCCL did not finish enqueuing the operation",
+               " (a peer that never issued it, or died); the communicator was aborted");
+  }
+
+  /// Polls ncclCommGetAsyncError(`comm`) until it leaves ncclInProgress (a non-blocking call that
+  /// NCCL finishes on its own thread): returns at ncclSuccess; throws NCCL's error (as a failure of
+  /// `call`), the communicator's failure, or past op_deadline_ comm::Timeout "<late> within <t> ms
+  /// <why>". `settled`, when given, becomes true once NCCL reported anything but ncclInProgress.
+  void wait_ready(ncclComm_t comm, const char* op, const char* call, std::chrono::microseconds first,
+                  std::chrono::microseconds max, const char* late, const char* why, bool* settled = nullptr) {
+    Backoff backoff(first, max);
     for (;;) {
       ncclResult_t state = ncclInProgress;
-      COMM_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state), op, rank_, comm_);
+      COMM_NCCL_CHECK(ncclCommGetAsyncError(comm, &state), op, rank_, comm);
+      if (state != ncclInProgress && settled != nullptr) *settled = true;
       if (state == ncclSuccess) return;
-      if (state != ncclInProgress) throw_nccl(state, "ncclCommGetAsyncError", op, rank_, comm_);
+      if (state != ncclInProgress) throw_nccl(state, call, op, rank_, comm);
       throw_if_failed(op);
-      if (Clock::now() >= deadline)
+      if (Clock::now() >= op_deadline_)
         throw Timeout(op, rank_,
-                      "NCCL did not finish enqueuing the operation within " +
-                          std::to_string(settings_.timeout.count()) +
-                          " ms (a peer that never issued it, or died); the communicator was aborted");
+                      std::string(late) + " within " + std::to_string(settings_.timeout.count()) + " ms" + why);
       backoff.pause();
     }
   }
@@ -471,6 +781,12 @@ class Engine final : public WatchTarget {
     }
     if (scratch_ != nullptr) (void)cudaFree(scratch_);
     if (ready_ != nullptr) (void)cudaEventDestroy(ready_);
+    if (fp_dev_ != nullptr) (void)cudaFree(fp_dev_);
+    if (fp_host_ != nullptr) (void)cudaFreeHost(fp_host_);
+    if (fp_done_ != nullptr) (void)cudaEventDestroy(fp_done_);
+    fp_dev_ = nullptr;
+    fp_host_ = nullptr;
+    fp_done_ = nullptr;
     if (owns_stream_ && stream_ != nullptr) (void)cudaStreamDestroy(stream_);
     scratch_ = nullptr;
     ready_ = nullptr;
@@ -521,8 +837,16 @@ class Engine final : public WatchTarget {
   float* scratch_ = nullptr;     // the barrier's all_reduce buffer
   int cc_major_ = 0;
   int cc_minor_ = 0;
-  std::uint64_t seq_ = 0;
+  std::uint64_t seq_ = 0;  // the next operation's number (0, 1, ...), under nccl_mu_
   Clock::time_point op_deadline_{};
+  Origin origin_;
+  std::atomic<std::uint64_t> groups_{0};
+  std::uint64_t monitored_barriers_ = 0;  // under nccl_mu_
+  std::byte* fp_dev_ = nullptr;           // desync check: (size + 1) fingerprints on the device
+  Fingerprint* fp_host_ = nullptr;        // and in pinned host memory
+  cudaEvent_t fp_done_ = nullptr;
+  FlightRecorder recorder_;
+  std::string dump_path_;  // COMM_FLIGHT_RECORDER
   std::shared_ptr<EventPool> events_;
   Watchdog watchdog_;  // last: stopped explicitly in the destructor, before the rest goes
 };

@@ -7,7 +7,10 @@
 //     comm::RemoteError / comm::BackendError,
 // and after the first failure aborts the engine (ncclCommAbort) and fails every pending operation,
 // each error naming its own operation and the rank. NCCL reports nothing when a peer on the same
-// host dies (the kernels just wait), so the deadline is what ends such an operation.
+// host dies (the kernels just wait), so the deadline is what ends such an operation. It also tells
+// the engine when each operation started (reached the head of the communicator's stream: its
+// predecessors completed), completed or failed, and when a failure has been handled (the flight
+// recorder and its dump on failure).
 //
 // It knows nothing of CUDA or NCCL: the operations (TrackedOp) and the engine (WatchTarget) are
 // interfaces, so the logic runs with fakes on machines without a GPU.
@@ -128,6 +131,16 @@ class WatchTarget {
   /// Aborts the engine after the first failure; called once, from the watchdog thread (or from
   /// stop() when the thread is gone). Must not throw.
   virtual void abort() noexcept = 0;
+
+  // Progress of the operations, in issue order, for the flight recorder. Called from the watchdog
+  // thread or from track() (under the watchdog's lock: they must only take leaf locks), never
+  // throwing.
+  /// Operation `seq` reached the head of the queue: every earlier operation completed.
+  virtual void op_started(std::uint64_t /*seq*/) noexcept {}
+  virtual void op_completed(std::uint64_t /*seq*/) noexcept {}
+  virtual void op_failed(std::uint64_t /*seq*/, const std::exception_ptr& /*error*/) noexcept {}
+  /// The first failure has been handled: the engine aborted, every pending operation failed.
+  virtual void failure_handled(const std::exception_ptr& /*cause*/) noexcept {}
 };
 
 /// Timing of the watchdog.
@@ -165,11 +178,16 @@ class Watchdog {
         late = derived_error(failure_, op->op(), rank_, "not run: the communicator failed earlier");
       } else {
         const bool was_idle = pending_.empty();
+        const auto seq = op->seq();
         pending_.push_back({std::move(op), deadline});
-        if (was_idle) cv_.notify_all();
+        if (was_idle) {
+          target_.op_started(seq);
+          cv_.notify_all();
+        }
         return;
       }
     }
+    target_.op_failed(op->seq(), late);
     op->fail(std::move(late));
   }
 
@@ -190,7 +208,7 @@ class Watchdog {
       std::lock_guard lock(mu_);
       if (failure_) return;
       failure_ = std::move(cause);
-      culprit_ = 0;
+      culprit_ = kNoCulprit;
       failed_flag_.store(true, std::memory_order_release);
     }
     cv_.notify_all();
@@ -249,7 +267,7 @@ class Watchdog {
         lock.lock();
         if (fault && !failure_) {
           const std::string op = pending_.empty() ? std::string("nccl.watchdog") : pending_.front().op->op();
-          record(make_error(*fault, op, rank_), pending_.empty() ? 0 : pending_.front().op->seq());
+          record(make_error(*fault, op, rank_), pending_.empty() ? kNoCulprit : pending_.front().op->seq());
           continue;
         }
       }
@@ -263,6 +281,8 @@ class Watchdog {
         if (p == Progress::done) {
           pending_.pop_front();
           progressed = true;
+          target_.op_completed(front.op->seq());
+          if (!pending_.empty()) target_.op_started(pending_.front().op->seq());
           lock.unlock();
           front.op->complete();
           lock.lock();
@@ -328,15 +348,16 @@ class Watchdog {
     // gone by then.
     target_.abort();
     for (auto& v : victims) {
+      std::exception_ptr e = cause;
       try {
-        if (v.op->seq() == culprit)
-          v.op->fail(cause);
-        else
-          v.op->fail(derived_error(cause, v.op->op(), rank_, "aborted after a failure of the communicator"));
+        if (v.op->seq() != culprit)
+          e = derived_error(cause, v.op->op(), rank_, "aborted after a failure of the communicator");
       } catch (...) {  // out of memory while building the message: still end the operation
-        v.op->fail(cause);
       }
+      target_.op_failed(v.op->seq(), e);
+      v.op->fail(std::move(e));
     }
+    target_.failure_handled(cause);
     lock.lock();
     idle_cv_.notify_all();
   }
@@ -348,8 +369,10 @@ class Watchdog {
   std::condition_variable cv_;       // wakes the thread: new work, failure, stop
   std::condition_variable idle_cv_;  // wakes wait_idle
   std::deque<Pending> pending_;
+  static constexpr std::uint64_t kNoCulprit = ~std::uint64_t{0};
+
   std::exception_ptr failure_;
-  std::uint64_t culprit_ = 0;
+  std::uint64_t culprit_ = kNoCulprit;
   std::atomic<bool> failed_flag_{false};
   bool aborted_ = false;
   bool stopping_ = false;

@@ -1,0 +1,58 @@
+#pragma once
+// The loop of a peer program (raw Gloo, OpenMPI): every op and size of the command line timed on
+// one system, with comm-bench's buffers, checks and rows, so that only the timed call differs.
+
+#include <cstddef>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "bench.hpp"
+#include "cli.hpp"
+#include "harness.hpp"
+#include "views.hpp"
+
+namespace comm::bench {
+
+template <class T>
+struct PeerSystem {
+  std::string name;  ///< the rows' "system"
+  /// The timed call of `op` on view `v` (made once per size, outside the timing).
+  std::function<std::function<void()>(Op op, const View<T>& v, const Layout& l)> call;
+  /// The algorithm label of `op` (optional).
+  std::function<std::string(Op)> algo;
+  /// Runs after each size is measured (optional), e.g. to release per-size engine state.
+  std::function<void()> after_size;
+};
+
+template <class T>
+void run_peer(const Options& o, int rank, int n, const CrossRank& x, const PeerSystem<T>& s) {
+  const auto redop = parse_redop(o.redop);
+  if (!redop) throw std::invalid_argument("unknown --redop '" + o.redop + "'");
+  const auto sizes = size_list(o.min_bytes, o.max_bytes, o.factor, o.sizes);
+  for (Op op : o.ops) {
+    const bool inplace = in_place(o, op);
+    const std::string algo = s.algo ? s.algo(op) : std::string();
+    Buffers<T> bufs;
+    bufs.reserve(op, sizes, n, inplace);
+    if (rank == 0 && !o.json) {
+      std::printf("# %s %s: world %d, dtype %s%s%s\n", s.name.c_str(), std::string(to_string(op)).c_str(), n,
+                  std::string(dtype_name<T>()).c_str(), algo.empty() ? "" : ", algo ", algo.c_str());
+      print_table_header(o.check, false);
+    }
+    for (std::size_t bytes : sizes) {
+      const Layout l = layout(op, bytes, sizeof(T), n);
+      const View<T> v = view(bufs, op, l, inplace, rank, o.root);
+      std::vector<Candidate> c(1);
+      c[0].call = s.call(op, v, l);
+      c[0].fill = [&] { fill_view(v, op, rank); };
+      c[0].verify = [&] { return verify_view(v, op, *redop, l, rank, n, o.root); };
+      const Measured m = measure(o, c, x);
+      if (s.after_size) s.after_size();
+      report(o, rank, n, op, std::string(dtype_name<T>()), inplace, l, m, {s.name, algo, "", ""});
+    }
+  }
+}
+
+}  // namespace comm::bench

@@ -1,0 +1,38 @@
+#pragma once
+// Stopping a gloo context from another thread.
+//
+// gloo::Context::closeConnections() only closes the sockets: the thread running an operation
+// stays blocked in its waits until their own timeouts, and until then the event loop may still be
+// mid-way through a receive into the caller's buffer. What gloo does when one of its own waits
+// times out is stronger: every pair of the context gets an exception, which wakes the waits
+// pending on it (receives and not-yet-started sends) and closes the socket under the pair's lock,
+// so that no receive into a user buffer can follow. The entry point for that is not public (and
+// Debian's headers for the TCP pair are incomplete), so it is reached through gloo's public API:
+// a wait of 1 ms on a fresh buffer with nothing posted times out, and gloo then signals every pair.
+//
+// Known gap (libgloo, docs/RELIABILITY.md): a send that the event loop already started writing is
+// not woken; its wait ends by its own timeout.
+
+#include <chrono>
+
+#include <gloo/context.h>
+#include <gloo/transport/unbound_buffer.h>
+
+namespace comm::detail::gloo {
+
+/// Fails every pending wait on `ctx`'s connections ("Application timeout caused pair closure")
+/// and closes them. Takes about 1 ms.
+inline void abort_context(::gloo::Context& ctx) noexcept {
+  try {
+    char probe = 0;
+    auto buf = ctx.createUnboundBuffer(&probe, 1);
+    (void)buf->waitRecv(nullptr, std::chrono::milliseconds(1));
+  } catch (...) {  // the expected outcome: gloo's timeout, after it signalled every pair
+  }
+  try {
+    ctx.closeConnections();
+  } catch (...) {  // best effort: the connections are being abandoned anyway
+  }
+}
+
+}  // namespace comm::detail::gloo

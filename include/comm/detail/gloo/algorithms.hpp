@@ -1,0 +1,237 @@
+#pragma once
+// all_reduce and reduce_scatter: which algorithm runs, and comm's own latency-bound ones.
+//
+// Measured on the project's 2-core machine (benchmarks/analysis.md, section 5), gloo's ring
+// all_reduce costs 2(n-1) message latencies plus a recv-ready handshake per message; for small
+// buffers the number of latencies is what counts:
+//   - 2 ranks, up to `exchange_max` bytes: one exchange of the whole buffer (1 latency instead of 2
+//     ring steps, the same bytes on the wire);
+//   - more ranks, up to `doubling_max` bytes: recursive doubling (log2(n) exchanges of the whole
+//     buffer; a non-power-of-two world folds its extra ranks in first and out at the end);
+//   - above: gloo's ring (bandwidth-optimal).
+// reduce_scatter: recursive halving (log2(n) steps, the data halves every step) up to
+// `halving_max` bytes per rank's input when the world is a power of two, else comm's ring
+// (reduce_scatter.hpp).
+//
+// Every rank must compute bit-identical results (min/max of a NaN or of -0/+0 are not symmetric),
+// so each combination is evaluated in one canonical order, lower rank's operand first, on both
+// sides of an exchange.
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gloo/allreduce.h>
+#include <gloo/common/error.h>
+#include <gloo/context.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
+
+#include <comm/detail/env.hpp>
+#include <comm/detail/gloo/reduce_scatter.hpp>
+#include <comm/error.hpp>
+
+namespace comm::detail::gloo {
+
+/// Thresholds of the algorithm choice, in bytes of one rank's buffer (0 disables an algorithm).
+struct AlgorithmConfig {
+  // At 2 ranks an exchange moves the same bytes as the ring (the whole buffer each way) in one
+  // latency instead of two ring steps; measured better up to 256 KiB (benchmarks/analysis.md).
+  std::size_t exchange_max = std::size_t{256} << 10;  // all_reduce, 2 ranks
+  std::size_t doubling_max = std::size_t{256} << 10;  // all_reduce, > 2 ranks
+  std::size_t halving_max = std::size_t{1} << 20;     // reduce_scatter input, power-of-two worlds
+};
+
+/// Defaults, overridden by COMM_GLOO_ALLREDUCE_SMALL (bytes up to which all_reduce uses the
+/// exchange / recursive doubling; 0: always gloo's ring) and COMM_GLOO_RS_HALVING_MAX.
+[[nodiscard]] inline AlgorithmConfig algorithm_config_default() {
+  AlgorithmConfig c;
+  if (const auto v = env_nonneg_int("COMM_GLOO_ALLREDUCE_SMALL")) c.exchange_max = c.doubling_max = static_cast<std::size_t>(*v);
+  if (const auto v = env_nonneg_int("COMM_GLOO_RS_HALVING_MAX")) c.halving_max = static_cast<std::size_t>(*v);
+  return c;
+}
+
+/// Calls `f(carrier{})` with the unsigned integer type of `elem_size` bytes.
+template <class F>
+void with_carrier(std::size_t elem_size, F&& f) {
+  switch (elem_size) {
+    case 1: f(std::uint8_t{}); return;
+    case 2: f(std::uint16_t{}); return;
+    case 4: f(std::uint32_t{}); return;
+    case 8: f(std::uint64_t{}); return;
+    default: throw BackendError("gloo", -1, "element size " + std::to_string(elem_size) + " is not 1, 2, 4 or 8");
+  }
+}
+
+/// One deadline for all the waits of an operation (gloo's own waits each get the full timeout).
+class Deadline {
+ public:
+  explicit Deadline(std::chrono::milliseconds timeout) : at_(std::chrono::steady_clock::now() + timeout) {}
+  [[nodiscard]] std::chrono::milliseconds left() const {
+    return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                      at_ - std::chrono::steady_clock::now()));
+  }
+
+ private:
+  std::chrono::steady_clock::time_point at_;
+};
+
+inline void wait_recv(::gloo::transport::UnboundBuffer& b, const Deadline& d) {
+  if (!b.waitRecv(d.left())) throw ::gloo::IoException("receive aborted");
+}
+inline void wait_send(::gloo::transport::UnboundBuffer& b, const Deadline& d) {
+  if (!b.waitSend(d.left())) throw ::gloo::IoException("send aborted");
+}
+
+/// Reusable buffers of comm's algorithms (operations of a communicator run one at a time).
+using Scratch = std::vector<std::byte>;
+
+inline constexpr std::uint8_t kExchangeSlotPrefix = 0x23;
+inline constexpr std::uint8_t kHalvingSlotPrefix = 0x24;
+
+[[nodiscard]] inline std::byte* scratch_bytes(Scratch& s, std::size_t n) {
+  if (s.size() < n) s.resize(n);
+  return s.data();
+}
+
+/// All-reduce by recursive doubling (an exchange of the whole buffer with rank r ^ 2^k in step k);
+/// at 2 ranks that is the single exchange. `in` null: in place in `out`.
+inline void doubling_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
+                                std::chrono::milliseconds timeout, const void* in, void* out, std::size_t bytes,
+                                std::size_t elem_size, const ReduceFunc& reduce, Scratch& scratch) {
+  const int n = ctx->size;
+  const int r = ctx->rank;
+  const std::size_t count = bytes / elem_size;
+  if (in != nullptr && in != out) std::memcpy(out, in, bytes);
+  if (n == 1) return;
+  const Deadline deadline(timeout);
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  // Two buffers change roles: `cur` holds this rank's partial result, the other receives the
+  // peer's. The higher rank of a pair combines into the received buffer (lower operand first),
+  // which then becomes `cur`.
+  std::byte* recv = scratch_bytes(scratch, bytes);
+  std::byte* bufs[2] = {static_cast<std::byte*>(out), recv};
+  std::unique_ptr<::gloo::transport::UnboundBuffer> ubufs[2] = {ctx->createUnboundBuffer(out, bytes),
+                                                                ctx->createUnboundBuffer(recv, bytes)};
+  int ci = 0;
+  int ri = 1;
+  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kExchangeSlotPrefix, tag));
+  auto step = [&](int peer, bool send, bool receive) {
+    if (receive) ubufs[ri]->recv(peer, slot, 0, bytes);
+    if (send) ubufs[ci]->send(peer, slot, 0, bytes);
+    if (receive) wait_recv(*ubufs[ri], deadline);
+    if (send) wait_send(*ubufs[ci], deadline);
+    if (!receive) return;
+    if (r < peer) {
+      reduce(bufs[ci], bufs[ci], bufs[ri], count);
+    } else {
+      reduce(bufs[ri], bufs[ri], bufs[ci], count);
+      std::swap(ci, ri);
+    }
+  };
+
+  const bool extra = r >= p;        // folded into rank r - p
+  const bool host = r < n - p;      // hosts extra rank r + p
+  if (extra) {
+    step(r - p, true, false);
+    // The final result comes back from r - p.
+    ubufs[ri]->recv(r - p, slot, 0, bytes);
+    wait_recv(*ubufs[ri], deadline);
+    ci = ri;
+  } else {
+    if (host) step(r + p, false, true);
+    for (int mask = 1; mask < p; mask <<= 1) step(r ^ mask, true, true);
+    if (host) {
+      ubufs[ci]->send(r + p, slot, 0, bytes);
+      wait_send(*ubufs[ci], deadline);
+    }
+  }
+  if (ci != 0) std::memcpy(out, bufs[ci], bytes);
+}
+
+/// all_reduce of `count` elements: `in` null means in place in `out`.
+inline void run_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
+                           std::chrono::milliseconds timeout, const void* in, void* out, std::size_t count,
+                           std::size_t elem_size, const ReduceFunc& reduce, const AlgorithmConfig& cfg,
+                           Scratch& scratch) {
+  const std::size_t bytes = count * elem_size;
+  const int n = ctx->size;
+  if (n == 1 || bytes <= (n == 2 ? cfg.exchange_max : cfg.doubling_max)) {
+    doubling_all_reduce(ctx, tag, timeout, in, out, bytes, elem_size, reduce, scratch);
+    return;
+  }
+  with_carrier(elem_size, [&](auto c) {
+    using C = decltype(c);
+    ::gloo::AllreduceOptions o(ctx);
+    if (in != nullptr) o.setInput(const_cast<C*>(static_cast<const C*>(in)), count);
+    o.setOutput(static_cast<C*>(out), count);
+    o.setReduceFunction(reduce);
+    o.setTag(tag);
+    o.setTimeout(timeout);
+    ::gloo::allreduce(o);
+  });
+}
+
+/// Reduce-scatter by recursive halving (power-of-two worlds): in step k this rank keeps half of
+/// the chunks it is still responsible for, sends the other half to rank r ^ (n/2^(k+1)) and
+/// reduces that rank's copy of its own half into it: log2(n) messages, (n-1)/n of the input sent.
+/// Scratch: the input's size (half for partial results, half for receives).
+inline void halving_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
+                                   std::chrono::milliseconds timeout, const void* in, void* out, std::size_t count,
+                                   std::size_t elem_size, const ReduceFunc& reduce, Scratch& scratch) {
+  const int n = ctx->size;
+  const int r = ctx->rank;
+  const std::size_t cb = count * elem_size;
+  const std::size_t half_bytes = static_cast<std::size_t>(n / 2) * cb;
+  const Deadline deadline(timeout);
+  std::byte* acc = scratch_bytes(scratch, 2 * half_bytes);
+  std::byte* tmp = acc + half_bytes;
+  auto in_buf = ctx->createUnboundBuffer(const_cast<void*>(in), static_cast<std::size_t>(n) * cb);
+  auto acc_buf = ctx->createUnboundBuffer(acc, half_bytes);
+  auto tmp_buf = ctx->createUnboundBuffer(tmp, half_bytes);
+  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kHalvingSlotPrefix, tag));
+  // `src` holds chunks [src_lo, src_lo + width) that this rank still reduces.
+  const auto* src = static_cast<const std::byte*>(in);
+  ::gloo::transport::UnboundBuffer* src_buf = in_buf.get();
+  int src_lo = 0;
+  int width = n;
+  for (int mask = n / 2; mask >= 1; mask /= 2) {
+    const int peer = r ^ mask;
+    const int half = width / 2;
+    const int mine = (r & mask) != 0 ? src_lo + half : src_lo;
+    const int other = (r & mask) != 0 ? src_lo : src_lo + half;
+    const std::size_t bytes = static_cast<std::size_t>(half) * cb;
+    tmp_buf->recv(peer, slot, 0, bytes);
+    src_buf->send(peer, slot, static_cast<std::size_t>(other - src_lo) * cb, bytes);
+    wait_recv(*tmp_buf, deadline);
+    wait_send(*src_buf, deadline);
+    void* dst = mask == 1 ? out : static_cast<void*>(acc);
+    reduce(dst, src + static_cast<std::size_t>(mine - src_lo) * cb, tmp, static_cast<std::size_t>(half) * count);
+    src = acc;
+    src_buf = acc_buf.get();
+    src_lo = mine;
+    width = half;
+  }
+}
+
+/// reduce_scatter: `in` holds size*count elements; `out` (count elements) may be `in + rank*count`.
+inline void run_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
+                               std::chrono::milliseconds timeout, const void* in, void* out, std::size_t count,
+                               std::size_t elem_size, const ReduceFunc& reduce, const AlgorithmConfig& cfg,
+                               Scratch& scratch) {
+  const int n = ctx->size;
+  const std::size_t in_bytes = static_cast<std::size_t>(n) * count * elem_size;
+  if (n > 1 && (n & (n - 1)) == 0 && in_bytes <= cfg.halving_max) {
+    halving_reduce_scatter(ctx, tag, timeout, in, out, count, elem_size, reduce, scratch);
+    return;
+  }
+  ring_reduce_scatter(ctx, tag, timeout, in, out, count, elem_size, reduce, scratch);
+}
+
+}  // namespace comm::detail::gloo

@@ -1,0 +1,211 @@
+// Regression tests of the Gloo engine's reliability fixes (docs/RELIABILITY.md, issue 7) and of
+// the engine's internals that the public API does not show: the op hooks, and bit-identical
+// results on every rank from comm's own all_reduce algorithms.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gloo_test_util.hpp"
+
+using namespace std::chrono_literals;
+using gloo_test::Comm;
+using comm::ReduceOp;
+
+namespace {
+
+bool contains(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("Work::wait that times out stops the operation before it reports Timeout") {
+  const auto& w = comm::test::world();
+  if (w.size != 2) {
+    comm::test::report_needs_ranks(2);
+    return;
+  }
+  comm::backends::Gloo::Options o;
+  o.timeout = 1000ms;
+  o.desync_check = false;
+  auto c = gloo_test::make_comm(o);
+  std::vector<float> v(1024, static_cast<float>(w.rank + 1));
+  if (w.rank == 0) {
+    // op 1 waits for rank 1 (0.7 s), so op 2 starts late and would run past Work::wait's deadline
+    // (1 s after the call), until rank 1 joins it at 1.4 s.
+    auto w1 = c.barrier(comm::async);
+    auto w2 = c.all_reduce(std::span(v), ReduceOp::sum, comm::async);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string what;
+    try {
+      w2.wait();
+    } catch (const comm::Timeout& e) {
+      what = e.what();
+    }
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    CHECK_MESSAGE(!what.empty(), "Work::wait must end with comm::Timeout");
+    CHECK_MESSAGE(w2.is_completed(), "the operation still runs after Work::wait reported Timeout");
+    CHECK(waited < 3500ms);
+    MESSAGE("Work::wait: ", what);
+    const auto snapshot = v;
+    std::this_thread::sleep_for(1500ms);  // past the time rank 1 sends its data
+    CHECK_MESSAGE(v == snapshot, "gloo wrote into the buffer after Work::wait reported Timeout");
+    CHECK(w1.is_completed());
+  } else {
+    std::this_thread::sleep_for(700ms);
+    c.barrier();
+    std::this_thread::sleep_for(700ms);
+    // Rank 0 gave up and closed its connections: this must fail, not complete.
+    CHECK_THROWS_AS(c.all_reduce(std::span(v), ReduceOp::sum), comm::Error);
+  }
+}
+
+TEST_CASE("membership: a world size mismatch is an error naming both processes") {
+  const auto& w = comm::test::world();
+  if (w.size != 2) {
+    comm::test::report_needs_ranks(2);
+    return;
+  }
+  comm::backends::Gloo::Options o;
+  o.timeout = 5000ms;
+  auto store = comm::test::fresh_store();
+  const int claimed = w.rank == 0 ? 2 : 3;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string what;
+  try {
+    (void)Comm::create(store, w.rank, claimed, o);
+  } catch (const comm::InvalidArgument& e) {
+    what = e.what();
+  }
+  MESSAGE(what);
+  CHECK(contains(what, "world size mismatch"));
+  CHECK(contains(what, "world size 2"));
+  CHECK(contains(what, "world size 3"));
+  CHECK(std::chrono::steady_clock::now() - t0 < 3000ms);  // at once, not at the deadline
+}
+
+TEST_CASE("membership: two processes with the same rank: the one left waiting names the other") {
+  const auto& w = comm::test::world();
+  if (w.size != 2) {
+    comm::test::report_needs_ranks(2);
+    return;
+  }
+  comm::backends::Gloo::Options o;
+  o.timeout = 1500ms;
+  auto store = comm::test::fresh_store();
+  std::string what;
+  try {
+    (void)Comm::create(store, 0, 2, o);  // both processes claim rank 0; rank 1 never comes
+  } catch (const comm::Timeout& e) {
+    what = e.what();
+  }
+  MESSAGE(what);
+  CHECK(contains(what, "rank 1 of 2 did not join"));
+  // Exactly one of the two got the second communicator number and sees the other's record.
+  const bool named = contains(what, "used by two processes");
+  std::vector<int> mine{named ? 1 : 0}, all(2);
+  auto c = gloo_test::make_comm();
+  c.all_gather(std::span<const int>(mine), std::span(all));
+  CHECK(all[0] + all[1] == 1);
+}
+
+TEST_CASE("op hooks run around the collective on the executing thread") {
+  const auto& w = comm::test::world();
+  comm::detail::gloo::EngineConfig cfg;
+  cfg.timeout = 10s;
+  comm::detail::gloo::Engine e(comm::test::fresh_store(), w.rank, w.size, cfg);
+  for (const bool async : {false, true}) {
+    std::vector<float> staged(5, 0.0f), result(5, 0.0f), device_out(5, 0.0f);
+    int before = 0, after = 0;
+    comm::detail::gloo::OpHooks hooks;
+    // "Staging": the input is only written by `before`; `after` copies the result out.
+    hooks.before = [&] {
+      ++before;
+      std::fill(staged.begin(), staged.end(), static_cast<float>(w.rank + 1));
+    };
+    hooks.after = [&] {
+      ++after;
+      device_out = result;
+    };
+    if (async) {
+      auto work = e.all_reduce<float>(std::span<const float>(staged), std::span(result), ReduceOp::sum,
+                                      comm::async, std::move(hooks));
+      work.wait();
+    } else {
+      e.all_reduce<float>(std::span<const float>(staged), std::span(result), ReduceOp::sum, comm::detail::blocking,
+                          std::move(hooks));
+    }
+    CHECK(before == 1);
+    CHECK(after == 1);
+    const float want = static_cast<float>(w.size * (w.size + 1) / 2);
+    for (float x : device_out) CHECK(x == want);
+  }
+  // A failing `before` fails the operation with a comm::Error and the communicator with it (this
+  // rank's part of the collective never ran, so its peers must not wait for it).
+  if (w.size == 1) {
+    comm::detail::gloo::OpHooks bad;
+    bad.before = [] { throw std::runtime_error("staging failed"); };
+    std::vector<float> v(3, 1.0f);
+    CHECK_THROWS_AS(e.all_reduce<float>(std::span<const float>(v), std::span(v), ReduceOp::sum, comm::detail::blocking,
+                                        std::move(bad)),
+                    comm::BackendError);
+    CHECK_THROWS_WITH_AS(
+        e.all_reduce<float>(std::span<const float>(v), std::span(v), ReduceOp::sum, comm::detail::blocking),
+        doctest::Contains("unusable after an earlier failure"), comm::Error);
+  }
+}
+
+TEST_CASE("all_reduce results are bit-identical on every rank (min/max of NaN and signed zeros)") {
+  const auto& w = comm::test::world();
+  auto c = gloo_test::make_comm();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (std::size_t count : {std::size_t{4}, std::size_t{1003}, std::size_t{100000}}) {
+    for (ReduceOp op : {ReduceOp::min, ReduceOp::max, ReduceOp::sum}) {
+      std::vector<float> v(count);
+      for (std::size_t i = 0; i < count; ++i) {
+        const int k = static_cast<int>((i + static_cast<std::size_t>(w.rank)) % 4);
+        v[i] = k == 0 ? 0.0f : k == 1 ? -0.0f : k == 2 ? nan : static_cast<float>(i % 7) - 3.0f;
+      }
+      c.all_reduce(std::span(v), op);
+      std::vector<std::uint32_t> bits(count), all(count * static_cast<std::size_t>(w.size));
+      std::memcpy(bits.data(), v.data(), count * sizeof(float));
+      c.all_gather(std::span<const std::uint32_t>(bits), std::span(all));
+      long long bad = -1;
+      for (int r = 1; r < w.size && bad < 0; ++r)
+        for (std::size_t i = 0; i < count; ++i)
+          if (all[static_cast<std::size_t>(r) * count + i] != all[i]) {
+            bad = static_cast<long long>(i);
+            break;
+          }
+      CHECK_MESSAGE(bad < 0, "count ", count, " op ", comm::to_string(op), ": ranks differ at element ", bad);
+    }
+  }
+}
+
+TEST_CASE("gloo's event-loop threads run at the configured nice value") {
+  comm::backends::Gloo::Options o;
+  o.loop_nice = 7;
+  // Devices are shared by the communicators of a process and made by the first one: only a run
+  // where none is alive yet shows the option.
+  auto c = gloo_test::make_comm(o);
+  int niced = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream f(entry.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    // Fields after the command name (which ends at the last ')'): state is field 3, nice field 19.
+    std::istringstream rest(stat.substr(stat.rfind(')') + 2));
+    std::vector<std::string> fields;
+    for (std::string x; rest >> x;) fields.push_back(x);
+    if (fields.size() > 16 && std::stoi(fields[16]) == 7) ++niced;
+  }
+  CHECK_MESSAGE(niced >= 1, "no thread of this process runs at nice 7 (gloo's event loop should)");
+  c.barrier();
+}
