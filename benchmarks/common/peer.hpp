@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bench.hpp"
@@ -53,6 +54,25 @@ void run_peer(const Options& o, int rank, int n, const CrossRank& x, const PeerS
       report(o, rank, n, op, std::string(dtype_name<T>()), inplace, l, m, {s.name, algo, "", ""});
     }
   }
+}
+
+/// A peer's command line: comm-bench's options plus `--system NAME` (the rows' "system").
+inline void parse_peer_args(int argc, char** argv, Options& o, std::string_view help, std::string& system) {
+  parse_args(argc, argv, o, help, [&](std::string_view f, std::string_view next) {
+    if (f == "--system" && !next.empty()) {
+      system = next;
+      return 2;
+    }
+    return 0;
+  });
+}
+
+/// Prints (rank 0, JSON only) every rank's peak RSS, gathered with `x.max`.
+inline void report_peak_rss(const Options& o, int rank, int n, const CrossRank& x, const std::string& system) {
+  std::vector<double> rss(static_cast<std::size_t>(n), 0.0);
+  rss[static_cast<std::size_t>(rank)] = static_cast<double>(peak_rss_kb());
+  x.max(rss);
+  if (rank == 0 && o.json) print_json_memory(system, n, std::vector<long>(rss.begin(), rss.end()));
 }
 
 }  // namespace comm::bench

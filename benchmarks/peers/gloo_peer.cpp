@@ -60,13 +60,7 @@ int main(int argc, char** argv) {
   Options o;
   std::string system = "gloo-raw";
   try {
-    parse_args(argc, argv, o, kHelp, [&](std::string_view f, std::string_view next) {
-      if (f == "--system" && !next.empty()) {
-        system = next;
-        return 2;
-      }
-      return 0;
-    });
+    parse_peer_args(argc, argv, o, kHelp, system);
     comm::InitResult init = comm::init_env();
     const auto timeout = comm::timeout_from_env();
     auto ctx = make_raw_context(init.store, init.rank, init.size, "gloo-peer/", timeout);
@@ -84,10 +78,7 @@ int main(int argc, char** argv) {
       }
     });
     if (!known) throw std::invalid_argument("unknown --dtype '" + o.dtype + "'");
-    std::vector<double> rss(static_cast<std::size_t>(init.size), 0.0);
-    rss[static_cast<std::size_t>(init.rank)] = static_cast<double>(peak_rss_kb());
-    x.max(rss);
-    if (init.rank == 0 && o.json) print_json_memory(system, init.size, std::vector<long>(rss.begin(), rss.end()));
+    report_peak_rss(o, init.rank, init.size, x, system);
     reducer.barrier();
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "comm-bench-gloo-peer: %s\n", e.what());

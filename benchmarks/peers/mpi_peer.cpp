@@ -125,13 +125,7 @@ int main(int argc, char** argv) {
   std::string system = "mpi";
   int rc = 0;
   try {
-    parse_args(argc, argv, o, kHelp, [&](std::string_view f, std::string_view next) {
-      if (f == "--system" && !next.empty()) {
-        system = next;
-        return 2;
-      }
-      return 0;
-    });
+    parse_peer_args(argc, argv, o, kHelp, system);
     CrossRank x;
     x.max = [](std::span<double> v) {
       check(MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),
@@ -143,10 +137,7 @@ int main(int argc, char** argv) {
     };
     const bool known = with_dtype(o.dtype, [&](auto t) { run_dtype<decltype(t)>(o, rank, n, x, system); });
     if (!known) throw std::invalid_argument("unknown --dtype '" + o.dtype + "'");
-    std::vector<double> rss(static_cast<std::size_t>(n), 0.0);
-    rss[static_cast<std::size_t>(rank)] = static_cast<double>(peak_rss_kb());
-    x.max(rss);
-    if (rank == 0 && o.json) print_json_memory(system, n, std::vector<long>(rss.begin(), rss.end()));
+    report_peak_rss(o, rank, n, x, system);
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "comm-bench-mpi-peer: %s\n", e.what());
     rc = 2;
