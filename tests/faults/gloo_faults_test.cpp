@@ -211,6 +211,12 @@ TEST_CASE("link between two ranks cut, stalled or dropping (TcpProxy): RemoteErr
         CHECK(ms < t_ms + silent_slack_ms);
         if (res.at("kind") == "Timeout") g_overshoot_ms.push_back(ms - t_ms);
         report(name + ": rank " + std::to_string(r), res.at("kind"), ms, t_ms + silent_slack_ms, res.at("what"));
+      } else if (res.at("kind") == "Timeout") {
+        // libgloo can miss the closed connection while a send is partly written (RELIABILITY.md,
+        // Known limits 1): that rank ends at its own deadline instead, as after a SIGKILL.
+        CHECK(ms < long_timeout_ms + silent_slack_ms);
+        report(name + ": rank " + std::to_string(r) + " (libgloo missed the close)", res.at("kind"), ms,
+               long_timeout_ms + silent_slack_ms, res.at("what"));
       } else {
         CHECK(res.at("kind") == "RemoteError");
         CHECK(ms < death_bound_ms);
