@@ -34,19 +34,26 @@
 #if defined(COMM_HAS_NCCL)
 #include "common/nccl_rows.hpp"
 #endif
+#if defined(COMM_HAS_MPI)
+#include "common/mpi_rows.hpp"
+#endif
 
 namespace {
 
 using namespace comm::bench;
 using GlooComm = comm::Communicator<comm::backends::Gloo>;
+using ShmComm = comm::Communicator<comm::backends::Shm>;
+using HierComm = comm::Communicator<comm::backends::Hierarchical<comm::backends::Shm, comm::backends::Gloo>>;
 
 constexpr std::string_view kHelp =
     R"(Usage: comm-run -n N comm-bench [options]
 
 nccl-tests-style benchmark of comm's collectives (rank 0 prints).
 
-  --backend B       gloo (default) | nccl (only in builds with COMM_HAS_NCCL; one GPU per rank;
-                    each timed call includes cudaStreamSynchronize of the communicator's stream)
+  --backend B       gloo (default) | shm (ranks on this host, shared memory) | nccl (only in builds
+                    with COMM_HAS_NCCL; one GPU per rank; each timed call includes
+                    cudaStreamSynchronize of the communicator's stream) | hierarchical (Shm within
+                    each host, Gloo across hosts; COMM_NODE_ID overrides what a host is)
   --baseline raw    also time the raw engine call in the same processes, alternating with comm's,
                     and print the raw time and the comm/raw ratio (gloo: its own context; nccl: the
                     same ncclComm_t and stream)
@@ -54,14 +61,21 @@ nccl-tests-style benchmark of comm's collectives (rank 0 prints).
                     reduce_scatter hd|allreduce (see benchmarks/common/raw_gloo.hpp)
   --async           time comm's async form (op(..., comm::async).wait()) instead of the blocking one
 
+MPI (builds with COMM_HAS_MPI): start with mpirun, not comm-run (comm-bench initializes MPI and
+adopts MPI_COMM_WORLD), e.g. mpirun -np 2 --mca btl self,vader comm-bench --backend mpi --baseline raw
+  --backend mpi     comm's MPI backend
+  --baseline raw    the blocking MPI call (MPI_Allreduce...) on its own MPI_Comm_dup
+  --baseline raw-nb the non-blocking call comm issues (MPI_Iallreduce...) + an MPI_Test spin on its
+                    own MPI_Comm_dup: the ratio is comm's own layer over the same MPI work
+
 Environment: COMM_BENCH_LOOP_NICE=N creates the gloo devices (comm's and the raw baseline's) so that
 their event-loop threads run at nice N (a prototype of a backend mitigation; see RESULTS.md).
 )";
 
 /// The comm call of `op` on view `v`: the blocking form, or the async form followed by wait().
 // noinline: benchmarks/profile-overhead counts instructions inside these two functions.
-template <class T>
-[[gnu::noinline]] void comm_call(GlooComm& c, Op op, const View<T>& v, comm::ReduceOp redop, int root, bool async) {
+template <class T, class C>
+[[gnu::noinline]] void comm_call(C& c, Op op, const View<T>& v, comm::ReduceOp redop, int root, bool async) {
   const std::span<const T> in(v.in, v.in_n);
   const std::span<T> out(v.out, v.out_n);
   if (async) {
@@ -91,17 +105,18 @@ template <class T>
   }
 }
 
+template <class C>
 struct Context {
   const Options& o;
   long wrong = 0;  // summed over every row: comm-bench --check exits 1 when it is not 0
   int rank, size;
-  GlooComm& c;
+  C& c;
   std::shared_ptr<::gloo::Context> raw_ctx;  // null without --baseline raw
   CrossRank x;
 };
 
-template <class T>
-void run_dtype(Context& ctx) {
+template <class T, class C>
+void run_dtype(Context<C>& ctx) {
   const Options& o = ctx.o;
   const auto redop_opt = parse_redop(o.redop);
   if (!redop_opt) throw std::invalid_argument("unknown --redop '" + o.redop + "'");
@@ -114,7 +129,8 @@ void run_dtype(Context& ctx) {
     else
       throw std::invalid_argument("--baseline raw: gloo has no " + std::string(dtype_name<T>()) + " type");
   }
-  const std::string system = o.async ? "comm-gloo-async" : "comm-gloo";
+  const std::string backend(C::backend_type::name);
+  const std::string system = "comm-" + backend + (o.async ? "-async" : "");
 
   for (Op op : o.ops) {
     const bool inplace = in_place(o, op);
@@ -125,9 +141,9 @@ void run_dtype(Context& ctx) {
     bufs.reserve(op, sizes, ctx.size, inplace);
     if (ctx.rank == 0) {
       if (!o.json) {
-        std::printf("# comm-bench %s: backend gloo, world %d, dtype %s, redop %s, %s, iters %d (min %d, budget %gs), "
+        std::printf("# comm-bench %s: backend %s, world %d, dtype %s, redop %s, %s, iters %d (min %d, budget %gs), "
                     "warmup %d%s%s\n",
-                    std::string(to_string(op)).c_str(), ctx.size, std::string(dtype_name<T>()).c_str(),
+                    std::string(to_string(op)).c_str(), backend.c_str(), ctx.size, std::string(dtype_name<T>()).c_str(),
                     is_reduction(op) ? o.redop.c_str() : "none", inplace ? "in place" : "out of place", o.iters,
                     o.min_iters, o.budget_s, o.warmup, raw ? ", baseline raw gloo" : "",
                     o.async ? ", async form" : "");
@@ -159,6 +175,9 @@ void run_dtype(Context& ctx) {
   }
 }
 
+template <class C>
+int run_world(const Options& o, const comm::InitResult& init, C& c, std::shared_ptr<::gloo::Context> raw_ctx);
+
 int run(const Options& o) {
   if (o.backend == "nccl") {
 #if defined(COMM_HAS_NCCL)
@@ -174,8 +193,31 @@ int run(const Options& o) {
 #endif
     return 2;
   }
+  if (o.backend == "mpi") {
+#if defined(COMM_HAS_MPI)
+    return run_mpi(o);
+#else
+    std::fprintf(stderr,
+                 "comm-bench: --backend mpi: this build has no MPI backend (COMM_HAS_MPI is not defined: no MPI "
+                 "library was found when comm was configured; apt-get install libopenmpi-dev)\n");
+    return 2;
+#endif
+  }
+  if (o.baseline == "raw-nb") throw std::invalid_argument("--baseline raw-nb is for --backend mpi");
+  if (o.backend == "shm") {
+    if (o.baseline == "raw") throw std::invalid_argument("--baseline raw: Shm's baseline is the OpenMPI peer");
+    comm::InitResult init = comm::init_env();
+    ShmComm c = ShmComm::create(init.store, init.rank, init.size);
+    return run_world(o, init, c, nullptr);
+  }
+  if (o.backend == "hierarchical") {
+    if (o.baseline == "raw") throw std::invalid_argument("--baseline raw: compare hierarchical with --backend gloo");
+    comm::InitResult init = comm::init_env();
+    HierComm c = HierComm::create(init.store, init.rank, init.size);
+    return run_world(o, init, c, nullptr);
+  }
   if (o.backend != "gloo") {
-    std::fprintf(stderr, "comm-bench: unknown --backend '%s' (gloo|nccl)\n", o.backend.c_str());
+    std::fprintf(stderr, "comm-bench: unknown --backend '%s' (gloo|shm|hierarchical|nccl)\n", o.backend.c_str());
     return 2;
   }
 
@@ -200,12 +242,19 @@ int run(const Options& o) {
     if (err) std::rethrow_exception(err);
   }
   GlooComm& c = *made;
-  Context ctx{o, 0, init.rank, init.size, c, nullptr, {}};
+  std::shared_ptr<::gloo::Context> raw_ctx;
+  if (o.baseline == "raw") raw_ctx = make_raw_context(init.store, init.rank, init.size, "comm-bench/raw/", c.backend().timeout());
+  return run_world(o, init, c, std::move(raw_ctx));
+}
+
+/// Every op, dtype and size of the command line on communicator `c` (any host backend).
+template <class C>
+int run_world(const Options& o, const comm::InitResult& init, C& c, std::shared_ptr<::gloo::Context> raw_ctx) {
+  Context<C> ctx{o, 0, init.rank, init.size, c, std::move(raw_ctx), {}};
   ctx.x.max = [&](std::span<double> v) { c.all_reduce(v, comm::ReduceOp::max); };
   ctx.x.sum = [&](std::span<double> v) { c.all_reduce(v, comm::ReduceOp::sum); };
-  if (o.baseline == "raw") ctx.raw_ctx = make_raw_context(init.store, init.rank, init.size, "comm-bench/raw/", c.backend().timeout());
 
-  const bool known = with_dtype(o.dtype, [&](auto t) { run_dtype<decltype(t)>(ctx); });
+  const bool known = with_dtype(o.dtype, [&](auto t) { run_dtype<decltype(t), C>(ctx); });
   if (!known) throw std::invalid_argument("unknown --dtype '" + o.dtype + "'");
 
   // Peak RSS of every rank.
@@ -215,7 +264,7 @@ int run(const Options& o) {
   std::vector<long> rss_kb(rss.begin(), rss.end());
   if (init.rank == 0) {
     if (o.json) {
-      print_json_memory(o.async ? "comm-gloo-async" : "comm-gloo", init.size, rss_kb);
+      print_json_memory("comm-" + std::string(C::backend_type::name) + (o.async ? "-async" : ""), init.size, rss_kb);
     } else {
       std::printf("# peak RSS per rank (KiB):");
       for (long k : rss_kb) std::printf(" %ld", k);

@@ -1,6 +1,7 @@
-// The seed scenario: every collective once, on the CPU over Gloo.
+// The seed scenario: every collective once, on the CPU over Gloo or, with --backend shm, over
+// shared memory (ranks on one host).
 //
-//   comm-run -n 4 ./collectives_demo
+//   comm-run -n 4 ./collectives_demo [--backend gloo|shm]
 //
 // Each rank prints its values before and after each operation; with 4 ranks:
 //   all_reduce(rank)               -> 6 on every rank (0+1+2+3)
@@ -11,6 +12,7 @@
 //   async all_reduce(rank + 1)     -> 10, waited on through a comm::Work
 #include <cstdio>
 #include <exception>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -25,11 +27,10 @@ std::string show(const std::vector<T>& v) {
   return s + "]";
 }
 
-}  // namespace
-
-int main() try {
+template <class Backend>
+int demo() {
   // env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (set by comm-run).
-  auto c = comm::Communicator<comm::backends::Gloo>::from_env();
+  auto c = comm::Communicator<Backend>::from_env();
   const int rank = c.rank();
   const int n = c.size();
 
@@ -70,6 +71,16 @@ int main() try {
   std::printf("rank %d: async all_reduce before [%d]  after [%g]\n", rank, rank + 1,
               static_cast<double>(async_buf[0]));
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const std::string backend = argc == 3 && std::string(argv[1]) == "--backend" ? argv[2] : "gloo";
+  if (argc != 1 && argc != 3) throw std::invalid_argument("usage: collectives_demo [--backend gloo|shm]");
+  if (backend == "shm") return demo<comm::backends::Shm>();
+  if (backend == "gloo") return demo<comm::backends::Gloo>();
+  throw std::invalid_argument("unknown backend '" + backend + "' (gloo|shm)");
 } catch (const std::exception& e) {
   std::fprintf(stderr, "collectives_demo: %s\n", e.what());
   return 1;

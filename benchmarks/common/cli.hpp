@@ -25,7 +25,7 @@ struct Options {
   bool check = false;
   bool json = false;
   int placement = -1;  ///< -1: per-op default (all_reduce in place, others out of place), 0 out, 1 in
-  std::string baseline;  ///< "" or "raw"
+  std::string baseline;  ///< "", "raw" or "raw-nb" (mpi: the non-blocking call)
   std::string algo;      ///< algorithm variant (raw gloo prototypes, see --help)
   bool async = false;    ///< comm: time the comm::async form (+ Work::wait)
   int gap_us = 0;        ///< sleep between timed calls (not timed)
@@ -147,7 +147,8 @@ void parse_args(int argc, char** argv, Options& o, std::string_view help, Extra&
       o.placement = 0;
     } else if (f == "--baseline") {
       o.baseline = value();
-      if (o.baseline != "raw") throw std::invalid_argument("--baseline takes 'raw'");
+      if (o.baseline != "raw" && o.baseline != "raw-nb")
+        throw std::invalid_argument("--baseline takes 'raw' (or, for --backend mpi, 'raw-nb')");
     } else if (f == "--algo") {
       o.algo = value();
     } else if (f == "--gap-us") {

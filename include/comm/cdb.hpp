@@ -21,8 +21,14 @@
 ///    MASTER_PORT defaults to 29500. Where no master address can be derived the error says to set
 ///    MASTER_ADDR. Discovered values are exported as RANK, WORLD_SIZE, LOCAL_RANK,
 ///    LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT when those are unset.
-/// Backend "auto" picks NCCL where comm::nccl is compiled in and a CUDA device is usable, else
-/// Gloo, and says which at COMM_DEBUG=INFO. `describe_environment()` says where each value came from.
+/// Backend "auto" picks NCCL where comm::nccl is compiled in and a CUDA device is usable, else Shm
+/// when every rank is on this host (host identities compared through the store; see
+/// backends/shm.hpp), else Hierarchical<Shm, Gloo>, and says which at COMM_DEBUG=INFO. "shm" names Shm. `describe_environment()` says where each value came from.
+/// With comm::mpi linked, "mpi" names Mpi: MPI_COMM_WORLD adopted when MPI is initialized, else
+/// steps 2-4 and MPI initialized by comm; "auto" picks it (after NCCL) when the application
+/// initialized MPI under an MPI launcher.
+/// "hierarchical" names Hierarchical<Shm, Gloo> (backends/hierarchical.hpp), which "auto" picks for
+/// a CPU job whose ranks span several hosts (Shm within each host, Gloo across).
 ///
 /// AnyCommunicator has the typed API of Communicator<B>: element types are checked at compile time;
 /// the backend's capabilities (reductions per type, custom callables) at run time, with a clear
@@ -52,20 +58,25 @@
 #include <comm/types.hpp>
 #include <comm/work.hpp>
 
+#include <comm/backends/shm.hpp>
 #if defined(COMM_HAS_GLOO)
 #include <comm/backends/gloo.hpp>
+#include <comm/backends/hierarchical.hpp>
 #endif
 #if defined(COMM_HAS_NCCL)
 #include <cuda_runtime_api.h>
 
 #include <comm/backends/nccl.hpp>
 #endif
+#if defined(COMM_HAS_MPI)
+#include <comm/backends/mpi.hpp>
+#endif
 
 namespace comm {
 
 /// Options of init_distributed. -1 and empty values mean "from the environment".
 struct InitOptions {
-  std::string backend = "auto";          ///< "auto" | "gloo" | "nccl"
+  std::string backend = "auto";          ///< "auto" | "gloo" | "nccl" | "shm" | "mpi" | "hierarchical"
   std::string init_method = "env://";    ///< "env://" | "tcp://host:port" | "file:///path"
   int rank = -1;
   int world_size = -1;
@@ -545,7 +556,71 @@ inline void export_env(const char* name, const std::string& value) {
   return r;
 }
 
+/// Whether every rank of the store's world runs on this host (Shm's identity: boot id and
+/// namespaces). Collective over the store: every rank publishes its identity and reads the others'.
+[[nodiscard]] inline bool all_on_one_host(Store& store, int rank, int size, std::chrono::milliseconds timeout) {
+  const std::string me = shm::host_identity();
+  store.set("comm/cdb/host/" + std::to_string(rank), me);
+  bool same = true;
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    const std::string key = "comm/cdb/host/" + std::to_string(p);
+    store.wait({key}, timeout);
+    const auto v = store.get(key);
+    same = same && std::string(reinterpret_cast<const char*>(v.data()), v.size()) == me;
+  }
+  return same;
+}
+
+#if defined(COMM_HAS_MPI)
+/// Whether "auto" may pick MPI: the application initialized MPI and an MPI launcher started the job.
+[[nodiscard]] inline bool mpi_world_ready() {
+  return mpi::initialized() && !mpi::finalized() && mpi::launched_by_mpi();
+}
+
+/// The world over MPI: MPI_COMM_WORLD adopted when MPI is initialized (the rendezvous is not used:
+/// MPI already knows the ranks; no store, so no monitored_barrier), else the rendezvous of steps
+/// 2-4 and Mpi::create, which initializes MPI and checks the ranks against MPI_COMM_WORLD.
+[[nodiscard]] inline std::unique_ptr<AnyCommunicator> init_mpi_world(const InitOptions& o,
+                                                                     std::chrono::milliseconds timeout) {
+  backends::Mpi::Options mo;
+  mo.timeout = timeout;
+  if (mpi::initialized() && !mpi::finalized()) {
+    auto c = Communicator<backends::Mpi>::adopt(MPI_COMM_WORLD, mo);
+    if (o.rank >= 0 && o.rank != c.rank())
+      throw InvalidArgument("init_distributed", c.rank(),
+                            "rank " + std::to_string(o.rank) + " conflicts with MPI_COMM_WORLD's rank " +
+                                std::to_string(c.rank()));
+    if (o.world_size >= 0 && o.world_size != c.size())
+      throw InvalidArgument("init_distributed", c.rank(),
+                            "world_size " + std::to_string(o.world_size) + " conflicts with MPI_COMM_WORLD's size " +
+                                std::to_string(c.size()));
+    log(LogLevel::info, "init_distributed: backend mpi, MPI_COMM_WORLD adopted (MPI was initialized)");
+    return std::make_unique<AnyCommunicator>(std::move(c));
+  }
+  InitResult r = rendezvous_for(o, timeout);
+  auto c = Communicator<backends::Mpi>::create(r.store, r.rank, r.size, mo);
+  log(LogLevel::info, "init_distributed: backend mpi, MPI initialized by comm");
+  return std::make_unique<AnyCommunicator>(std::move(c));
+}
+#endif
+
+/// The backend to use: the requested one, or for "auto" (and a CPU job) "cpu", which
+/// init_distributed resolves to Shm or Hierarchical once the ranks can compare hosts.
 [[nodiscard]] inline std::string resolve_backend(const std::string& requested, int rank) {
+#if defined(COMM_HAS_MPI)
+  if (requested == "mpi") return requested;
+#else
+  if (requested == "mpi") throw InvalidArgument("init_distributed", rank, "backend 'mpi' is not compiled in (link comm::mpi)");
+#endif
+  if (requested == "shm") return requested;
+  // Hierarchical<Shm, Gloo> (issue 14).
+  if (requested == "hierarchical") {
+#if !defined(COMM_HAS_GLOO)
+    throw InvalidArgument("init_distributed", rank, "backend 'hierarchical' needs comm::gloo (link comm::gloo)");
+#endif
+    return requested;
+  }
   if (requested == "gloo" || requested == "nccl") {
 #if !defined(COMM_HAS_GLOO)
     if (requested == "gloo") throw InvalidArgument("init_distributed", rank, "backend 'gloo' is not compiled in (link comm::gloo)");
@@ -556,18 +631,20 @@ inline void export_env(const char* name, const std::string& value) {
     return requested;
   }
   if (requested != "auto" && !requested.empty())
-    throw InvalidArgument("init_distributed", rank, "backend '" + requested + "' is not auto, gloo or nccl");
+    throw InvalidArgument("init_distributed", rank, "backend '" + requested + "' is not auto, gloo, nccl, shm, mpi or hierarchical");
   std::string why;
   if (cuda_usable(why)) {
     log(LogLevel::info, "init_distributed: backend nccl (auto: a CUDA device is usable)");
     return "nccl";
   }
-#if defined(COMM_HAS_GLOO)
-  log(LogLevel::info, "init_distributed: backend gloo (auto: " + why + ")");
-  return "gloo";
-#else
-  throw InvalidArgument("init_distributed", rank, "backend auto: no usable CUDA device (" + why + ") and comm::gloo is not compiled in");
+#if defined(COMM_HAS_MPI)
+  if (mpi_world_ready()) {
+    log(LogLevel::info, "init_distributed: backend mpi (auto: MPI is initialized and an MPI launcher started the job)");
+    return "mpi";
+  }
 #endif
+  log(LogLevel::info, "init_distributed: no GPU backend (auto: " + why + "); choosing a CPU backend by host");
+  return "cpu";
 }
 
 }  // namespace detail
@@ -634,8 +711,35 @@ inline AnyCommunicator& init_distributed(InitOptions o = {}) {
     return w;
   }
   const auto timeout = o.timeout.count() > 0 ? o.timeout : timeout_from_env();
-  const std::string backend = detail::resolve_backend(o.backend, o.rank);
+  std::string backend = detail::resolve_backend(o.backend, o.rank);
+#if defined(COMM_HAS_MPI)
+  if (backend == "mpi") {
+    s.world = detail::init_mpi_world(o, timeout);
+    return *s.world;
+  }
+#endif
   InitResult r = detail::rendezvous_for(o, timeout);
+  if (backend == "cpu") {
+    if (r.size == 1 || detail::all_on_one_host(*r.store, r.rank, r.size, timeout)) {
+      backend = "shm";
+      detail::log(detail::LogLevel::info, "init_distributed: backend shm (auto: every rank is on this host)");
+    } else {
+#if defined(COMM_HAS_GLOO)
+      backend = "hierarchical";
+      detail::log(detail::LogLevel::info,
+                  "init_distributed: backend hierarchical (auto: the ranks span several hosts; shm within each host, "
+                  "gloo across hosts)");
+#else
+      throw InvalidArgument("init_distributed", r.rank,
+                            "backend auto: the ranks span several hosts and comm::gloo is not compiled in");
+#endif
+    }
+  }
+  if (backend == "shm") {
+    backends::Shm::Options so;
+    so.timeout = timeout;
+    s.world = std::make_unique<AnyCommunicator>(Communicator<backends::Shm>::create(r.store, r.rank, r.size, so));
+  }
 #if defined(COMM_HAS_NCCL)
   if (backend == "nccl") {
     backends::Nccl::Options no;
@@ -648,6 +752,13 @@ inline AnyCommunicator& init_distributed(InitOptions o = {}) {
     backends::Gloo::Options go;
     go.timeout = timeout;
     s.world = std::make_unique<AnyCommunicator>(Communicator<backends::Gloo>::create(r.store, r.rank, r.size, go));
+  }
+  // Hierarchical<Shm, Gloo> (issue 14).
+  if (backend == "hierarchical") {
+    using H = backends::Hierarchical<backends::Shm, backends::Gloo>;
+    H::Options ho;
+    ho.timeout = timeout;
+    s.world = std::make_unique<AnyCommunicator>(Communicator<H>::create(r.store, r.rank, r.size, ho));
   }
 #endif
   detail::log(detail::LogLevel::info, "init_distributed: rank " + std::to_string(r.rank) + " of " +

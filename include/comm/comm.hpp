@@ -1,7 +1,8 @@
 #pragma once
 /// \file
 /// Umbrella header: everything in comm, and the backends this build was configured with
-/// (COMM_HAS_GLOO, COMM_HAS_NCCL, defined by the comm::gloo and comm::nccl targets).
+/// (COMM_HAS_GLOO, COMM_HAS_NCCL, COMM_HAS_MPI, defined by the comm::gloo, comm::nccl and comm::mpi
+/// targets).
 
 #include <comm/types.hpp>
 #include <comm/error.hpp>
@@ -13,9 +14,14 @@
 #include <comm/communicator.hpp>
 #include <comm/cdb.hpp>
 
+#include <comm/backends/shm.hpp>
 #if defined(COMM_HAS_GLOO)
 #include <comm/backends/gloo.hpp>
 #endif
+#include <comm/backends/hierarchical.hpp>  // Hierarchical<Intra, Inter>; <Shm, Gloo> with comm::gloo
 #if defined(COMM_HAS_NCCL)
 #include <comm/backends/nccl.hpp>
+#endif
+#if defined(COMM_HAS_MPI)
+#include <comm/backends/mpi.hpp>
 #endif

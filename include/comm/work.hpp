@@ -142,6 +142,35 @@ class [[nodiscard]] Work {
   /// True when the operation finished with an error (does not throw).
   [[nodiscard]] bool failed() const { return state_ && state_->done() && state_->error() != nullptr; }
 
+  /// The operation's error once it finished with one; nullptr while it runs or when it succeeded.
+  /// Never throws, never blocks (like torch.distributed's Work.exception()).
+  [[nodiscard]] std::exception_ptr error() const noexcept {
+    if (!state_) return nullptr;
+    try {
+      return state_->done() ? state_->error() : nullptr;
+    } catch (...) {  // a mutex that cannot be locked: nothing to report
+      return nullptr;
+    }
+  }
+
+  /// The text of error(): the comm::Error message naming the operation, rank and cause; "" when
+  /// there is none yet. Never throws.
+  [[nodiscard]] std::string exception() const noexcept {
+    try {
+      if (auto e = error()) {
+        try {
+          std::rethrow_exception(e);
+        } catch (const std::exception& x) {
+          return x.what();
+        } catch (...) {
+          return "unknown exception";
+        }
+      }
+    } catch (...) {  // out of memory while copying the text
+    }
+    return {};
+  }
+
  private:
   void finish() {
     if (auto e = state_->error()) std::rethrow_exception(e);

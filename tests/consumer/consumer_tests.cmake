@@ -24,3 +24,12 @@ set_tests_properties(consumer.find_package PROPERTIES FIXTURES_REQUIRED comm_ins
 _comm_consumer(build_tree ARGS -DCOMM_CONSUME=package -Dcomm_DIR=${PROJECT_BINARY_DIR})
 _comm_consumer(add_subdirectory ARGS -DCOMM_CONSUME=subdirectory -DCOMM_SOURCE_DIR=${_src})
 _comm_consumer(fetch_content ARGS -DCOMM_CONSUME=fetch -DCOMM_SOURCE_DIR=${_src})
+
+# comm::mpi from the install, in a C++-only project (tests/consumer/mpi).
+if(COMM_HAS_MPI)
+  add_test(NAME consumer.find_package_mpi
+    COMMAND ${CMAKE_COMMAND} -E env --unset=CMAKE_PREFIX_PATH
+      ${CMAKE_COMMAND} -DSRC=${CMAKE_CURRENT_SOURCE_DIR}/consumer/mpi -DBIN=${_work}/find_package_mpi
+        "-DARGS=${_gen};${_cxx};-DCMAKE_PREFIX_PATH=${_prefix}" -P ${CMAKE_CURRENT_SOURCE_DIR}/consumer/run_consumer.cmake)
+  set_tests_properties(consumer.find_package_mpi PROPERTIES TIMEOUT 600 FIXTURES_REQUIRED comm_installed LABELS mpi)
+endif()

@@ -17,7 +17,7 @@
 //   store-server                  host the TcpStore (as rank 0) and serve until killed
 //   store-get KEY                 connect as a client and block in get(KEY)
 //   init                          env:// rendezvous only (init_env)
-//   gloo [options]                Communicator<Gloo>::from_env, then a loop of one collective:
+//   gloo|shm [options]            Communicator<Gloo|Shm>::from_env, then a loop of one collective:
 //       --op all_reduce|broadcast|all_gather|gather|reduce_scatter|barrier   (all_reduce)
 //       --dtype float|double|int32 (float)   --count N (1024)   --root R (0)   --reduce sum|max (sum)
 //       --iters N (-1: until killed)         --async (every other op through comm::async)
@@ -48,6 +48,7 @@
 #include <comm/init.hpp>
 #if defined(COMM_HAS_GLOO)
 #include <comm/backends/gloo.hpp>
+#include <comm/backends/shm.hpp>
 #include <comm/cdb.hpp>
 #include <comm/communicator.hpp>
 #endif
@@ -85,10 +86,17 @@ void say(const std::string& line) {
   std::fflush(stdout);
 }
 
+// "rank 1" -> "rank_1": RESULT fields are separated by spaces.
+std::string no_spaces(std::string s) {
+  for (auto& ch : s)
+    if (ch == ' ') ch = '_';
+  return s;
+}
+
 int report(const comm::Error& e, long long start_ns, long long iter = -1) {
   const long long t = mono_ns();
   say(std::string("RESULT status=error kind=") + kind_of(e) + " op=" + e.op() + " rank=" + std::to_string(e.rank()) +
-      " peer=" + (e.peer().empty() ? "-" : e.peer()) + " t_ns=" + std::to_string(t) +
+      " peer=" + (e.peer().empty() ? "-" : no_spaces(e.peer())) + " t_ns=" + std::to_string(t) +
       " start_ns=" + std::to_string(start_ns) + " iter=" + std::to_string(iter) + " what=" + one_line(e.what()));
   return exit_comm_error;
 }
@@ -151,6 +159,7 @@ int init_only() {
 // ---- gloo mode ----------------------------------------------------------------------------------
 #if defined(COMM_HAS_GLOO)
 using Comm = comm::Communicator<comm::backends::Gloo>;
+using ShmComm = comm::Communicator<comm::backends::Shm>;
 
 struct Plan {
   std::string op = "all_reduce";
@@ -175,8 +184,8 @@ T value_for(int rank) {
 }
 
 // One collective of the plan on element type T. Returns false when the result is wrong.
-template <class T>
-bool run_once(Comm& c, const Plan& p, long long iter, std::vector<T>& a, std::vector<T>& b) {
+template <class T, class C>
+bool run_once(C& c, const Plan& p, long long iter, std::vector<T>& a, std::vector<T>& b) {
   const int n = c.size(), me = c.rank();
   const auto un = static_cast<std::size_t>(n);
   const comm::ReduceOp red = p.reduce == "max" ? comm::ReduceOp::max : comm::ReduceOp::sum;
@@ -225,7 +234,8 @@ bool run_once(Comm& c, const Plan& p, long long iter, std::vector<T>& a, std::ve
 }
 
 // Every collective with wrong buffers: each must throw InvalidArgument at once, naming the op.
-int bad_buffers(Comm& c) {
+template <class C>
+int bad_buffers(C& c) {
   const auto n = static_cast<std::size_t>(c.size());
   std::vector<float> a(5), b(6), big(n * 4 + 1), small(3);
   struct Case {
@@ -268,7 +278,8 @@ int bad_buffers(Comm& c) {
 // stay alive until the operation completes), so the caller keeps them alive until this returns.
 // And it orders the op-queue thread's release of the failed Work before this thread's, so the
 // exception object dies here (TSan cannot see libstdc++'s exception_ptr refcount otherwise).
-void after_failure(Comm& c) {
+template <class C>
+void after_failure(C& c) {
   const long long t0 = mono_ns();
   std::string kind = "none";
   try {
@@ -279,8 +290,8 @@ void after_failure(Comm& c) {
   say("NEXT kind=" + kind + " ms=" + std::to_string(static_cast<double>(mono_ns() - t0) / 1e6));
 }
 
-template <class T>
-int gloo_loop(Comm& c, const Plan& p) {
+template <class T, class C>
+int collective_loop(C& c, const Plan& p) {
   std::vector<T> a, b;
   long long next_report = 1;
   for (long long i = 0; p.iters < 0 || i < p.iters; ++i) {
@@ -399,18 +410,19 @@ Comm create_via_proxies(comm::backends::Gloo::Options o) {
   return Comm::create(std::make_shared<ProxiedStore>(base, rank, size), rank, size, o);
 }
 
-int gloo_mode(const Plan& p) {
+// The plan on a communicator made by `make` (one backend's).
+template <class Make>
+int backend_mode(const Plan& p, Make&& make) {
   long long t0 = mono_ns();
   try {
-    comm::backends::Gloo::Options o;  // timeout: COMM_TIMEOUT
-    auto c = p.proxy_store ? create_via_proxies(o) : Comm::from_env(o);
+    auto c = make();
     say("READY rank=" + std::to_string(c.rank()) + " size=" + std::to_string(c.size()) + " pid=" +
         std::to_string(::getpid()) + " t_ns=" +
         std::to_string(mono_ns()) + " init_ms=" + std::to_string((mono_ns() - t0) / 1000000));
     if (p.bad_buffers && bad_buffers(c) != 0) return exit_wrong;
-    if (p.dtype == "float") return gloo_loop<float>(c, p);
-    if (p.dtype == "double") return gloo_loop<double>(c, p);
-    if (p.dtype == "int32") return gloo_loop<std::int32_t>(c, p);
+    if (p.dtype == "float") return collective_loop<float>(c, p);
+    if (p.dtype == "double") return collective_loop<double>(c, p);
+    if (p.dtype == "int32") return collective_loop<std::int32_t>(c, p);
     say("bad --dtype " + p.dtype);
     return 2;
   } catch (const comm::Error& e) {
@@ -523,7 +535,7 @@ int main(int argc, char** argv) {
     if (mode == "init") return init_only();
 #if defined(COMM_HAS_GLOO)
     if (mode == "cdb") return cdb(argc > 2 ? argv[2] : "");
-    if (mode == "gloo") {
+    if (mode == "gloo" || mode == "shm") {
       Plan p;
       for (int i = 2; i < argc; ++i) {
         const std::string a = argv[i];
@@ -547,7 +559,11 @@ int main(int argc, char** argv) {
         else if (a == "--bad-buffers") p.bad_buffers = true;
         else usage("unknown option " + a);
       }
-      return gloo_mode(p);
+      if (mode == "shm") return backend_mode(p, [] { return ShmComm::from_env(); });
+      return backend_mode(p, [&] {
+        comm::backends::Gloo::Options o;  // timeout: COMM_TIMEOUT
+        return p.proxy_store ? create_via_proxies(o) : Comm::from_env(o);
+      });
     }
 #endif
     usage("unknown mode " + mode);

@@ -59,9 +59,14 @@ TEST_CASE("a worker never joins: the others end with Timeout naming what is miss
     auto r = result_of(w[i], 15s);
     REQUIRE_MESSAGE(!r.empty(), w.outputs());
     const double ms = elapsed_ms(r);
-    CHECK(r.at("kind") == "Timeout");
+    // Rank 0 hosts the store and started first, so it reaches the deadline first and exits: a
+    // worker still waiting may then lose the store a moment before its own deadline (seen under
+    // TSan, where start-up is slow). That is RemoteError naming the store, not an early failure.
+    const bool store_gone_first = i != 0 && r.at("kind") == "RemoteError" &&
+                                  contains(r.at("what"), "lost the connection to the store") && ms >= t_ms - 500;
+    CHECK((r.at("kind") == "Timeout" || store_gone_first));
     CHECK(r.at("rank") == std::to_string(i));
-    CHECK(contains(r.at("what"), "2"));  // the missing rank's key
+    if (!store_gone_first) CHECK(contains(r.at("what"), "2"));  // the missing rank's key
     CHECK(ms < t_ms + slack_ms);
     report("a worker never joins: rank " + std::to_string(i), r.at("kind"), ms, t_ms + slack_ms, r.at("what"));
     CHECK_MESSAGE(w[i].wait_or_kill(5s).code == 10, w.outputs());

@@ -11,9 +11,10 @@
 #include <string>
 #include <vector>
 
+#include <comm/backends/shm.hpp>
 #include <comm/detail/cuda_driver.hpp>
 
-#include "gloo_test_util.hpp"
+#include "backend_test_util.hpp"
 
 #if defined(COMM_TEST_CUDA_HEADERS)
 #include <cuda.h>
@@ -29,7 +30,7 @@ static_assert(comm::detail::cuda::kSuccess == CUDA_SUCCESS);
 static_assert(sizeof(comm::detail::cuda::CUdeviceptr) == sizeof(CUdeviceptr));
 #endif
 
-using namespace gloo_test;
+using namespace suite;
 namespace cu = comm::detail::cuda;
 
 namespace {
@@ -323,4 +324,24 @@ TEST_CASE("device staging: empty device buffers and the communicator stays usabl
   DeviceVec<float> one(std::vector<float>{1.0f});
   c.all_reduce(one.span());
   CHECK(one.download()[0] == static_cast<float>(c.size()));
+}
+
+TEST_CASE("Shm, which reads buffers with the CPU, rejects device buffers with InvalidArgument") {
+  STAGING_REQUIRE_GPU();
+  const auto& w = comm::test::world();
+  auto c = comm::Communicator<comm::backends::Shm>::create(comm::test::fresh_store(), w.rank, w.size);
+  DeviceVec<float> d(std::vector<float>{1.0f, 2.0f});
+  std::vector<float> host{1.0f, 2.0f};
+  try {
+    c.all_reduce(d.span());
+    FAIL("no error for a device buffer");
+  } catch (const comm::InvalidArgument& e) {
+    CHECK(std::string(e.what()).find("CUDA device memory") != std::string::npos);
+    CHECK(std::string(e.what()).find("all_reduce") != std::string::npos);
+  }
+  std::vector<float> gathered(2 * static_cast<std::size_t>(c.size()));
+  CHECK_THROWS_AS(c.all_gather(d.cspan(), gathered), comm::InvalidArgument);
+  // Nothing was sent: the communicator stays usable.
+  c.all_reduce(host);
+  CHECK(host[1] == 2.0f * static_cast<float>(c.size()));
 }

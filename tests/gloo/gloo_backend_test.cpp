@@ -1,7 +1,7 @@
 // The Gloo backend as a whole: many operations in flight, issue order between async and blocking
 // calls, Work semantics, destruction with pending work, several communicators at once, adopt(),
 // from_env(), several network devices (GLOO_SOCKET_IFNAME), timeouts.
-#include "gloo_test_util.hpp"
+#include "backend_test_util.hpp"
 
 #include <chrono>
 #include <cstdlib>
@@ -11,7 +11,7 @@
 #include <thread>
 #include <support/env_guard.hpp>
 
-using namespace gloo_test;
+using namespace suite;
 using namespace std::chrono_literals;
 
 namespace {

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <comm/detail/env.hpp>
@@ -41,11 +42,19 @@ DOCTEST_REGISTER_LISTENER("comm_case_tracker", 1, CaseTracker);
 
 void join_world() {
   auto rank = detail::env_nonneg_int("RANK", "test harness");
+  const char* size_var = "WORLD_SIZE";
+  if (!rank) {  // under mpirun (tests/support/mpirun-job): the launcher's own variables
+    for (const auto& [r, sz] : {std::pair{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"}, std::pair{"PMI_RANK", "PMI_SIZE"}})
+      if ((rank = detail::env_nonneg_int(r, "test harness"))) {
+        size_var = sz;
+        break;
+      }
+  }
   if (!rank) {  // run by hand, outside comm-run: one rank
     g_world = World{0, 1, std::make_shared<HashStore>()};
     return;
   }
-  auto size = detail::env_nonneg_int("WORLD_SIZE", "test harness").value_or(1);
+  auto size = detail::env_nonneg_int(size_var, "test harness").value_or(1);
   auto addr = detail::getenv_str("MASTER_ADDR").value_or("127.0.0.1");
   auto port_text = detail::getenv_str("MASTER_PORT");
   if (!port_text) throw InvalidArgument("test harness", *rank, "MASTER_PORT is not set");

@@ -8,8 +8,9 @@
 /// - **Rendezvous** goes through a `comm::Store`: each rank publishes its gloo addresses under a key
 ///   prefix unique to the communicator, then every pair of ranks connects (a full mesh).
 /// - **Network devices:** `Options::interfaces`, else `Options::hostname`, else
-///   `GLOO_SOCKET_IFNAME` (comma-separated: one device per interface), else the local address that
-///   routes to `MASTER_ADDR` (127.0.0.1 for a loopback master), else 127.0.0.1. With several
+///   `COMM_SOCKET_IFNAME`, else `GLOO_SOCKET_IFNAME` (comma-separated: one device per interface),
+///   else the local address that routes to `MASTER_ADDR` (127.0.0.1 for a loopback master), else
+///   127.0.0.1. With several
 ///   devices the communicator connects one gloo context per device and spreads *operations*
 ///   round-robin over them (operation i uses device i mod n), as torch.distributed does; one
 ///   operation never spans devices. Devices are shared by all communicators of a process.
@@ -18,6 +19,10 @@
 /// - **Async calls** (`comm::async`) return a `comm::Work` at once; the operations of one
 ///   communicator run in issue order on one worker thread (started on first use). The buffers must
 ///   stay alive and untouched until the Work completes.
+/// - **SIGPIPE:** libgloo writes to sockets with writev(); a write to a peer that has just died
+///   would kill the process with SIGPIPE, so the first device created ignores SIGPIPE when the
+///   program left it at its default (a handler the program installed is kept); the write then
+///   fails and the operation ends with comm::RemoteError.
 /// - **Threads:** one worker per communicator (only once it has gone async) and one event-loop
 ///   thread per network device, shared across communicators, at nice +19 (`Options::loop_nice`).
 /// - **Deadlines:** every operation ends by `Options::timeout` (default: COMM_TIMEOUT, else 30 min)
@@ -88,6 +93,7 @@
 #include <comm/concepts.hpp>
 #include <comm/detail/backend_diagnostics.hpp>
 #include <comm/detail/desync.hpp>
+#include <comm/detail/engine/subgroups.hpp>
 #include <comm/detail/env.hpp>
 #include <comm/detail/flight_recorder.hpp>
 #include <comm/detail/gloo/device_staging.hpp>
@@ -118,6 +124,10 @@ struct GlooOptions {
   /// How many operations the flight recorder keeps (0: none). Default: COMM_FLIGHT_RECORDER_SIZE,
   /// else 256.
   std::size_t flight_recorder_size = comm::detail::flight_recorder_size_default();
+  /// For a communicator that is a member of another (Hierarchical's): the rank in its flight-record
+  /// dump file names (-1: its own) and its name in records and file names. Users leave them.
+  int record_file_rank = -1;
+  std::string record_name;
   /// Nice value added to gloo's event-loop threads (0..19; 0: same priority as the process).
   /// A loop thread that spins on a busy connection lock at the caller's priority keeps the caller
   /// off the CPU until the next scheduler tick (4 ms stalls on a loaded machine); at a lower
@@ -127,7 +137,7 @@ struct GlooOptions {
 };
 
 /// The Gloo backend policy. Move-only; its moved-from state may only be destroyed or assigned.
-class Gloo : public comm::detail::BackendDiagnostics<Gloo> {
+class Gloo : public comm::detail::BackendDiagnostics<Gloo>, public comm::detail::Subgroups<Gloo> {
  public:
   using backend_concept = comm::backend_t;
   static constexpr std::string_view name = "gloo";
@@ -206,37 +216,12 @@ class Gloo : public comm::detail::BackendDiagnostics<Gloo> {
     return engine_->barrier(l);
   }
 
-  // ---- optional capabilities (see concepts.hpp): subgroups and diagnostics ----
-
-  /// Collective over every rank of this communicator (an operation "split" in its sequence):
-  /// ranks with the same `color` >= 0 form a new communicator, ordered by (key, rank here); a
-  /// negative color gives nullopt. The new communicator inherits these options.
-  [[nodiscard]] std::optional<Gloo> split(int color, int key) {
-    require_store("split");
-    const auto all = engine_->exchange_color_key(color, key);
-    const auto k = engine_->next_group_index();
-    const auto place = comm::detail::split_place(all, color, key, rank());
-    if (!place) return std::nullopt;
-    const std::string group = comm::detail::group_name(k);
-    return child(comm::detail::split_prefix(engine_->key_prefix(), group, color), group, place->rank, place->size);
-  }
-
-  /// A communicator of `ranks` (validated by the facade: in range, no duplicates), ranked in
-  /// that order. Every rank calls it in the same order; non-members return nullopt at once
-  /// (without communicating), members connect among themselves only.
-  [[nodiscard]] std::optional<Gloo> new_group(std::span<const int> ranks) {
-    require_store("new_group");
-    const auto k = engine_->next_group_index();
-    const auto me = std::find(ranks.begin(), ranks.end(), rank());
-    if (me == ranks.end()) return std::nullopt;
-    const std::string group = "g" + std::to_string(k);
-    return child(engine_->key_prefix() + group, group, static_cast<int>(me - ranks.begin()),
-                 static_cast<int>(ranks.size()));
-  }
-
+  // Optional capabilities (concepts.hpp): split/new_group from Subgroups, monitored_barrier and
+  // the flight recorder from BackendDiagnostics.
 
  private:
   friend class comm::detail::BackendDiagnostics<Gloo>;  // monitored_barrier, flight_record, options
+  friend class comm::detail::Subgroups<Gloo>;           // split, new_group: child()
 
   Gloo(std::unique_ptr<detail::gloo::Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
 
@@ -247,15 +232,10 @@ class Gloo : public comm::detail::BackendDiagnostics<Gloo> {
     c.hostname = o.hostname;
     c.desync_check = o.desync_check;
     c.flight_recorder_size = o.flight_recorder_size;
+    c.file_rank = o.record_file_rank;
+    c.name = o.record_name;
     c.loop_nice = o.loop_nice;
     return c;
-  }
-
-  void require_store(const char* op) const {
-    if (!engine_->store())
-      throw InvalidArgument(op, rank(),
-                            "this communicator was adopted from a gloo context and has no store; subgroups need one "
-                            "(create the communicator with create() or from_env())");
   }
 
   /// Connects subgroup `group` (this rank is `rank` of `size`) under `prefix` in this store.

@@ -122,6 +122,58 @@ template <element T>
   return nullptr;
 }
 
+/// The n-input kernel shape (engines that see every rank's data at once, e.g. Shm):
+/// out = srcs[0] R srcs[1] R ... R srcs[n-1] over `count` elements. `out` may be identical to one
+/// of the sources (each block of every source is read before that block of `out` is written).
+using reduce_many_fn = void (*)(void* out, const void* const* srcs, int n, std::size_t count);
+
+/// half/bfloat16/fp8 accumulate in float across all inputs and round once; the other types
+/// combine in their own type (integers wrap, as in combine()).
+template <ReduceOp R, class T>
+void reduce_many_kernel(void* out, const void* const* srcs, int n, std::size_t count) noexcept {
+  using A = std::conditional_t<is_half_like_v<T>, float, T>;
+  auto* o = static_cast<T*>(out);
+  std::size_t i = 0;
+  A acc[kBlock];
+  for (; i + kBlock <= count; i += kBlock) {
+    const T* s0 = static_cast<const T*>(srcs[0]) + i;
+    for (std::size_t j = 0; j < kBlock; ++j) acc[j] = static_cast<A>(s0[j]);
+    for (int k = 1; k < n; ++k) {
+      const T* sk = static_cast<const T*>(srcs[k]) + i;
+      for (std::size_t j = 0; j < kBlock; ++j) acc[j] = combine<R, A>(acc[j], static_cast<A>(sk[j]));
+    }
+    for (std::size_t j = 0; j < kBlock; ++j) o[i + j] = static_cast<T>(acc[j]);
+  }
+  for (; i < count; ++i) {
+    A a = static_cast<A>(static_cast<const T*>(srcs[0])[i]);
+    for (int k = 1; k < n; ++k) a = combine<R, A>(a, static_cast<A>(static_cast<const T*>(srcs[k])[i]));
+    o[i] = static_cast<T>(a);
+  }
+}
+
+/// The n-input kernel for reduction `r` (avg: sum) on `T`; null for bitwise on floating types.
+template <element T>
+[[nodiscard]] constexpr reduce_many_fn reduce_many_for(ReduceOp r) noexcept {
+  switch (r) {
+    case ReduceOp::sum:
+    case ReduceOp::avg: return &reduce_many_kernel<ReduceOp::sum, T>;
+    case ReduceOp::prod: return &reduce_many_kernel<ReduceOp::prod, T>;
+    case ReduceOp::min: return &reduce_many_kernel<ReduceOp::min, T>;
+    case ReduceOp::max: return &reduce_many_kernel<ReduceOp::max, T>;
+    case ReduceOp::band:
+    case ReduceOp::bor:
+    case ReduceOp::bxor:
+      if constexpr (std::is_integral_v<T>) {
+        if (r == ReduceOp::band) return &reduce_many_kernel<ReduceOp::band, T>;
+        if (r == ReduceOp::bor) return &reduce_many_kernel<ReduceOp::bor, T>;
+        return &reduce_many_kernel<ReduceOp::bxor, T>;
+      } else {
+        return nullptr;
+      }
+  }
+  return nullptr;
+}
+
 /// Element-wise application of a user callable `T(T, T)`; `out` may alias `a` or `b`.
 template <class T, class F>
 void reduce_custom(const F& f, T* out, const T* a, const T* b, std::size_t n) {

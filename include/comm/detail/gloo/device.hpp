@@ -4,14 +4,17 @@
 // Choice, first match wins:
 //   1. Options::interfaces (one device per interface name),
 //   2. Options::hostname (one device bound to that host name or address),
-//   3. GLOO_SOCKET_IFNAME, a comma-separated list of interface names (one device each),
-//   4. the local address whose route reaches MASTER_ADDR (127.0.0.1 for a loopback master),
-//   5. 127.0.0.1 (single-host default when MASTER_ADDR is not set).
+//   3. COMM_SOCKET_IFNAME, a comma-separated list of interface names (one device each); comm's
+//      name for the choice, shared by every TCP engine, so it wins over the engine's own variable,
+//   4. GLOO_SOCKET_IFNAME, the same list, read for users who set it for torch.distributed,
+//   5. the local address whose route reaches MASTER_ADDR (127.0.0.1 for a loopback master),
+//   6. 127.0.0.1 (single-host default when MASTER_ADDR is not set).
 // Devices are shared by every communicator of the process that asks for the same interface or
 // address: each gloo TCP device runs one event-loop thread, so sharing keeps comm's thread count
 // independent of the number of communicators.
 
 #include <netdb.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/types.h>
@@ -89,9 +92,11 @@ struct DeviceSpec {
     if (!trim(i).empty()) specs.push_back({std::string(trim(i)), {}, "Options::interfaces"});
   if (!specs.empty()) return specs;
   if (!hostname.empty()) return {{{}, hostname, "Options::hostname"}};
-  if (auto env = getenv_str("GLOO_SOCKET_IFNAME")) {
-    for (auto& i : split_list(*env)) specs.push_back({std::move(i), {}, "GLOO_SOCKET_IFNAME"});
-    if (!specs.empty()) return specs;
+  for (const char* var : {"COMM_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}) {
+    if (auto env = getenv_str(var)) {
+      for (auto& i : split_list(*env)) specs.push_back({std::move(i), {}, var});
+      if (!specs.empty()) return specs;
+    }
   }
   if (auto master = getenv_str("MASTER_ADDR"); master && !trim(*master).empty()) {
     auto local = source_address_for(std::string(trim(*master)));
@@ -138,6 +143,22 @@ auto on_niced_thread(int nice, Make&& make) {
   return result;
 }
 
+/// libgloo sends with writev(), which raises SIGPIPE when the peer's socket is gone; at the default
+/// disposition that kills the process before gloo can turn the closed connection into an error, so
+/// a peer's death would take its survivors down instead of giving them comm::RemoteError (seen
+/// across network namespaces: tests/multinode). A program that chose a disposition keeps it.
+inline void ignore_default_sigpipe() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction now {};
+    if (::sigaction(SIGPIPE, nullptr, &now) != 0 || (now.sa_flags & SA_SIGINFO) != 0 || now.sa_handler != SIG_DFL)
+      return;
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    ::sigaction(SIGPIPE, &ignore, nullptr);
+  });
+}
+
 /// A TCP device for `spec`, shared with other communicators of this process (the first one to
 /// ask sets its loop thread's nice value).
 [[nodiscard]] inline std::shared_ptr<::gloo::transport::Device> shared_device(const DeviceSpec& spec, int rank,
@@ -145,6 +166,7 @@ auto on_niced_thread(int nice, Make&& make) {
   static std::mutex mu;
   static std::map<std::string, std::weak_ptr<::gloo::transport::Device>> cache;
   const std::string key = spec.iface.empty() ? "host:" + spec.hostname : "iface:" + spec.iface;
+  ignore_default_sigpipe();
   std::lock_guard lock(mu);
   if (auto it = cache.find(key); it != cache.end())
     if (auto dev = it->second.lock()) return dev;

@@ -37,8 +37,10 @@
 #include <vector>
 
 #include <comm/detail/cuda_driver.hpp>
-#include <comm/detail/gloo/op.hpp>
+#include <comm/detail/engine/op.hpp>
+#include <comm/detail/nvtx.hpp>
 #include <comm/error.hpp>
+#include <comm/types.hpp>
 
 namespace comm::detail::gloo {
 
@@ -169,7 +171,9 @@ class StagingPlan {
     cuda::PointerInfo device;  // the device side of the copy
   };
 
-  StagingPlan(const char* op, int rank) : op_(op), rank_(rank) {}
+  /// `count` and `dtype_code` (the operation's element count and comm::Dtype) only name its NVTX range.
+  StagingPlan(const char* op, int rank, std::uint64_t count = 0, std::uint8_t dtype_code = 0xff)
+      : op_(op), rank_(rank), count_(count), dtype_(dtype_code) {}
 
   /// Reserves `bytes` of the (single) pinned block, 64-byte aligned; returns its offset.
   std::size_t reserve(std::size_t bytes) {
@@ -199,6 +203,19 @@ class StagingPlan {
   /// The engine hooks running this plan (an empty step where there is nothing to copy).
   static OpHooks hooks(std::shared_ptr<StagingPlan> p) {
     OpHooks h;
+    if (nvtx::enabled()) [[unlikely]] {
+      // COMM_NVTX=1: a range "comm.<op> count=<n> type=<t> staged" on the executing thread from
+      // the copy-in to the copy-out; the plan ends it when the operation fails (detail/nvtx.hpp).
+      h.before = [p] {
+        p->range_.start(p->op_.c_str(), p->count_, p->dtype_);
+        p->before();
+      };
+      h.after = [p] {
+        p->after();
+        p->range_.end();
+      };
+      return h;
+    }
     if (!p->in_.empty()) h.before = [p] { p->before(); };
     if (!p->out_.empty()) h.after = [p] { p->after(); };
     return h;
@@ -210,6 +227,9 @@ class StagingPlan {
   std::size_t size_ = 0;
   StagingPool::Lease lease_;
   std::vector<Copy> in_, out_;
+  std::uint64_t count_ = 0;  // NVTX only
+  std::uint8_t dtype_ = 0xff;
+  nvtx::Range range_;
 };
 
 /// What the engine runs instead of the caller's buffers: host spans and the staging hooks.
@@ -277,7 +297,7 @@ class DeviceStaging {
     const auto ii = in_place ? oi : cuda::pointer_info(in.data());
     if (!ii.device && !oi.device) return std::nullopt;
     const std::size_t bytes = out.size_bytes();
-    auto plan = std::make_shared<StagingPlan>("all_reduce", rank);
+    auto plan = std::make_shared<StagingPlan>("all_reduce", rank, out.size(), static_cast<std::uint8_t>(dtype_of<T>));
     if (!oi.device) {
       // Device input, host output: bring the input into the output and reduce there in place.
       plan->copy_in(out.data(), in.data(), bytes, ii);
@@ -299,7 +319,7 @@ class DeviceStaging {
                                                                              int rank) {
     if (out.empty()) return std::nullopt;
     return stage_separate("reduce_scatter", in, cuda::pointer_info(in.data()), out, cuda::pointer_info(out.data()),
-                          rank);
+                          rank, out.size());
   }
 
   template <class T>
@@ -310,7 +330,7 @@ class DeviceStaging {
     const auto ii = cuda::pointer_info(in.data());
     if (!ii.device && !oi.device) return std::nullopt;
     const std::size_t slot = static_cast<std::size_t>(rank) * in.size();
-    auto plan = std::make_shared<StagingPlan>("all_gather", rank);
+    auto plan = std::make_shared<StagingPlan>("all_gather", rank, in.size(), static_cast<std::uint8_t>(dtype_of<T>));
     if (!oi.device) {
       // Device input, host output: copy it into this rank's slot and gather in place.
       plan->copy_in(out.data() + slot, in.data(), in.size_bytes(), ii);
@@ -332,7 +352,7 @@ class DeviceStaging {
     if (data.empty()) return std::nullopt;
     const auto di = cuda::pointer_info(data.data());
     if (!di.device) return std::nullopt;
-    auto plan = std::make_shared<StagingPlan>("broadcast", rank);
+    auto plan = std::make_shared<StagingPlan>("broadcast", rank, data.size(), static_cast<std::uint8_t>(dtype_of<T>));
     const std::size_t at = plan->reserve(data.size_bytes());
     auto* h = reinterpret_cast<T*>(plan->lease(pool(), di.ordinal) + at);
     if (rank == root)
@@ -348,16 +368,17 @@ class DeviceStaging {
                                                                      int rank) {
     if (in.empty()) return std::nullopt;
     const auto oi = rank == root ? cuda::pointer_info(out.data()) : cuda::PointerInfo{};
-    return stage_separate("gather", in, cuda::pointer_info(in.data()), out, oi, rank);
+    return stage_separate("gather", in, cuda::pointer_info(in.data()), out, oi, rank, in.size());
   }
 
   /// An operation that reads all of `in` and writes all of `out` (two separate buffers): each
-  /// device one gets its own region of one block.
+  /// device one gets its own region of one block. `count`: the operation's element count (NVTX).
   template <class T>
   std::optional<Staged<T>> stage_separate(const char* op, std::span<const T> in, const cuda::PointerInfo& ii,
-                                          std::span<T> out, const cuda::PointerInfo& oi, int rank) {
+                                          std::span<T> out, const cuda::PointerInfo& oi, int rank,
+                                          std::size_t count) {
     if (!ii.device && !oi.device) return std::nullopt;
-    auto plan = std::make_shared<StagingPlan>(op, rank);
+    auto plan = std::make_shared<StagingPlan>(op, rank, count, static_cast<std::uint8_t>(dtype_of<T>));
     const std::size_t at_in = ii.device ? plan->reserve(in.size_bytes()) : 0;
     const std::size_t at_out = oi.device ? plan->reserve(out.size_bytes()) : 0;
     std::byte* base = plan->lease(pool(), ii.device ? ii.ordinal : oi.ordinal);

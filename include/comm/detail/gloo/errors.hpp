@@ -13,11 +13,10 @@
 #include <gloo/common/error.h>
 #include <gloo/common/logging.h>
 
+#include <comm/detail/engine/failure.hpp>
 #include <comm/error.hpp>
 
 namespace comm::detail::gloo {
-
-enum class FailureKind { timeout, remote, backend };
 
 [[nodiscard]] inline bool mentions_timeout(std::string_view s) {
   for (std::size_t i = 0; i + 4 <= s.size(); ++i) {
@@ -44,22 +43,6 @@ enum class FailureKind { timeout, remote, backend };
   auto end = close + 2;
   while (end < s.size() && std::isdigit(static_cast<unsigned char>(s[end]))) ++end;
   return std::string(s.substr(open, end - open));
-}
-
-[[noreturn]] inline void throw_as(FailureKind kind, const std::string& op, int rank, const std::string& text,
-                                  const std::string& peer = {}) {
-  switch (kind) {
-    case FailureKind::timeout: throw Timeout(op, rank, text, peer);
-    case FailureKind::remote: throw RemoteError(op, rank, text, peer);
-    case FailureKind::backend: break;
-  }
-  throw BackendError(op, rank, text, peer);
-}
-
-[[nodiscard]] inline FailureKind kind_of(const Error& e) {
-  if (dynamic_cast<const Timeout*>(&e) != nullptr) return FailureKind::timeout;
-  if (dynamic_cast<const RemoteError*>(&e) != nullptr) return FailureKind::remote;
-  return FailureKind::backend;
 }
 
 /// Call inside a catch block: rethrows the active exception as a comm::Error for `op` on `rank`.

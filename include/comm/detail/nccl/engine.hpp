@@ -46,6 +46,7 @@
 #include <comm/detail/nccl/types.hpp>
 #include <comm/detail/nccl/watchdog.hpp>
 #include <comm/detail/nccl/work.hpp>
+#include <comm/detail/nvtx.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
@@ -225,6 +226,7 @@ class Engine final : public WatchTarget {
     if (comm_ == nullptr) throw BackendError(op, rank_, "the NCCL communicator is no longer usable");
     DeviceGuard guard(device_, op, rank_);
     const std::uint64_t seq = seq_++;
+    const nvtx::ScopedRange range(op, 0, OpDesc::none, seq);  // COMM_NVTX=1 (detail/nvtx.hpp)
     recorder_.issued(seq, d);
     op_deadline_ = Clock::now() + settings_.timeout;
     try {
@@ -245,10 +247,12 @@ class Engine final : public WatchTarget {
     constexpr const char* op = "monitored_barrier";
     if (!origin_.store) throw no_store_error(op, rank_);
     std::uint64_t seq = 0, index = 0;
+    nvtx::ScopedRange range;  // COMM_NVTX=1 (detail/nvtx.hpp)
     {
       std::lock_guard lock(nccl_mu_);
       throw_if_failed(op);
       seq = seq_++;
+      range.push(op, 0, OpDesc::none, seq);
       index = monitored_barriers_++;
       recorder_.issued(seq, OpDesc{OpKind::monitored_barrier, OpDesc::none, OpDesc::none, -1, 0});
     }
@@ -440,6 +444,9 @@ class Engine final : public WatchTarget {
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
     const char* op = op_name(d.kind);
     std::shared_ptr<NcclOp> state;
+    // COMM_NVTX=1: "comm.<op> count=<n> type=<t> seq=<s>" around the host side, up to the return
+    // (a blocking barrier's host wait included); off, one branch (detail/nvtx.hpp).
+    nvtx::ScopedRange range;
     {
       std::lock_guard lock(nccl_mu_);
       throw_if_failed(op);
@@ -447,6 +454,7 @@ class Engine final : public WatchTarget {
         throw BackendError(op, rank_, "the NCCL communicator is no longer usable");
       DeviceGuard guard(device_, op, rank_);
       const std::uint64_t seq = seq_++;
+      range.push(op, d.count, d.dtype, seq);
       recorder_.issued(seq, d);
       op_deadline_ = Clock::now() + settings_.timeout;
       const cudaStream_t caller = comm::nccl::current_stream();

@@ -8,7 +8,7 @@
 // Every operation gets the next sequence number when it is issued, under the same lock that fixes
 // its place in the order, so numbers follow execution order and match across ranks that issue the
 // same ops; the owner's `issue(op, seq)` runs under that lock too (the flight recorder's "queued").
-// The engine derives each operation's gloo tag from its sequence number.
+// Engines derive their message tags from the sequence number.
 // shutdown() lets the worker finish everything already queued, then joins it.
 //
 // Nothing here is a template: the queue holds one task type (an Op record and its Work state) and
@@ -24,10 +24,10 @@
 #include <thread>
 #include <utility>
 
-#include <comm/detail/gloo/op.hpp>
+#include <comm/detail/engine/op.hpp>
 #include <comm/work.hpp>
 
-namespace comm::detail::gloo {
+namespace comm::detail {
 
 class OpQueue {
  public:
@@ -155,4 +155,4 @@ class OpQueue {
   std::thread worker_;
 };
 
-}  // namespace comm::detail::gloo
+}  // namespace comm::detail

@@ -1,6 +1,8 @@
 #pragma once
-// Shared helpers of the Gloo tests: communicator creation, deterministic inputs, and reference
-// reductions computed locally (independently of comm's kernels) for every element type and op.
+// Shared helpers of the collective suites, which run once per backend (tests/collectives/
+// CMakeLists.txt builds each suite with COMM_TEST_BACKEND_<NAME> defined): the backend under test,
+// communicator creation, deterministic inputs, and reference reductions computed locally
+// (independently of comm's kernels) for every element type and op.
 
 #include <doctest/doctest.h>
 
@@ -11,22 +13,65 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(COMM_TEST_BACKEND_SHM)
+#include <comm/backends/shm.hpp>
+#elif defined(COMM_TEST_BACKEND_MPI)
+#include <comm/backends/mpi.hpp>
+#elif defined(COMM_TEST_BACKEND_HIERARCHICAL)
 #include <comm/backends/gloo.hpp>
+#include <comm/backends/hierarchical.hpp>
+#include <comm/backends/shm.hpp>
+#include <comm/detail/env.hpp>
+#else
+#define COMM_TEST_BACKEND_GLOO 1
+#include <comm/backends/gloo.hpp>
+#endif
 #include <comm/communicator.hpp>
 #include <support/collective_test_util.hpp>
 #include <support/multirank.hpp>
 
-namespace gloo_test {
+namespace suite {
 
-using Comm = comm::Communicator<comm::backends::Gloo>;
+#if defined(COMM_TEST_BACKEND_SHM)
+using Backend = comm::backends::Shm;
+#elif defined(COMM_TEST_BACKEND_MPI)
+using Backend = comm::backends::Mpi;
+#elif defined(COMM_TEST_BACKEND_HIERARCHICAL)
+using Backend = comm::backends::Hierarchical<comm::backends::Shm, comm::backends::Gloo>;
+#else
+using Backend = comm::backends::Gloo;
+#endif
+using Comm = comm::Communicator<Backend>;
+using Options = Backend::Options;
 using comm::ReduceOp;
+/// The backend's name, as flight records and AnyCommunicator::backend() say it.
+inline const std::string kBackendName(Backend::name);
 
-inline Comm make_comm(comm::backends::Gloo::Options o = {}) {
+#if defined(COMM_TEST_BACKEND_HIERARCHICAL)
+/// Hierarchical on one machine: with COMM_TEST_RANKS_PER_NODE=k the world is cut into
+/// m = ceil(size/k) fake nodes by node id, dealt out back and forth (ranks 0..m-1 to nodes
+/// 0..m-1, the next m to nodes m-1..0, ...), so that a node's ranks are neither consecutive nor
+/// m apart and both of the engine's reorderings run: 4 ranks are nodes {0, 3} and {1, 2}, 3 ranks
+/// nodes {0} and {1, 2} (different sizes: leaders-only). Shm works inside each fake node, as all
+/// ranks share one host.
+inline std::string test_node_id(int rank, int size) {
+  const auto k = comm::detail::env_nonneg_int("COMM_TEST_RANKS_PER_NODE");
+  if (!k || *k < 1) return {};
+  const int m = (size + *k - 1) / *k;
+  const int node = (rank / m) % 2 == 0 ? rank % m : m - 1 - rank % m;
+  return "test-node-" + std::to_string(node);
+}
+#endif
+
+inline Comm make_comm(Options o = {}) {
   const auto& w = comm::test::world();
+#if defined(COMM_TEST_BACKEND_HIERARCHICAL)
+  if (o.node_id.empty()) o.node_id = test_node_id(w.rank, w.size);
+#endif
   return Comm::create(comm::test::fresh_store(), w.rank, w.size, o);
 }
 
-#define GLOO_TEST_ALL_TYPES                                                                              \
+#define COMM_TEST_ALL_TYPES                                                                              \
   std::int8_t, std::uint8_t, std::int32_t, std::uint32_t, std::int64_t, std::uint64_t, float, double, \
       comm::half, comm::bfloat16, comm::float8_e4m3, comm::float8_e5m2
 
@@ -132,4 +177,4 @@ long long first_mismatch(const std::vector<T>& got, F want, std::size_t offset =
 
 inline const char* type_name(comm::Dtype d) { return comm::to_string(d).data(); }
 
-}  // namespace gloo_test
+}  // namespace suite

@@ -1,10 +1,10 @@
-// all_gather over Gloo: every element type x sizes x in/out-of-place x sync/async, rank order,
+// all_gather: every element type x sizes x in/out-of-place x sync/async, rank order,
 // spans and containers, >1M elements.
-#include "gloo_test_util.hpp"
+#include "backend_test_util.hpp"
 
 #include <span>
 
-using namespace gloo_test;
+using namespace suite;
 
 namespace {
 
@@ -40,7 +40,7 @@ void run_all_gather(Comm& c, std::size_t count, bool in_place, bool use_async) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("all_gather: every size, placement and launch", T, GLOO_TEST_ALL_TYPES) {
+TEST_CASE_TEMPLATE("all_gather: every size, placement and launch", T, COMM_TEST_ALL_TYPES) {
   auto c = make_comm();
   for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1003}})
     for (bool in_place : {true, false})

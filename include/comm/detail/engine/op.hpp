@@ -1,6 +1,6 @@
 #pragma once
-// The record of one Gloo operation, built by the engine's typed entry points and run by
-// non-template code.
+// The record of one operation, built by the engine core's typed entry points (core.hpp) and run by
+// non-template code, whatever the backend.
 //
 // Why a record: every (element type x reduction x launch) used to instantiate its own lambda,
 // queue task, worker-thread closure and set of gloo option templates, so a program that uses
@@ -17,8 +17,9 @@
 
 #include <comm/detail/flight_recorder.hpp>
 #include <comm/detail/reduce.hpp>
+#include <comm/types.hpp>
 
-namespace comm::detail::gloo {
+namespace comm::detail {
 
 /// Optional steps around one operation, run on the thread that executes it (the caller's for a
 /// blocking call, the communicator's worker for an async one), in the operation's place in the
@@ -34,7 +35,7 @@ struct OpHooks {
   std::function<void()> after;
 };
 
-/// out = a R b over n elements of a user callable at `fn` (type-erased; see Engine::set_reduction).
+/// out = a R b over n elements of a user callable at `fn` (type-erased; see EngineCore::with_reduction).
 using custom_reduce_fn = void (*)(const void* fn, void* out, const void* a, const void* b, std::size_t n);
 /// Turns a sum over `size` ranks into the average, in place.
 using finish_fn = void (*)(void* data, std::size_t n, int size);
@@ -46,7 +47,8 @@ struct Op {
   std::size_t in_count = 0;     // elements
   std::size_t out_count = 0;    // elements
   std::size_t elem_size = 0;    // bytes per element: 1, 2, 4 or 8
-  reduce_fn kernel = nullptr;   // a built-in reduction, or
+  reduce_fn kernel = nullptr;   // a built-in reduction (avg runs as sum), or
+  reduce_many_fn many = nullptr;       // ... its n-input form (built-in reductions only)
   custom_reduce_fn custom = nullptr;
   const void* custom_arg = nullptr;  // the callable `custom` applies
   finish_fn finish = nullptr;   // avg: runs after a successful reduction
@@ -67,4 +69,4 @@ void finish_avg_erased(void* data, std::size_t n, int size) {
   finish_avg<T>(static_cast<T*>(data), n, size);
 }
 
-}  // namespace comm::detail::gloo
+}  // namespace comm::detail

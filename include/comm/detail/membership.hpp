@@ -1,10 +1,10 @@
 #pragma once
-// The membership check at rendezvous, before gloo connects.
+// The membership check at rendezvous, before a backend connects (backend-neutral).
 //
 // Each rank publishes "<prefix>member/<rank>" = "size=<n> pid=<pid> host=<host>", then reads the
 // records of every rank of its world. A rank whose record says another world size is a
 // comm::InvalidArgument naming both processes, on both sides, in the time it takes the two to
-// arrive (without the check gloo failed later with "136 vs 272", or waited). Two processes with
+// arrive (without the check Gloo failed later with "136 vs 272", or waited). Two processes with
 // the same rank cannot meet under one prefix (the communicator number comes from a per-rank
 // counter, so the second gets the next number); the one left waiting names, at its deadline, the
 // process that holds its rank in the previous communicator when that is another process.
@@ -22,7 +22,7 @@
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 
-namespace comm::detail::gloo {
+namespace comm::detail {
 
 struct MemberRecord {
   int size = -1;
@@ -68,17 +68,16 @@ struct MemberRecord {
 }
 
 /// Publishes this rank's record under `prefix` and checks every other rank's; `seq` is this
-/// communicator's number on the store (for the duplicate-rank hint).
+/// communicator's number on the store (for the duplicate-rank hint); `op` names the init step in errors.
 inline void check_membership(comm::Store& store, const std::string& prefix, std::uint64_t seq, int rank, int size,
-                             std::chrono::milliseconds timeout) {
-  const std::string op = "gloo.init";
+                             std::chrono::milliseconds timeout, const std::string& op) {
   const MemberRecord me{size, static_cast<long>(::getpid()), this_host()};
   store.set(prefix + "member/" + std::to_string(rank), encode(me));
   for (int p = 0; p < size; ++p) {
     if (p == rank) continue;
     const std::string key = prefix + "member/" + std::to_string(p);
     try {
-      // Each wait gets the whole timeout, as in gloo's own address exchange: the rank that hosts
+      // Each wait gets the whole timeout, as in the engines' own address exchanges: the rank that hosts
       // the store (rank 0, which starts first) then waits for a missing rank longer than the
       // others, so they report the missing rank instead of losing the store when it gives up.
       store.wait({key}, timeout);
@@ -120,4 +119,4 @@ inline void check_membership(comm::Store& store, const std::string& prefix, std:
   }
 }
 
-}  // namespace comm::detail::gloo
+}  // namespace comm::detail

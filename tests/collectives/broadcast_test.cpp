@@ -1,9 +1,9 @@
-// broadcast over Gloo: every element type x sizes x every root x sync/async, >1M elements.
-#include "gloo_test_util.hpp"
+// broadcast: every element type x sizes x every root x sync/async, >1M elements.
+#include "backend_test_util.hpp"
 
 #include <span>
 
-using namespace gloo_test;
+using namespace suite;
 
 namespace {
 
@@ -22,7 +22,7 @@ void run_broadcast(Comm& c, std::size_t count, int root, bool use_async) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("broadcast: every size, root and launch", T, GLOO_TEST_ALL_TYPES) {
+TEST_CASE_TEMPLATE("broadcast: every size, root and launch", T, COMM_TEST_ALL_TYPES) {
   auto c = make_comm();
   for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1003}})
     for (int root = 0; root < c.size(); ++root)

@@ -1,7 +1,9 @@
-// Fault battery, Gloo part: a rank is SIGKILLed or SIGSTOPped mid-operation, the link between two
-// ranks is cut, stalled or drops data (through TcpProxy), ranks call mismatched collectives, and
-// a rank passes wrong buffers. Ranks are fault_peer processes started here with an explicit
-// environment; every survivor must end with the right comm::Error in time, never hang.
+// Fault battery, collective part, run for every host backend (suites "gloo" and "shm"): a rank is
+// SIGKILLed or SIGSTOPped mid-operation, ranks call mismatched collectives, a rank passes wrong
+// buffers; on Gloo also the link between two ranks is cut, stalled or drops data (through
+// TcpProxy, and between network namespaces). Ranks are fault_peer processes started here with an
+// explicit environment; every survivor must end with the right comm::Error in time, never hang.
+#include <dirent.h>
 #include <unistd.h>
 
 #include <functional>
@@ -48,15 +50,41 @@ double ms_after(const std::map<std::string, std::string>& r, Clock::time_point t
   return static_cast<double>(std::stoll(r.at("t_ns")) - mono_ns(t)) / 1e6;
 }
 
-std::vector<std::string> loop_args(std::size_t count = 1 << 18) {
-  return {"gloo", "--count", std::to_string(count), "--async", "--iters", "-1"};
+/// What a backend promises under faults (the scenarios are the same for all).
+struct BackendCase {
+  const char* name;
+  double death_bound_ms;   // a SIGKILLed peer is seen by every survivor within this
+  bool death_timeouts_ok;  // some survivors may end at their deadline instead (libgloo, see above)
+  bool always_desync;      // every mismatch is a DesyncError on every rank, without the desync check
+  bool names_peer_rank;    // a peer's death is attributed to its rank (Gloo names its address)
+};
+const BackendCase kGloo{"gloo", death_bound_ms, true, false, false};
+// Shm sees a dead peer's process through a pidfd within a 10 ms sleep slice.
+const BackendCase kShm{"shm", 1000, false, true, true};
+
+std::vector<std::string> loop_args(const BackendCase& b, std::size_t count = 1 << 18) {
+  return {b.name, "--count", std::to_string(count), "--async", "--iters", "-1"};
+}
+
+/// Nothing of comm's left in /dev/shm (Shm unlinks its segment once every rank mapped it).
+void check_dev_shm_clean(const std::string& after) {
+  std::string left;
+  if (auto* d = ::opendir("/dev/shm")) {
+    while (auto* e = ::readdir(d))
+      if (std::string(e->d_name).find("comm-shm-") != std::string::npos) left += std::string(" ") + e->d_name;
+    ::closedir(d);
+  }
+  INFO("after ", after);
+  const std::string msg = "left in /dev/shm:" + left;
+  CHECK_MESSAGE(left.empty(), msg);
 }
 
 /// Runs one peer-death scenario; returns the survivors' times to error.
-void sigkill_run(int n, int victim, std::mt19937& rng) {
-  const std::string name = "peer SIGKILL mid-op (" + std::to_string(n) + " ranks, victim " + std::to_string(victim) + ")";
+void sigkill_run(const BackendCase& b, int n, int victim, std::mt19937& rng) {
+  const std::string name = std::string(b.name) + ": peer SIGKILL mid-op (" + std::to_string(n) + " ranks, victim " +
+                           std::to_string(victim) + ")";
   HangGuard guard(name, 60s);
-  auto w = start_world(n, free_port(), long_timeout, [](int) { return loop_args(); });
+  auto w = start_world(n, free_port(), long_timeout, [&](int) { return loop_args(b); });
   REQUIRE_MESSAGE(w.all_said("ITER 8", 30s), w.outputs());
   std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 20)(rng)));
   const auto t_kill = Clock::now();
@@ -71,8 +99,9 @@ void sigkill_run(int n, int victim, std::mt19937& rng) {
     CHECK(res.at("status") == "error");
     CHECK(res.at("op") == "all_reduce");
     CHECK(res.at("rank") == std::to_string(r));
-    double bound = death_bound_ms;
-    if (res.at("kind") == "Timeout") {  // see long_timeout above
+    if (b.names_peer_rank) CHECK(res.at("peer") == "rank_" + std::to_string(victim));
+    double bound = b.death_bound_ms;
+    if (res.at("kind") == "Timeout" && b.death_timeouts_ok) {  // see long_timeout above
       ++g_death_timeouts;
       bound = long_timeout_ms + silent_slack_ms;
     } else {
@@ -86,10 +115,11 @@ void sigkill_run(int n, int victim, std::mt19937& rng) {
   }
 }
 
-void sigstop_run(int n, int victim) {
-  const std::string name = "peer SIGSTOP mid-op (" + std::to_string(n) + " ranks, victim " + std::to_string(victim) + ")";
+void sigstop_run(const BackendCase& b, int n, int victim) {
+  const std::string name = std::string(b.name) + ": peer SIGSTOP mid-op (" + std::to_string(n) + " ranks, victim " +
+                           std::to_string(victim) + ")";
   HangGuard guard(name, 60s);
-  auto w = start_world(n, free_port(), short_timeout, [](int) { return loop_args(1 << 14); });
+  auto w = start_world(n, free_port(), short_timeout, [&](int) { return loop_args(b, 1 << 14); });
   REQUIRE_MESSAGE(w.all_said("ITER 8", 30s), w.outputs());
   auto& v = w[static_cast<std::size_t>(victim)];
   const auto t_stop = Clock::now();
@@ -130,20 +160,19 @@ void sigstop_run(int n, int victim) {
   CHECK_FALSE(v.wait_or_kill(10s).killed_by_us);
 }
 
-}  // namespace
-
-TEST_SUITE("gloo") {
-
-TEST_CASE("peer SIGKILL mid-op: survivors fail with RemoteError within milliseconds") {
+void sigkill_battery(const BackendCase& b) {
+  g_death_ms.clear();
+  g_death_timeouts = 0;
   std::mt19937 rng(7);
-  sigkill_run(2, 1, rng);
-  sigkill_run(2, 0, rng);
-  for (int victim : {2, 0, 1}) sigkill_run(3, victim, rng);
-  sigkill_run(4, 3, rng);
+  sigkill_run(b, 2, 1, rng);
+  sigkill_run(b, 2, 0, rng);
+  for (int victim : {2, 0, 1}) sigkill_run(b, 3, victim, rng);
+  sigkill_run(b, 4, 3, rng);
   std::vector<double> remote;  // the survivors that noticed through the connection
   for (double ms : g_death_ms)
     if (ms < death_bound_ms) remote.push_back(ms);
-  report("peer SIGKILL: time to error, p50 / max over " + std::to_string(g_death_ms.size()) + " survivors", "summary",
+  report(std::string(b.name) + ": peer SIGKILL: time to error, p50 / max over " + std::to_string(g_death_ms.size()) +
+             " survivors", "summary",
          percentile(g_death_ms, 50), long_timeout_ms + silent_slack_ms,
          "max " + std::to_string(percentile(g_death_ms, 100)) + " ms; " + std::to_string(g_death_timeouts) +
              " Timeout at the 6 s deadline (libgloo missed the close); RemoteError p50 " +
@@ -151,13 +180,158 @@ TEST_CASE("peer SIGKILL mid-op: survivors fail with RemoteError within milliseco
   CHECK(g_death_timeouts * 2 <= static_cast<int>(g_death_ms.size()));  // most notice through the connection
 }
 
-TEST_CASE("peer SIGSTOP (silent peer): the others fail by their timeout") {
-  sigstop_run(2, 1);
-  sigstop_run(3, 1);
-  sigstop_run(3, 0);
+void sigstop_battery(const BackendCase& b) {
+  g_overshoot_ms.clear();
+  sigstop_run(b, 2, 1);
+  sigstop_run(b, 3, 1);
+  sigstop_run(b, 3, 0);
   const double p50 = percentile(g_overshoot_ms, 50), mx = percentile(g_overshoot_ms, 100);
-  report("peer SIGSTOP: overshoot past the timeout, p50 over " + std::to_string(g_overshoot_ms.size()) + " Timeouts",
+  report(std::string(b.name) + ": peer SIGSTOP: overshoot past the timeout, p50 over " +
+             std::to_string(g_overshoot_ms.size()) + " Timeouts",
          "summary", p50, silent_slack_ms, "max " + std::to_string(mx) + " ms");
+}
+
+void mismatch_battery(const BackendCase& b) {
+  // What each mismatch does without the desync check:
+  enum class Expect {
+    timeout,     // a rank ends with comm::Timeout at its deadline, then closes its connections:
+                 // the other gets Timeout too, or RemoteError when that close reaches it first
+    gloo_abort,  // the rank that receives the larger message aborts inside libgloo (an EnforceNotMet
+                 // thrown on gloo's event-loop thread: std::terminate, tcp/pair.cc:510); its
+                 // peer gets RemoteError at once
+    undetected,  // completes with a meaningless result
+  };
+  struct Mismatch {
+    const char* name;
+    std::vector<std::string> rank0, rank1;
+    Expect expect;
+  };
+  const std::vector<std::string> base{b.name, "--iters", "1", "--no-check", "--then-check"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto v = base;
+    v.insert(v.end(), extra.begin(), extra.end());
+    return v;
+  };
+  const Mismatch cases[] = {
+      {"count (4 vs 8 floats)", with({"--count", "4"}), with({"--count", "8"}), Expect::gloo_abort},
+      {"dtype (float vs double)", with({"--dtype", "float"}), with({"--dtype", "double"}), Expect::gloo_abort},
+      {"op (all_reduce vs broadcast)", with({"--op", "all_reduce"}), with({"--op", "broadcast"}), Expect::timeout},
+      {"op (all_gather vs barrier)", with({"--op", "all_gather"}), with({"--op", "barrier"}), Expect::timeout},
+      {"root (broadcast from 0 vs from 1)", with({"--op", "broadcast", "--root", "0"}),
+       with({"--op", "broadcast", "--root", "1"}), Expect::timeout},
+      {"root (gather to 0 vs to 1)", with({"--op", "gather", "--root", "0"}), with({"--op", "gather", "--root", "1"}),
+       Expect::timeout},
+      {"dtype of the same size (int32 vs float)", with({"--dtype", "int32"}), with({"--dtype", "float"}),
+       Expect::undetected},
+      {"reduction (sum vs max)", with({"--reduce", "sum"}), with({"--reduce", "max"}), Expect::undetected},
+  };
+  const double bound = 2 * t_ms + silent_slack_ms;  // the mismatched op's deadline, then the check op's
+  // With the desync check (COMM_DEBUG=DETAIL) every mismatch is a DesyncError on every rank,
+  // before anything is sent, naming both calls.
+  constexpr double desync_bound_ms = 1000;
+  for (const bool desync : {false, true}) {
+    for (const auto& m : cases) {
+      const std::string name = std::string(b.name) + ": mismatched " + m.name + (desync ? ", desync check on" : "");
+      HangGuard guard(name, 60s);
+      Process::Env env;
+      if (desync) env["COMM_DEBUG"] = "DETAIL";
+      auto w = start_world(2, free_port(), short_timeout, [&](int r) { return r == 0 ? m.rank0 : m.rank1; }, env);
+      REQUIRE_MESSAGE(w.all_said("READY", 30s), w.outputs());
+      const auto t0 = Clock::now();
+      int errors = 0, aborts = 0, timeouts = 0, desyncs = 0;
+      double worst = 0;
+      std::string outcome, sample;
+      for (std::size_t r = 0; r < 2; ++r) {
+        const auto e = w[r].wait_or_kill(std::chrono::milliseconds(static_cast<long long>(bound) + 5000));
+        CHECK_FALSE_MESSAGE(e.killed_by_us, w.outputs());
+        auto res = result_of(w[r], 1s);
+        std::string what;
+        if (e.signal == SIGABRT && contains(w[r].output(), "op.preamble.length <= op.nbytes")) {
+          ++aborts;
+          what = "ABORT in libgloo";
+          sample = "rank " + std::to_string(r) +
+                   ": gloo::EnforceNotMet 'op.preamble.length <= op.nbytes' on gloo's loop thread (std::terminate)";
+        } else {
+          CHECK_MESSAGE(!res.empty(), w.outputs());
+          if (res.empty()) continue;
+          what = res.at("status") == "error" ? res.at("kind") : res.at("status");
+          if (res.at("status") == "error") {
+            ++errors;
+            timeouts += res.at("kind") == "Timeout" ? 1 : 0;
+            desyncs += res.at("kind") == "DesyncError" ? 1 : 0;
+            CHECK(e.code == 10);
+            CHECK(res.at("rank") == std::to_string(r));
+            const double ms = static_cast<double>(std::stoll(res.at("t_ns")) - std::stoll(res.at("start_ns"))) / 1e6;
+            worst = std::max(worst, ms);
+            if (sample.empty() || res.at("kind") == "DesyncError") sample = res.at("what");
+          } else {
+            CHECK(e.code == 0);
+          }
+        }
+        if (what.rfind("ABORT", 0) == 0 || res.empty() || res.at("status") != "error")
+          worst = std::max(worst, ms_since(t0, w[r].exited_at()));
+        outcome += (r ? ", " : "") + what;
+      }
+      if (desync || b.always_desync) {
+        CHECK_MESSAGE(desyncs == 2, w.outputs());
+        CHECK(worst < desync_bound_ms);
+        CHECK(contains(sample, "while rank 0 called"));
+      } else {
+        CHECK(worst < bound);
+        switch (m.expect) {
+          case Expect::timeout: CHECK_MESSAGE((errors == 2 && timeouts >= 1), w.outputs()); break;
+          case Expect::gloo_abort: CHECK_MESSAGE((aborts == 1 && errors == 1), w.outputs()); break;
+          case Expect::undetected: CHECK_MESSAGE((aborts == 0 && errors == 0), w.outputs()); break;
+        }
+      }
+      if (errors + aborts == 0) sample = "not detected (enable the desync check: COMM_DEBUG=DETAIL)";
+      report(name + " [rank 0, rank 1: " + outcome + "]",
+             aborts > 0 ? "ABORT+RemoteError" : (desyncs > 0 ? "DesyncError" : (errors > 0 ? "Error" : "undetected")),
+             worst, desync || b.always_desync ? desync_bound_ms : bound, sample);
+    }
+  }
+}
+
+void wrong_buffers(const BackendCase& b) {
+  HangGuard guard(std::string(b.name) + ": wrong buffers", 60s);
+  // Only rank 0 makes the bad calls: had any of them sent a byte, rank 1's next operation would
+  // receive it and the checked all_reduce loop after them would fail.
+  auto w = start_world(2, free_port(), short_timeout, [&](int r) {
+    std::vector<std::string> a{b.name, "--iters", "4", "--count", "64", "--async", "--then-check"};
+    if (r == 0) a.push_back("--bad-buffers");
+    return a;
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    auto res = result_of(w[r], 30s);
+    CHECK_MESSAGE(res["status"] == "ok", w.outputs());
+    CHECK(w[r].wait_or_kill(5s).code == 0);
+  }
+  double worst_us = 0;
+  const auto lines = w[0].lines("BADBUF");
+  CHECK(lines.size() == 7);
+  std::string sample;
+  for (const auto& l : lines) {
+    auto f = fields(l);
+    CHECK(f.at("named") == "1");
+    worst_us = std::max(worst_us, std::stod(f.at("us")));
+    if (sample.empty()) sample = f.at("what");
+  }
+  CHECK(w[0].lines("BAD ").empty());
+  report(std::string(b.name) + ": wrong buffers (" + std::to_string(lines.size()) + " kinds of bad call): slowest InvalidArgument",
+         "InvalidArgument", worst_us / 1000.0, 10, sample);
+}
+
+}  // namespace
+
+TEST_SUITE("gloo") {
+
+TEST_CASE("peer SIGKILL mid-op: survivors fail with RemoteError within milliseconds") { sigkill_battery(kGloo); }
+TEST_CASE("peer SIGSTOP (silent peer): the others fail by their timeout") { sigstop_battery(kGloo); }
+TEST_CASE("mismatched collectives between ranks: no hang; an error, or a result the desync check must catch") {
+  mismatch_battery(kGloo);
+}
+TEST_CASE("wrong buffers: InvalidArgument before anything is sent, the communicator stays usable") {
+  wrong_buffers(kGloo);
 }
 
 TEST_CASE("link between two ranks cut, stalled or dropping (TcpProxy): RemoteError at once, or Timeout") {
@@ -191,7 +365,7 @@ TEST_CASE("link between two ranks cut, stalled or dropping (TcpProxy): RemoteErr
       store.set("proxy/port/0/1", std::to_string(p->port()));
       return p;
     });
-    std::vector<std::string> args = loop_args(1 << 14);
+    std::vector<std::string> args = loop_args(kGloo, 1 << 14);
     args.push_back("--proxy-store");
     auto w = start_world(2, store.port(), f.timeout, [&](int) { return args; });
     REQUIRE_MESSAGE(w.all_said("ITER 8", 30s), w.outputs());
@@ -274,7 +448,7 @@ TEST_CASE("link cut between two network namespaces (veth down; root only)") {
     auto env = rank_env(r, 2, port, short_timeout);
     env["MASTER_ADDR"] = addr[0];
     std::vector<std::string> argv{ip, "netns", "exec", ns[r], fault_peer};
-    for (auto& a : loop_args(1 << 14)) argv.push_back(a);
+    for (auto& a : loop_args(kGloo, 1 << 14)) argv.push_back(a);
     w.ranks.push_back(std::make_unique<Process>(argv, env));
   }
   REQUIRE_MESSAGE(w.all_said("ITER 8", 30s), w.outputs());
@@ -296,136 +470,6 @@ TEST_CASE("link cut between two network namespaces (veth down; root only)") {
   }
 }
 
-TEST_CASE("mismatched collectives between ranks: no hang; an error, or a result the desync check must catch") {
-  // What each mismatch does without the desync check:
-  enum class Expect {
-    timeout,     // a rank ends with comm::Timeout at its deadline, then closes its connections:
-                 // the other gets Timeout too, or RemoteError when that close reaches it first
-    gloo_abort,  // the rank that receives the larger message aborts inside libgloo (an EnforceNotMet
-                 // thrown on gloo's event-loop thread: std::terminate, tcp/pair.cc:510); its
-                 // peer gets RemoteError at once
-    undetected,  // completes with a meaningless result
-  };
-  struct Mismatch {
-    const char* name;
-    std::vector<std::string> rank0, rank1;
-    Expect expect;
-  };
-  const std::vector<std::string> base{"gloo", "--iters", "1", "--no-check", "--then-check"};
-  auto with = [&](std::vector<std::string> extra) {
-    auto v = base;
-    v.insert(v.end(), extra.begin(), extra.end());
-    return v;
-  };
-  const Mismatch cases[] = {
-      {"count (4 vs 8 floats)", with({"--count", "4"}), with({"--count", "8"}), Expect::gloo_abort},
-      {"dtype (float vs double)", with({"--dtype", "float"}), with({"--dtype", "double"}), Expect::gloo_abort},
-      {"op (all_reduce vs broadcast)", with({"--op", "all_reduce"}), with({"--op", "broadcast"}), Expect::timeout},
-      {"op (all_gather vs barrier)", with({"--op", "all_gather"}), with({"--op", "barrier"}), Expect::timeout},
-      {"root (broadcast from 0 vs from 1)", with({"--op", "broadcast", "--root", "0"}),
-       with({"--op", "broadcast", "--root", "1"}), Expect::timeout},
-      {"root (gather to 0 vs to 1)", with({"--op", "gather", "--root", "0"}), with({"--op", "gather", "--root", "1"}),
-       Expect::timeout},
-      {"dtype of the same size (int32 vs float)", with({"--dtype", "int32"}), with({"--dtype", "float"}),
-       Expect::undetected},
-      {"reduction (sum vs max)", with({"--reduce", "sum"}), with({"--reduce", "max"}), Expect::undetected},
-  };
-  const double bound = 2 * t_ms + silent_slack_ms;  // the mismatched op's deadline, then the check op's
-  // With the desync check (COMM_DEBUG=DETAIL) every mismatch is a DesyncError on every rank,
-  // before anything is sent, naming both calls.
-  constexpr double desync_bound_ms = 1000;
-  for (const bool desync : {false, true}) {
-    for (const auto& m : cases) {
-      const std::string name = std::string("mismatched ") + m.name + (desync ? ", desync check on" : "");
-      HangGuard guard(name, 60s);
-      Process::Env env;
-      if (desync) env["COMM_DEBUG"] = "DETAIL";
-      auto w = start_world(2, free_port(), short_timeout, [&](int r) { return r == 0 ? m.rank0 : m.rank1; }, env);
-      REQUIRE_MESSAGE(w.all_said("READY", 30s), w.outputs());
-      const auto t0 = Clock::now();
-      int errors = 0, aborts = 0, timeouts = 0, desyncs = 0;
-      double worst = 0;
-      std::string outcome, sample;
-      for (std::size_t r = 0; r < 2; ++r) {
-        const auto e = w[r].wait_or_kill(std::chrono::milliseconds(static_cast<long long>(bound) + 5000));
-        CHECK_FALSE_MESSAGE(e.killed_by_us, w.outputs());
-        auto res = result_of(w[r], 1s);
-        std::string what;
-        if (e.signal == SIGABRT && contains(w[r].output(), "op.preamble.length <= op.nbytes")) {
-          ++aborts;
-          what = "ABORT in libgloo";
-          sample = "rank " + std::to_string(r) +
-                   ": gloo::EnforceNotMet 'op.preamble.length <= op.nbytes' on gloo's loop thread (std::terminate)";
-        } else {
-          CHECK_MESSAGE(!res.empty(), w.outputs());
-          if (res.empty()) continue;
-          what = res.at("status") == "error" ? res.at("kind") : res.at("status");
-          if (res.at("status") == "error") {
-            ++errors;
-            timeouts += res.at("kind") == "Timeout" ? 1 : 0;
-            desyncs += res.at("kind") == "DesyncError" ? 1 : 0;
-            CHECK(e.code == 10);
-            CHECK(res.at("rank") == std::to_string(r));
-            const double ms = static_cast<double>(std::stoll(res.at("t_ns")) - std::stoll(res.at("start_ns"))) / 1e6;
-            worst = std::max(worst, ms);
-            if (sample.empty() || res.at("kind") == "DesyncError") sample = res.at("what");
-          } else {
-            CHECK(e.code == 0);
-          }
-        }
-        if (what.rfind("ABORT", 0) == 0 || res.empty() || res.at("status") != "error")
-          worst = std::max(worst, ms_since(t0, w[r].exited_at()));
-        outcome += (r ? ", " : "") + what;
-      }
-      if (desync) {
-        CHECK_MESSAGE(desyncs == 2, w.outputs());
-        CHECK(worst < desync_bound_ms);
-        CHECK(contains(sample, "while rank 0 called"));
-      } else {
-        CHECK(worst < bound);
-        switch (m.expect) {
-          case Expect::timeout: CHECK_MESSAGE((errors == 2 && timeouts >= 1), w.outputs()); break;
-          case Expect::gloo_abort: CHECK_MESSAGE((aborts == 1 && errors == 1), w.outputs()); break;
-          case Expect::undetected: CHECK_MESSAGE((aborts == 0 && errors == 0), w.outputs()); break;
-        }
-      }
-      if (errors + aborts == 0) sample = "not detected (enable the desync check: COMM_DEBUG=DETAIL)";
-      report(name + " [rank 0, rank 1: " + outcome + "]",
-             aborts > 0 ? "ABORT+RemoteError" : (desyncs > 0 ? "DesyncError" : (errors > 0 ? "Error" : "undetected")),
-             worst, desync ? desync_bound_ms : bound, sample);
-    }
-  }
-}
-
-TEST_CASE("wrong buffers: InvalidArgument before anything is sent, the communicator stays usable") {
-  HangGuard guard("wrong buffers", 60s);
-  // Only rank 0 makes the bad calls: had any of them sent a byte, rank 1's next operation would
-  // receive it and the checked all_reduce loop after them would fail.
-  auto w = start_world(2, free_port(), short_timeout, [](int r) {
-    std::vector<std::string> a{"gloo", "--iters", "4", "--count", "64", "--async", "--then-check"};
-    if (r == 0) a.push_back("--bad-buffers");
-    return a;
-  });
-  for (std::size_t r = 0; r < 2; ++r) {
-    auto res = result_of(w[r], 30s);
-    CHECK_MESSAGE(res["status"] == "ok", w.outputs());
-    CHECK(w[r].wait_or_kill(5s).code == 0);
-  }
-  double worst_us = 0;
-  const auto lines = w[0].lines("BADBUF");
-  CHECK(lines.size() == 7);
-  std::string sample;
-  for (const auto& l : lines) {
-    auto f = fields(l);
-    CHECK(f.at("named") == "1");
-    worst_us = std::max(worst_us, std::stod(f.at("us")));
-    if (sample.empty()) sample = f.at("what");
-  }
-  CHECK(w[0].lines("BAD ").empty());
-  report("wrong buffers (" + std::to_string(lines.size()) + " kinds of bad call): slowest InvalidArgument",
-         "InvalidArgument", worst_us / 1000.0, 10, sample);
-}
-
 TEST_CASE("summary: the operation after a failure") {
   // Runs last in this suite: the scenarios above recorded how long each rank's next operation
   // took to fail after its first error (it waits for an operation still running, if any).
@@ -433,6 +477,27 @@ TEST_CASE("summary: the operation after a failure") {
   report("next operation after a failure: p50 / max over " + std::to_string(g_next_ms.size()) + " ranks", "summary",
          percentile(g_next_ms, 50), t_ms + silent_slack_ms, "max " + std::to_string(percentile(g_next_ms, 100)) + " ms");
   CHECK(percentile(g_next_ms, 100) < 2 * t_ms + silent_slack_ms);
+}
+
+}  // TEST_SUITE
+
+TEST_SUITE("shm") {
+
+TEST_CASE("shm: peer SIGKILL mid-op: every survivor fails with RemoteError naming the rank within 1 s") {
+  sigkill_battery(kShm);
+  check_dev_shm_clean("SIGKILLed ranks");
+}
+TEST_CASE("shm: peer SIGSTOP (silent peer): the others fail by their timeout") {
+  sigstop_battery(kShm);
+  check_dev_shm_clean("SIGSTOPped ranks");
+}
+TEST_CASE("shm: mismatched collectives are a DesyncError on every rank, with or without the desync check") {
+  mismatch_battery(kShm);
+  check_dev_shm_clean("mismatches");
+}
+TEST_CASE("shm: wrong buffers: InvalidArgument before anything is sent, the communicator stays usable") {
+  wrong_buffers(kShm);
+  check_dev_shm_clean("wrong buffers");
 }
 
 }  // TEST_SUITE

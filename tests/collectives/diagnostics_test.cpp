@@ -1,8 +1,8 @@
-// Diagnostics over Gloo: the flight recorder (order, states, ring size, dumps on demand, on a
+// Diagnostics: the flight recorder (order, states, ring size, dumps on demand, on a
 // timeout and at destruction), the desync check (mismatched op, count, dtype, root, reduction,
 // named on every rank; the communicator stays usable) and monitored_barrier (late and missing
 // ranks named, on every rank).
-#include "gloo_test_util.hpp"
+#include "backend_test_util.hpp"
 
 #include <stdlib.h>
 #include <unistd.h>
@@ -20,7 +20,7 @@
 #include <comm/diagnostics.hpp>
 #include <support/env_guard.hpp>
 
-using namespace gloo_test;
+using namespace suite;
 using namespace std::chrono_literals;
 
 namespace {
@@ -48,8 +48,8 @@ std::string shared_tmpdir() {
   return std::string(v.begin(), v.end());
 }
 
-comm::backends::Gloo::Options with_desync(bool on = true) {
-  comm::backends::Gloo::Options o;
+Options with_desync(bool on = true) {
+  Options o;
   o.desync_check = on;
   return o;
 }
@@ -100,7 +100,7 @@ TEST_CASE("flight recorder: operations in issue order with their description and
   c.all_reduce(h, [](comm::half a, comm::half x) { return comm::half(float(a) + float(x)); });
 
   const auto fr = c.flight_record();
-  CHECK(fr.backend == "gloo");
+  CHECK(fr.backend == kBackendName);
   CHECK(fr.rank == c.rank());
   CHECK(fr.size == n);
   CHECK(fr.total_ops == 5);
@@ -126,7 +126,7 @@ TEST_CASE("flight recorder: operations in issue order with their description and
   CHECK(fr.ops[4].custom_reduce);
   CHECK_FALSE(fr.ops[4].reduce.has_value());
   const std::string text = comm::to_string(fr);
-  CHECK(contains(text, "# comm flight record: backend=gloo rank=" + std::to_string(c.rank())));
+  CHECK(contains(text, "# comm flight record: backend=" + kBackendName + " rank=" + std::to_string(c.rank())));
   CHECK(contains(text, "#0 all_reduce(float x4, max) state=completed queued="));
   CHECK(contains(text, "#3 barrier() state=completed"));
 }
@@ -168,7 +168,7 @@ TEST_CASE("flight recorder: queued and started states while an operation waits f
 }
 
 TEST_CASE("flight recorder: a ring of the last N; size 0 records nothing") {
-  comm::backends::Gloo::Options o;
+  Options o;
   o.flight_recorder_size = 4;
   auto c = make_comm(o);
   std::vector<std::int64_t> v(1);
@@ -197,7 +197,7 @@ TEST_CASE("flight recorder: dump on demand, and automatically after a timeout an
   const int last = comm::test::world().size - 1;
   {
     ScopedEnv env("COMM_FLIGHT_RECORDER", prefix.c_str());
-    comm::backends::Gloo::Options o;
+    Options o;
     o.timeout = 700ms;
     auto c = make_comm(o);
     std::vector<float> v(8, 1.f);
@@ -258,15 +258,15 @@ TEST_CASE("flight recorder: subgroups dump to their own file") {
 TEST_CASE("desync check: off by default, on with COMM_DEBUG=DETAIL") {
   {
     ScopedEnv env("COMM_DEBUG", nullptr);
-    CHECK_FALSE(comm::backends::Gloo::Options{}.desync_check);
+    CHECK_FALSE(Options{}.desync_check);
   }
   {
     ScopedEnv env("COMM_DEBUG", "DETAIL");
-    CHECK(comm::backends::Gloo::Options{}.desync_check);
+    CHECK(Options{}.desync_check);
   }
   {
     ScopedEnv env("COMM_DEBUG", "INFO");
-    CHECK_FALSE(comm::backends::Gloo::Options{}.desync_check);
+    CHECK_FALSE(Options{}.desync_check);
   }
 }
 

@@ -1,12 +1,12 @@
-// all_reduce over Gloo: every element type x every op x sizes x in/out-of-place x sync/async,
+// all_reduce: every element type x every op x sizes x in/out-of-place x sync/async,
 // compile-time op forms, custom callables, wrap-around, integer avg, a >1M-element buffer.
-#include "gloo_test_util.hpp"
+#include "backend_test_util.hpp"
 
 #include <array>
 #include <functional>
 #include <span>
 
-using namespace gloo_test;
+using namespace suite;
 
 namespace {
 
@@ -39,7 +39,7 @@ void run_all_reduce(Comm& c, ReduceOp op, std::size_t count, bool in_place, bool
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("all_reduce: every op, size, placement and launch", T, GLOO_TEST_ALL_TYPES) {
+TEST_CASE_TEMPLATE("all_reduce: every op, size, placement and launch", T, COMM_TEST_ALL_TYPES) {
   auto c = make_comm();
   for (ReduceOp op : ops_for<T>())
     for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1003}})

@@ -1,10 +1,10 @@
-// gather over Gloo: every element type x sizes x every root x sync/async, empty outputs off the
+// gather: every element type x sizes x every root x sync/async, empty outputs off the
 // root, the root's input inside its output, >1M elements.
-#include "gloo_test_util.hpp"
+#include "backend_test_util.hpp"
 
 #include <span>
 
-using namespace gloo_test;
+using namespace suite;
 
 namespace {
 
@@ -34,7 +34,7 @@ void run_gather(Comm& c, std::size_t count, int root, bool use_async) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("gather: every size, root and launch", T, GLOO_TEST_ALL_TYPES) {
+TEST_CASE_TEMPLATE("gather: every size, root and launch", T, COMM_TEST_ALL_TYPES) {
   auto c = make_comm();
   for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1003}})
     for (int root = 0; root < c.size(); ++root)

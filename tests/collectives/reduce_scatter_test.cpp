@@ -1,11 +1,11 @@
-// reduce_scatter over Gloo (ring algorithm): every element type x op x sizes x in/out-of-place
+// reduce_scatter: every element type x op x sizes x in/out-of-place
 // x sync/async, compile-time ops and custom callables, multi-segment pipelines, >1M elements.
-#include "gloo_test_util.hpp"
+#include "backend_test_util.hpp"
 
 #include <functional>
 #include <span>
 
-using namespace gloo_test;
+using namespace suite;
 
 namespace {
 
@@ -40,7 +40,7 @@ void run_reduce_scatter(Comm& c, ReduceOp op, std::size_t count, bool in_place, 
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("reduce_scatter: every op, size, placement and launch", T, GLOO_TEST_ALL_TYPES) {
+TEST_CASE_TEMPLATE("reduce_scatter: every op, size, placement and launch", T, COMM_TEST_ALL_TYPES) {
   auto c = make_comm();
   for (ReduceOp op : ops_for<T>())
     for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1003}})

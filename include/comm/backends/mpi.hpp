@@ -1,0 +1,314 @@
+#pragma once
+/// \file
+/// `comm::backends::Mpi`: the MPI backend, over any MPI-3 library (OpenMPI, MPICH, Intel MPI).
+///
+/// Use it through `comm::Communicator<comm::backends::Mpi>` (see communicator.hpp); link `comm::mpi`.
+///
+/// - **Construction.**
+///   - `create(store, rank, size)` / `from_env()` initialize MPI (MPI_Init_thread with
+///     MPI_THREAD_MULTIPLE) unless it is initialized already, check that `rank` and `size` are this
+///     process's in MPI_COMM_WORLD (comm::InvalidArgument otherwise: launch with `mpirun -np N`),
+///     run the store's membership check, then duplicate MPI_COMM_WORLD. MPI is finalized at exit only
+///     when comm initialized it. The store is kept for monitored_barrier and subgroup keys.
+///     `from_env()` needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (mpirun sets none of them:
+///     export them, or use `adopt(MPI_COMM_WORLD)` or `comm::init_distributed()`, which discover
+///     mpirun's own variables).
+///   - `adopt(MPI_Comm)` duplicates the caller's communicator (which must be an intracommunicator,
+///     on an initialized MPI) and never frees it. It has no store: `monitored_barrier` is not
+///     available (comm::InvalidArgument); split and new_group work.
+///   - Each communicator duplicates its MPI communicator twice (MPI_Comm_idup, so creation ends by
+///     the timeout too): one carries the collectives, the other subgroup creation and failure
+///     notices. Both are freed at destruction. `native_handle()` is the first (escape hatch: do not
+///     use it concurrently with this communicator's operations).
+/// - **Blocking calls** return when the result is in the output on this rank. They run on the
+///   calling thread when nothing is queued, else after the queued async work.
+/// - **Async calls** (`comm::async`) return a `comm::Work` at once; the operations of one
+///   communicator run in issue order on one worker thread. They need MPI at MPI_THREAD_MULTIPLE
+///   (what comm asks for; an application that initialized MPI at a lower level gets
+///   comm::InvalidArgument from async calls, blocking ones work). The buffers must stay alive and
+///   untouched until the Work completes.
+/// - **Execution:** every collective is MPI's non-blocking one (MPI_Iallreduce,
+///   MPI_Ireduce_scatter_block, MPI_Iallgather, MPI_Ibcast, MPI_Igather, MPI_Ibarrier) polled with
+///   MPI_Test (spinning for 2 ms, then sched_yield between tests, then 50 us sleeps after 100 ms) until
+///   it completes or the deadline passes. In-place forms use MPI_IN_PLACE (in-place reduce_scatter
+///   goes through a scratch block: the input is only read). Counts above INT_MAX: all_reduce and
+///   broadcast run in chunks; reduce_scatter, all_gather and gather refuse per-rank blocks that
+///   large (comm::InvalidArgument).
+/// - **Deadlines and what a Timeout leaves behind:** every operation ends by `Options::timeout`
+///   (default: COMM_TIMEOUT, else 30 min) with comm::Timeout naming the operation, rank and
+///   sequence number. **MPI cannot cancel a collective**: the timed-out request stays pending, and
+///   if the late peers arrive later MPI may still read the inputs and write the outputs, so keep
+///   those buffers alive (or end the process). The communicator is then unusable — every later
+///   operation fails at once with the first cause — and its MPI communicators, datatypes and the
+///   request are leaked, never freed. The rank that fails first sends a short notice to every peer;
+///   a peer whose operation waits for it fails with comm::RemoteError naming that rank and the
+///   cause (after ~1 ms of waiting) instead of at its own deadline. A `Work::wait()` that gives up
+///   aborts the communicator the same way. A process that dies makes the MPI launcher end the job.
+///   Calls with no deadline: MPI_Init_thread, MPI_Finalize (at exit) and MPI_Comm_create_group,
+///   which runs only once every member is known to be present (see Subgroups).
+/// - **Reductions:** on the integers, float and double, MPI's predefined ops (MPI_SUM, MPI_PROD,
+///   MPI_MIN, MPI_MAX, MPI_BAND, MPI_BOR, MPI_BXOR); avg is MPI_SUM then comm's division (floor for
+///   integers). half, bfloat16 and fp8 move as MPI_UINT16_T / MPI_UINT8_T and reduce with a
+///   user-defined MPI_Op running comm's kernel (in float); custom callables `T(T, T)` (associative,
+///   commutative, must not throw) run the same way, on any element type.
+/// - **Subgroups:** `split(color, key)` is an operation of this communicator (an all_gather of
+///   every rank's color and key, recorded as "split"); the ranks of each color then make their
+///   communicator with MPI_Comm_create_group on the control communicator. `new_group(ranks)`:
+///   non-members return nullopt at once; members meet first (through the store's membership check,
+///   or without a store on the control communicator, naming any member that does not come by the
+///   timeout), then MPI_Comm_create_group. Subgroups inherit the options and are independent of
+///   their parent.
+/// - **Diagnostics:** the flight recorder and the desync check (an MPI_Iallgather of a 32-byte
+///   fingerprint per rank before each operation) from the engine core; monitored_barrier through
+///   the store (created communicators only).
+/// - **Destruction** finishes the queued operations (each bounded by the timeout), then frees the
+///   MPI communicators (not after a failure, see above; nothing after MPI_Finalize).
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <comm/concepts.hpp>
+#include <comm/detail/backend_diagnostics.hpp>
+#include <comm/detail/desync.hpp>
+#include <comm/detail/env.hpp>
+#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/groups.hpp>
+#include <comm/detail/mpi/engine.hpp>
+#include <comm/detail/mpi/errors.hpp>
+#include <comm/detail/mpi/runtime.hpp>
+#include <comm/detail/mpi/types.hpp>
+#include <comm/diagnostics.hpp>
+#include <comm/error.hpp>
+#include <comm/store.hpp>
+#include <comm/types.hpp>
+#include <comm/work.hpp>
+
+namespace comm::backends {
+
+/// Options of comm::backends::Mpi (also spelled `comm::backends::Mpi::Options`).
+struct MpiOptions {
+  /// Deadline of every operation and of creation (default: COMM_TIMEOUT, else 30 minutes).
+  std::chrono::milliseconds timeout = comm::detail::default_timeout();
+  /// Before each operation, compare (sequence number, operation, element type, count, root,
+  /// reduction) across ranks and throw comm::DesyncError on every rank when they differ (one
+  /// MPI_Iallgather of 32 bytes per rank and operation). Must be the same on every rank. Default: on
+  /// with COMM_DEBUG=DETAIL.
+  bool desync_check = comm::detail::desync_check_default();
+  /// How many operations the flight recorder keeps (0: none). Default: COMM_FLIGHT_RECORDER_SIZE,
+  /// else 256.
+  std::size_t flight_recorder_size = comm::detail::flight_recorder_size_default();
+};
+
+/// The MPI backend policy. Move-only; its moved-from state may only be destroyed or assigned.
+class Mpi : public comm::detail::BackendDiagnostics<Mpi> {
+  using Engine = comm::detail::mpi::Engine;
+
+ public:
+  using backend_concept = comm::backend_t;
+  static constexpr std::string_view name = "mpi";
+
+  using Options = MpiOptions;
+
+  static constexpr bool supports_dtype(Dtype) noexcept { return true; }
+  static constexpr bool supports_reduction(ReduceOp op, Dtype d) noexcept { return !is_bitwise(op) || !is_floating(d); }
+  static constexpr bool custom_reductions = true;
+
+  /// This process as rank `rank` of `size` in MPI_COMM_WORLD, rendezvoused through `store`
+  /// (blocking; ends by `options.timeout`). Initializes MPI when nobody has.
+  [[nodiscard]] static Mpi create(std::shared_ptr<Store> store, int rank, int size, const Options& options = {}) {
+    if (!store) throw InvalidArgument("mpi.init", rank, "store is null");
+    if (size < 1) throw InvalidArgument("mpi.init", rank, "size " + std::to_string(size) + " must be at least 1");
+    if (rank < 0 || rank >= size)
+      throw InvalidArgument("mpi.init", rank,
+                            "rank " + std::to_string(rank) + " is out of range [0, " + std::to_string(size) + ")");
+    check_timeout(options, rank, "mpi.init");
+    (void)comm::detail::mpi::ensure_initialized("mpi.init", rank);
+    int world_rank = -1, world_size = -1;
+    COMM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "mpi.init", rank);
+    COMM_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size), "mpi.init", rank);
+    if (world_rank != rank || world_size != size)
+      throw InvalidArgument("mpi.init", rank,
+                            "rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                                " does not match this process in MPI_COMM_WORLD (rank " + std::to_string(world_rank) +
+                                " of " + std::to_string(world_size) + "): start every rank with mpirun -np " +
+                                std::to_string(size) + " (or srun), or adopt() a communicator of the right ranks");
+    comm::detail::mpi::CommSource src{MPI_COMM_WORLD, {}, 0, "mpi.init"};
+    return Mpi(std::make_unique<Engine>(std::move(store), rank, size, config(options), src), options);
+  }
+
+  /// Duplicates `comm` (an intracommunicator of an initialized MPI; collective over it, ends by
+  /// `options.timeout`). The caller's communicator is never freed by comm.
+  [[nodiscard]] static Mpi adopt(MPI_Comm comm, const Options& options = {}) {
+    if (!comm::detail::mpi::initialized() || comm::detail::mpi::finalized())
+      throw InvalidArgument("mpi.adopt", -1,
+                            "MPI is not initialized (or already finalized): call MPI_Init_thread before adopt(), or "
+                            "use create()/from_env(), which initialize it");
+    if (comm == MPI_COMM_NULL) throw InvalidArgument("mpi.adopt", -1, "the communicator is MPI_COMM_NULL");
+    int inter = 0;
+    COMM_MPI_CHECK(MPI_Comm_test_inter(comm, &inter), "mpi.adopt", -1);
+    if (inter != 0)
+      throw InvalidArgument("mpi.adopt", -1, "the communicator is an intercommunicator; comm needs an intracommunicator");
+    int rank = -1, size = -1;
+    COMM_MPI_CHECK(MPI_Comm_rank(comm, &rank), "mpi.adopt", -1);
+    COMM_MPI_CHECK(MPI_Comm_size(comm, &size), "mpi.adopt", -1);
+    check_timeout(options, rank, "mpi.adopt");
+    comm::detail::mpi::CommSource src{comm, {}, 0, "mpi.adopt"};
+    return Mpi(std::make_unique<Engine>(rank, size, config(options), "adopted", src), options);
+  }
+
+  Mpi(Mpi&&) noexcept = default;
+  Mpi& operator=(Mpi&&) noexcept = default;
+  ~Mpi() = default;
+
+  [[nodiscard]] int rank() const noexcept { return engine_->rank(); }
+  [[nodiscard]] int size() const noexcept { return engine_->size(); }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return engine_->timeout(); }
+  /// The MPI communicator the collectives run on (comm's duplicate; see the file comment).
+  [[nodiscard]] MPI_Comm native_handle() const noexcept { return engine_->comm(); }
+  /// The thread level MPI runs at (async operations need MPI_THREAD_MULTIPLE).
+  [[nodiscard]] int thread_level() const noexcept { return engine_->thread_level(); }
+
+  template <element T, class Red, class Launch>
+  auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l) {
+    check_launch<Launch>("all_reduce");
+    return engine_->all_reduce<T>(in, out, std::move(red), l);
+  }
+  template <element T, class Red, class Launch>
+  auto reduce_scatter(std::span<const T> in, std::span<T> out, Red red, Launch l) {
+    check_launch<Launch>("reduce_scatter");
+    check_count("reduce_scatter", out.size(), "output");
+    return engine_->reduce_scatter<T>(in, out, std::move(red), l);
+  }
+  template <element T, class Launch>
+  auto all_gather(std::span<const T> in, std::span<T> out, Launch l) {
+    check_launch<Launch>("all_gather");
+    check_count("all_gather", in.size(), "input");
+    return engine_->all_gather<T>(in, out, l);
+  }
+  template <element T, class Launch>
+  auto broadcast(std::span<T> data, int root, Launch l) {
+    check_launch<Launch>("broadcast");
+    return engine_->broadcast<T>(data, root, l);
+  }
+  template <element T, class Launch>
+  auto gather(std::span<const T> in, std::span<T> out, int root, Launch l) {
+    check_launch<Launch>("gather");
+    check_count("gather", in.size(), "input");
+    return engine_->gather<T>(in, out, root, l);
+  }
+  template <class Launch>
+  auto barrier(Launch l) {
+    check_launch<Launch>("barrier");
+    return engine_->barrier(l);
+  }
+
+  // ---- optional capabilities (see concepts.hpp): subgroups and diagnostics ----
+
+  /// Collective over every rank of this communicator (an operation "split" in its sequence):
+  /// ranks with the same `color` >= 0 form a new communicator, ordered by (key, rank here); a
+  /// negative color gives nullopt. The new communicator inherits these options.
+  [[nodiscard]] std::optional<Mpi> split(int color, int key) {
+    const auto all = engine_->exchange_color_key(color, key);
+    const auto k = engine_->next_group_index();
+    const auto place = comm::detail::split_place(all, color, key, rank());
+    if (!place) return std::nullopt;
+    // The members in the new communicator's order: (key, rank here), as split_place ranks them.
+    std::vector<std::pair<std::int64_t, int>> order;
+    for (std::size_t r = 0; 2 * r + 1 < all.size(); ++r)
+      if (all[2 * r] == color) order.emplace_back(all[2 * r + 1], static_cast<int>(r));
+    std::sort(order.begin(), order.end());
+    std::vector<int> members;
+    members.reserve(order.size());
+    for (const auto& m : order) members.push_back(m.second);
+    const std::string group = comm::detail::group_name(k);
+    return child(std::move(members), *place, group,
+                 comm::detail::split_prefix(engine_->key_prefix(), group, color), k);
+  }
+
+  /// A communicator of `ranks` (validated by the facade: in range, no duplicates), ranked in
+  /// that order. Every rank calls it in the same order; non-members return nullopt at once
+  /// (without communicating), members meet and make it among themselves only.
+  [[nodiscard]] std::optional<Mpi> new_group(std::span<const int> ranks) {
+    const auto k = engine_->next_group_index();
+    const auto place = comm::detail::group_place(ranks, rank());
+    if (!place) return std::nullopt;
+    std::vector<int> members(ranks.begin(), ranks.end());
+    // With a store the child's membership check is where the members meet.
+    if (!engine_->store()) engine_->gate(members, k);
+    const std::string group = comm::detail::group_name(k);
+    return child(std::move(members), *place, group, comm::detail::group_prefix(engine_->key_prefix(), group), k);
+  }
+
+ private:
+  friend class comm::detail::BackendDiagnostics<Mpi>;  // monitored_barrier, flight_record, options
+
+  Mpi(std::unique_ptr<Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
+
+  static comm::detail::CoreConfig config(const Options& o) {
+    comm::detail::CoreConfig c;
+    c.timeout = o.timeout;
+    c.desync_check = o.desync_check;
+    c.flight_recorder_size = o.flight_recorder_size;
+    return c;
+  }
+
+  /// Subgroup `group` (number `k`) of `members` (ranks here, in its order); this rank is `place`.
+  Mpi child(std::vector<int> members, comm::detail::GroupPlace place, const std::string& group,
+            const std::string& prefix, std::uint64_t k) const {
+    auto c = config(options_);
+    c.file_rank = engine_->file_rank();
+    c.name = comm::detail::child_name(engine_->name(), group);
+    comm::detail::mpi::CommSource src{engine_->control(), std::move(members), Engine::group_tag(k),
+                                      "mpi.group"};
+    if (engine_->store()) {
+      auto store = std::make_shared<PrefixStore>(prefix, engine_->store());
+      return Mpi(std::make_unique<Engine>(std::move(store), place.rank, place.size, c, src), options_);
+    }
+    return Mpi(std::make_unique<Engine>(place.rank, place.size, c, c.name, src), options_);
+  }
+
+  /// Async operations run on the communicator's worker thread: MPI must allow calls from any
+  /// thread. Checked before anything is queued, so the communicator stays usable.
+  template <class Launch>
+  void check_launch(const char* op) const {
+    if constexpr (std::is_same_v<Launch, async_t>) {
+      if (!engine_->multi_threaded())
+        throw InvalidArgument(op, rank(),
+                              std::string("async operations need MPI initialized with MPI_THREAD_MULTIPLE; this "
+                                          "process runs ") +
+                                  comm::detail::mpi::thread_level_name(engine_->thread_level()) +
+                                  " (use the blocking form, or MPI_Init_thread with MPI_THREAD_MULTIPLE)");
+    }
+  }
+
+  /// MPI counts are int: one rank's block of these operations must fit.
+  void check_count(const char* op, std::size_t n, const char* what) const {
+    if (n > Engine::kMaxCount)
+      throw InvalidArgument(op, rank(),
+                            std::string(what) + " has " + std::to_string(n) +
+                                " elements per rank; the MPI backend moves at most INT_MAX (" +
+                                std::to_string(INT_MAX) + ") per rank in one call: split the call");
+  }
+
+  static void check_timeout(const Options& o, int rank, const char* op) {
+    if (o.timeout.count() <= 0)
+      throw InvalidArgument(op, rank, "timeout " + std::to_string(o.timeout.count()) + " ms must be positive");
+  }
+
+  std::unique_ptr<Engine> engine_;
+  Options options_;
+};
+
+}  // namespace comm::backends

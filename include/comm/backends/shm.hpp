@@ -1,0 +1,175 @@
+#pragma once
+/// \file
+/// `comm::backends::Shm`: the on-node CPU backend, over one POSIX shared-memory segment per
+/// communicator.
+///
+/// Use it through `comm::Communicator<comm::backends::Shm>` (see communicator.hpp); it needs only
+/// comm::comm (POSIX shared memory and futexes: Linux).
+///
+/// - **Who:** every rank of the communicator must run on this host, in the same IPC, PID and
+///   network namespaces; `create()` compares a host identity through the store and throws
+///   comm::InvalidArgument naming the rank that is elsewhere. Across hosts use Gloo, or
+///   `Hierarchical<Shm, Gloo>`.
+/// - **Rendezvous** goes through a `comm::Store`: rank 0 creates the segment under a fresh name,
+///   every rank maps it, and the last one to map it unlinks the name, so nothing stays in /dev/shm
+///   after the communicator is created, whatever happens to its processes (a SIGKILL included).
+///   Subgroups (`split`, `new_group`) get a segment of their own.
+/// - **Blocking calls** return when the result is in the output on this rank; **async calls**
+///   (`comm::async`) return a `comm::Work` and run in issue order on one worker thread per
+///   communicator (started on first use). Buffers must stay alive and untouched until completion.
+/// - **Algorithms** (detail/shm/engine.hpp): flag/sequence exchange in cache-line-aligned slots
+///   with no lock and no system call on the fast path; all_reduce up to `small_max` bytes in one
+///   step, above that a direct reduce-scatter + all-gather through the segment in chunks of
+///   `chunk_bytes`; half/bfloat16/fp8 reductions accumulate in float across all ranks and round
+///   once.
+/// - **Waiting** spins briefly (long only while every rank has a core), then yields, then sleeps on
+///   a futex, so more ranks than cores still progress.
+/// - **Deadlines and faults:** every operation ends by `Options::timeout` with comm::Timeout
+///   naming the operation, its sequence number, this rank and the rank it waited for (a stopped or
+///   hung peer). A peer whose process exits (SIGKILL included) is noticed within about 10 ms of
+///   waiting on it, and every survivor gets comm::RemoteError naming it. After a
+///   Timeout/RemoteError the communicator is unusable (later operations fail at once).
+/// - **Desync:** each published step carries the operation's fingerprint, so ranks in different
+///   operations, or with different counts, roots or reductions, throw comm::DesyncError on every
+///   rank — always, not only with the desync check — and the communicator stays usable.
+/// - **Reductions:** every built-in op on every element type (bitwise: integers only), and custom
+///   callables `T(T, T)` (applied in rank order).
+/// - **Diagnostics:** flight recorder, desync check option, monitored_barrier (through the store),
+///   as on Gloo.
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <comm/concepts.hpp>
+#include <comm/detail/backend_diagnostics.hpp>
+#include <comm/detail/desync.hpp>
+#include <comm/detail/engine/forward.hpp>
+#include <comm/detail/engine/subgroups.hpp>
+#include <comm/detail/env.hpp>
+#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/shm/engine.hpp>
+#include <comm/error.hpp>
+#include <comm/store.hpp>
+#include <comm/types.hpp>
+#include <comm/work.hpp>
+
+namespace comm::backends {
+
+namespace detail_shm {
+[[nodiscard]] inline std::size_t env_bytes(const char* name, std::size_t fallback) {
+  if (auto v = comm::detail::env_nonneg_int(name)) return static_cast<std::size_t>(*v);
+  return fallback;
+}
+}  // namespace detail_shm
+
+/// Options of comm::backends::Shm (also spelled `comm::backends::Shm::Options`).
+struct ShmOptions {
+  /// Deadline of every operation and of rendezvous (default: COMM_TIMEOUT, else 30 minutes).
+  std::chrono::milliseconds timeout = comm::detail::default_timeout();
+  /// Payload bytes each rank publishes per step (the pipeline's chunk); the segment holds
+  /// 2 * size() chunks. Must be the same on every rank. Default: COMM_SHM_CHUNK, else 256 KiB.
+  std::size_t chunk_bytes = detail_shm::env_bytes("COMM_SHM_CHUNK", std::size_t{256} << 10);
+  /// all_reduce runs in one step (every rank reduces every input) up to this many bytes, above
+  /// it as reduce-scatter + all-gather. Default: COMM_SHM_SMALL_MAX, else 16 KiB.
+  std::size_t small_max = detail_shm::env_bytes("COMM_SHM_SMALL_MAX", std::size_t{16} << 10);
+  /// Spins before a waiter yields (-1: 2000 when every rank can have a core, else 16;
+  /// COMM_SHM_SPIN overrides).
+  int spin = -1;
+  /// As on Gloo: compare (sequence number, operation, element type, count, root, reduction)
+  /// across ranks before each operation (Shm compares them in every step anyway; the option adds
+  /// one exchange). Default: on with COMM_DEBUG=DETAIL.
+  bool desync_check = comm::detail::desync_check_default();
+  /// How many operations the flight recorder keeps (0: none). Default: COMM_FLIGHT_RECORDER_SIZE,
+  /// else 256.
+  std::size_t flight_recorder_size = comm::detail::flight_recorder_size_default();
+  /// For a communicator that is a member of another (Hierarchical's): the rank in its flight-record
+  /// dump file names (-1: its own) and its name in records and file names. Users leave them.
+  int record_file_rank = -1;
+  std::string record_name;
+};
+
+/// The Shm backend policy. Move-only; its moved-from state may only be destroyed or assigned.
+class Shm : public comm::detail::ForwardOps<Shm>,
+            public comm::detail::BackendDiagnostics<Shm>,
+            public comm::detail::Subgroups<Shm> {
+ public:
+  using backend_concept = comm::backend_t;
+  static constexpr std::string_view name = "shm";
+
+  using Options = ShmOptions;
+
+  static constexpr bool supports_dtype(Dtype) noexcept { return true; }
+  static constexpr bool supports_reduction(ReduceOp op, Dtype d) noexcept { return !is_bitwise(op) || !is_floating(d); }
+  static constexpr bool custom_reductions = true;
+
+  /// Maps the segment of `size` ranks of this host through `store` (blocking; ends by
+  /// `options.timeout`).
+  [[nodiscard]] static Shm create(std::shared_ptr<Store> store, int rank, int size, const Options& options = {}) {
+    check(store != nullptr, rank, "store is null");
+    check(size >= 1, rank, "size " + std::to_string(size) + " must be at least 1");
+    check(rank >= 0 && rank < size, rank,
+          "rank " + std::to_string(rank) + " is out of range [0, " + std::to_string(size) + ")");
+    check(options.timeout.count() > 0, rank,
+          "timeout " + std::to_string(options.timeout.count()) + " ms must be positive");
+    check(options.chunk_bytes >= 4096 && options.chunk_bytes <= (std::size_t{1} << 30), rank,
+          "chunk_bytes " + std::to_string(options.chunk_bytes) + " must be in [4096, 1 GiB] (COMM_SHM_CHUNK)");
+    return Shm(std::make_unique<detail::shm::Engine>(std::move(store), rank, size, config(options)), options);
+  }
+
+  Shm(Shm&&) noexcept = default;
+  Shm& operator=(Shm&&) noexcept = default;
+  ~Shm() = default;
+
+  [[nodiscard]] int rank() const noexcept { return engine_->rank(); }
+  [[nodiscard]] int size() const noexcept { return engine_->size(); }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return engine_->timeout(); }
+
+  // The operations come from ForwardOps (detail/engine/forward.hpp).
+
+  // Optional capabilities (concepts.hpp): split/new_group from Subgroups, monitored_barrier and
+  // the flight recorder from BackendDiagnostics.
+
+ private:
+  friend class comm::detail::ForwardOps<Shm>;
+  friend class comm::detail::BackendDiagnostics<Shm>;
+  friend class comm::detail::Subgroups<Shm>;
+
+  Shm(std::unique_ptr<detail::shm::Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
+
+  static void check(bool ok, int rank, const std::string& what) {
+    if (!ok) throw InvalidArgument("shm.init", rank, what);
+  }
+
+  static detail::shm::EngineConfig config(const Options& o) {
+    detail::shm::EngineConfig c;
+    c.timeout = o.timeout;
+    c.desync_check = o.desync_check;
+    c.flight_recorder_size = o.flight_recorder_size;
+    c.file_rank = o.record_file_rank;
+    c.name = o.record_name;
+    c.chunk = (o.chunk_bytes + detail::shm::kLine - 1) / detail::shm::kLine * detail::shm::kLine;
+    c.small_max = o.small_max;
+    c.spin = o.spin;
+    return c;
+  }
+
+  /// Maps subgroup `group` (this rank is `rank` of `size`) under `prefix` in this store.
+  Shm child(const std::string& prefix, const std::string& group, int rank, int size) const {
+    auto c = config(options_);
+    c.file_rank = engine_->file_rank();
+    c.name = comm::detail::child_name(engine_->name(), group);
+    auto store = std::make_shared<PrefixStore>(prefix, engine_->store());
+    return Shm(std::make_unique<detail::shm::Engine>(std::move(store), rank, size, c), options_);
+  }
+
+  std::unique_ptr<detail::shm::Engine> engine_;
+  Options options_;
+};
+
+}  // namespace comm::backends

@@ -1,0 +1,573 @@
+#pragma once
+// The engine core: everything about running a communicator's operations that does not depend on
+// the engine that moves the bytes. Gloo, Shm and the next host backends derive from it (CRTP, no
+// virtual call on the hot path) and supply the engine calls only:
+//
+//   void perform(Op& op, std::uint64_t seq);                 // this rank's part of the operation
+//   void exchange_fingerprints(std::uint64_t seq);           // fill fingerprints() from every rank
+//   [[noreturn]] void rethrow_translated(const char* op);    // optional: in a catch block -> comm::Error
+//   void close_transport() noexcept;                         // wake pending waits, fail peers fast
+//
+// What the core owns:
+//   - the typed entry points (all_reduce<T>...): they fill one Op record (op.hpp), so everything
+//     behind them is compiled once, whatever the element types and reductions a program uses;
+//   - issue order, sequence numbers and async Work (op_queue.hpp), Work::wait's abort on timeout;
+//   - the flight recorder (queued/started/completed/failed) and its dumps after an error;
+//   - the desync check (a 32-byte fingerprint per rank compared before each operation);
+//   - monitored_barrier (through the store), the membership check and the communicator's key
+//     prefix on the store, the subgroup counter;
+//   - failure state: after the first Timeout/RemoteError/BackendError the communicator is unusable
+//     and every later operation fails at once with that first cause; the engine's transport is
+//     closed at the first failure so that peers fail at once instead of waiting for their timeout.
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <comm/concepts.hpp>
+#include <comm/detail/cuda_driver.hpp>
+#include <comm/detail/desync.hpp>
+#include <comm/detail/engine/failure.hpp>
+#include <comm/detail/engine/op.hpp>
+#include <comm/detail/engine/op_queue.hpp>
+#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/logging.hpp>
+#include <comm/detail/membership.hpp>
+#include <comm/detail/monitored_barrier.hpp>
+#include <comm/detail/reduce.hpp>
+#include <comm/diagnostics.hpp>
+#include <comm/error.hpp>
+#include <comm/store.hpp>
+#include <comm/types.hpp>
+#include <comm/work.hpp>
+
+namespace comm::detail {
+
+template <class Red>
+[[nodiscard]] constexpr bool is_avg(const Red& red) noexcept {
+  if constexpr (std::is_same_v<Red, ReduceOp>)
+    return red == ReduceOp::avg;
+  else if constexpr (builtin_reduction<Red>)
+    return reduce_op_of<Red> == ReduceOp::avg;
+  else
+    return false;
+}
+
+/// The flight recorder's / desync check's code of a reduction argument.
+template <class Red>
+[[nodiscard]] constexpr std::uint8_t reduce_code(const Red& red) noexcept {
+  if constexpr (std::is_same_v<Red, ReduceOp>)
+    return static_cast<std::uint8_t>(red);
+  else if constexpr (builtin_reduction<Red>)
+    return static_cast<std::uint8_t>(reduce_op_of<Red>);
+  else
+    return OpDesc::custom;
+}
+
+/// What every engine is built with besides its store, rank and size.
+struct CoreConfig {
+  std::chrono::milliseconds timeout{};
+  bool desync_check = false;
+  std::size_t flight_recorder_size = 256;
+  /// Subgroups: the rank (in its root communicator) used in dump file names, and the subgroup's
+  /// name ("g0", "g0.g1"). -1 for a root communicator (its own rank; its name comes from its
+  /// creation number on the store).
+  int file_rank = -1;
+  std::string name;
+};
+
+/// Lets a Work whose wait gave up stop the operation; outlives the engine (a Work may).
+class AbortHandle {
+ public:
+  using AbortFn = void (*)(void* engine, const std::string& why, std::chrono::milliseconds grace);
+  AbortHandle(void* engine, AbortFn fn) noexcept : engine_(engine), fn_(fn) {}
+  /// Aborts the communicator's operations; false when the engine is gone.
+  bool abort(const std::string& why, std::chrono::milliseconds grace) {
+    std::lock_guard lock(mu_);
+    if (engine_ == nullptr) return false;
+    fn_(engine_, why, grace);
+    return true;
+  }
+  void detach() noexcept {
+    std::lock_guard lock(mu_);
+    engine_ = nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  void* engine_;
+  AbortFn fn_;
+};
+
+/// The Work state of an async host operation. When Work::wait's (or synchronize's) deadline passes
+/// it aborts the communicator and waits (bounded: at most timeout + 2 s more) for the operation to
+/// end, so that the Timeout reaches the caller only once the engine no longer touches the
+/// operation's buffers. Work::wait_for() lets the operation run on, as documented.
+class EngineWorkState final : public WorkState {
+ public:
+  EngineWorkState(const char* op, int rank, std::chrono::milliseconds timeout, std::shared_ptr<AbortHandle> abort)
+      : WorkState(op, rank, timeout), abort_(std::move(abort)) {}
+
+  std::string on_wait_timeout() override {
+    const std::string why = "Work::wait gave up after " + std::to_string(timeout().count()) +
+                            " ms: the operation did not complete; the communicator was aborted";
+    const auto bound = timeout() + std::chrono::seconds(2);
+    // (A communicator already destroyed has drained its queue: the operation has ended.)
+    (void)abort_->abort(why, bound);
+    if (wait_until(std::chrono::steady_clock::now() + bound)) return {};
+    return "; the communicator was aborted, and the operation did not stop within " + std::to_string(bound.count()) +
+           " ms more: its buffers may still be in use";
+  }
+
+ private:
+  std::shared_ptr<AbortHandle> abort_;
+};
+
+template <class Derived>
+class EngineCore {
+ public:
+  /// A communicator of `size` ranks over `store`: takes this communicator's number on the store
+  /// (each rank counts its own communicators, so ranks that create them in the same order agree)
+  /// and, for size > 1, runs the membership check. `backend` names it in keys, errors and dumps.
+  EngineCore(std::shared_ptr<comm::Store> store, int rank, int size, const CoreConfig& cfg, const char* backend)
+      : backend_(backend),
+        rank_(rank),
+        size_(size),
+        timeout_(cfg.timeout),
+        store_(std::move(store)),
+        desync_(cfg.desync_check),
+        fingerprints_(static_cast<std::size_t>(size)),
+        recorder_(cfg.flight_recorder_size),
+        dump_path_(flight_recorder_path()) {
+    const std::string base = std::string("comm/") + backend + "/";
+    const auto seq = store_->add(base + "seq/" + std::to_string(rank), 1);
+    key_prefix_ = base + std::to_string(seq) + "/";
+    if (cfg.file_rank < 0) {
+      file_rank_ = rank;
+      name_ = seq == 1 ? std::string() : "c" + std::to_string(seq);
+    } else {
+      file_rank_ = cfg.file_rank;
+      name_ = cfg.name;
+    }
+    if (size > 1)
+      check_membership(*store_, key_prefix_, static_cast<std::uint64_t>(seq), rank, size, timeout_,
+                       std::string(backend) + ".init");
+  }
+
+  /// A communicator over an engine group made elsewhere (no store: no subgroups, no
+  /// monitored_barrier).
+  EngineCore(int rank, int size, const CoreConfig& cfg, const char* backend, std::string name)
+      : backend_(backend),
+        rank_(rank),
+        size_(size),
+        timeout_(cfg.timeout),
+        file_rank_(rank),
+        name_(std::move(name)),
+        desync_(cfg.desync_check),
+        fingerprints_(static_cast<std::size_t>(size)),
+        recorder_(cfg.flight_recorder_size),
+        dump_path_(flight_recorder_path()) {}
+
+  EngineCore(const EngineCore&) = delete;
+  EngineCore& operator=(const EngineCore&) = delete;
+  ~EngineCore() { shutdown(); }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  /// The store this communicator rendezvoused on (null when adopted) and its key prefix there.
+  [[nodiscard]] const std::shared_ptr<comm::Store>& store() const noexcept { return store_; }
+  [[nodiscard]] const std::string& key_prefix() const noexcept { return key_prefix_; }
+  [[nodiscard]] int file_rank() const noexcept { return file_rank_; }
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  [[nodiscard]] bool desync_check() const noexcept { return desync_; }
+  /// The next subgroup number (split and new_group count on every rank of this communicator).
+  [[nodiscard]] std::uint64_t next_group_index() noexcept { return groups_.fetch_add(1); }
+
+  [[nodiscard]] FlightRecord flight_record() const { return recorder_.snapshot(backend_, rank_, size_, name_); }
+  /// The file of automatic dumps: COMM_FLIGHT_RECORDER + "." + rank [+ "." + name].
+  [[nodiscard]] std::string dump_file() const {
+    return dump_path_ + "." + std::to_string(file_rank_) + (name_.empty() ? std::string() : "." + name_);
+  }
+
+  // ---- launch: blocking runs inline (after queued work), async queues and returns Work ----
+
+  void launch(Op& op, blocking_t) {
+    check_host_buffers(op);
+    queue_.run_inline(op);
+  }
+
+  Work launch(Op& op, async_t) {
+    check_host_buffers(op);
+    auto state = std::make_shared<EngineWorkState>(op_name(op.desc.kind), rank_, timeout_, abort_);
+    queue_.submit(std::move(op), state);
+    return Work(std::move(state));
+  }
+
+  // ---- collectives (arguments were validated by the facade) ----
+  // `hooks` (optional): steps run around the collective on the executing thread (see op.hpp).
+
+  template <class T, class Red, class Launch>
+  auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l, OpHooks hooks = {}) {
+    Op op = make_op<T>(OpKind::all_reduce, in.data(), out.data(), in.size(), out.size());
+    op.desc.reduce = reduce_code(red);
+    op.desc.count = in.size();
+    op.hooks = std::move(hooks);
+    return with_reduction<T>(op, red, l);
+  }
+
+  template <class T, class Red, class Launch>
+  auto reduce_scatter(std::span<const T> in, std::span<T> out, Red red, Launch l, OpHooks hooks = {}) {
+    Op op = make_op<T>(OpKind::reduce_scatter, in.data(), out.data(), in.size(), out.size());
+    op.desc.reduce = reduce_code(red);
+    op.desc.count = out.size();
+    op.hooks = std::move(hooks);
+    return with_reduction<T>(op, red, l);
+  }
+
+  template <class T, class Launch>
+  auto all_gather(std::span<const T> in, std::span<T> out, Launch l, OpHooks hooks = {}) {
+    Op op = make_op<T>(OpKind::all_gather, in.data(), out.data(), in.size(), out.size());
+    op.desc.count = in.size();
+    op.hooks = std::move(hooks);
+    return launch(op, l);
+  }
+
+  template <class T, class Launch>
+  auto broadcast(std::span<T> data, int root, Launch l, OpHooks hooks = {}) {
+    Op op = make_op<T>(OpKind::broadcast, nullptr, data.data(), 0, data.size());
+    op.desc.root = root;
+    op.desc.count = data.size();
+    op.hooks = std::move(hooks);
+    return launch(op, l);
+  }
+
+  template <class T, class Launch>
+  auto gather(std::span<const T> in, std::span<T> out, int root, Launch l, OpHooks hooks = {}) {
+    // The input count: the output is only meaningful (and sized) on the root.
+    Op op = make_op<T>(OpKind::gather, in.data(), out.data(), in.size(), out.size());
+    op.desc.root = root;
+    op.desc.count = in.size();
+    op.hooks = std::move(hooks);
+    return launch(op, l);
+  }
+
+  template <class Launch>
+  auto barrier(Launch l, OpHooks hooks = {}) {
+    Op op;
+    op.desc = OpDesc{OpKind::barrier, OpDesc::none, OpDesc::none, -1, 0};
+    op.hooks = std::move(hooks);
+    return launch(op, l);
+  }
+
+  /// split's collective step: every rank's (color, key), as 2*size() values in rank order (an
+  /// all_gather of kind `split`, which the engine runs as an all_gather).
+  [[nodiscard]] std::vector<std::int64_t> exchange_color_key(int color, int key) {
+    const std::array<std::int64_t, 2> mine{color, key};
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size_));
+    Op op = make_op<std::int64_t>(OpKind::split, mine.data(), all.data(), mine.size(), all.size());
+    op.desc.count = 2;
+    launch(op, blocking);
+    return all;
+  }
+
+  /// See detail/monitored_barrier.hpp. Ordered after the queued operations, like barrier().
+  void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
+    if (!store_)
+      throw InvalidArgument("monitored_barrier", rank_,
+                            "this communicator was adopted and has no store; monitored_barrier needs one (create the "
+                            "communicator with create() or from_env())");
+    Op op;
+    op.desc = OpDesc{OpKind::monitored_barrier, OpDesc::none, OpDesc::none, -1, 0};
+    op.barrier_timeout = timeout;
+    op.wait_all_ranks = wait_all_ranks;
+    launch(op, blocking);
+  }
+
+  /// Makes every queued and running operation fail with Timeout(`why`) and the communicator
+  /// unusable: the engine's pending waits wake at once, its transport closes (peers fail with
+  /// RemoteError). Returns once no operation runs, or after `grace`.
+  void abort(const std::string& why, std::chrono::milliseconds grace) {
+    if (record_failure(FailureKind::timeout, why, {})) {
+      failure_to_dump_ = true;
+      derived().close_transport();
+    }
+    (void)queue_.wait_idle_until(std::chrono::steady_clock::now() + grace);
+  }
+
+  /// The first failure's text, or "" while the communicator is healthy.
+  [[nodiscard]] std::string failure_text() const {
+    std::lock_guard lock(failure_mu_);
+    return failure_ ? failure_->what : std::string();
+  }
+
+ protected:
+  /// Derived destructors call this first, so that no operation runs on a half-destroyed engine.
+  void shutdown() noexcept {
+    if (shut_down_) return;
+    shut_down_ = true;
+    queue_.shutdown();
+    abort_->detach();
+    if (!dump_path_.empty()) {
+      try {
+        write_text_file(dump_file(), to_string(flight_record()), rank_);
+      } catch (const std::exception& e) {
+        log(LogLevel::warn, e.what());
+      }
+    }
+  }
+
+  /// The fingerprints of the operation being checked, one per rank; exchange_fingerprints() fills
+  /// every rank's slot from the peers (this rank's is already set).
+  [[nodiscard]] std::vector<Fingerprint>& fingerprints() noexcept { return fingerprints_; }
+  [[nodiscard]] const Fingerprint& own_fingerprint() const noexcept {
+    return fingerprints_[static_cast<std::size_t>(rank_)];
+  }
+
+  /// Runs one engine step, turning its exceptions into comm errors (Derived::rethrow_translated).
+  /// After a failure the communicator is unusable, so every later step fails at once with the
+  /// first cause.
+  template <class F>
+  void run(const char* op, F&& f) {
+    {
+      std::lock_guard lock(failure_mu_);
+      if (failure_)
+        throw_as(failure_->kind, op, rank_,
+                 "the communicator is unusable after an earlier failure: " + failure_->what, failure_->peer);
+    }
+    try {
+      std::forward<F>(f)();
+    } catch (...) {
+      try {
+        derived().rethrow_translated(op);
+      } catch (const Error& e) {
+        if (record_failure(kind_of(e), e.what(), e.peer())) {
+          // Close the transport now, so that peers blocked on this rank fail at once with
+          // RemoteError instead of waiting for their own timeout.
+          failure_to_dump_ = true;
+          derived().close_transport();
+          throw;
+        }
+        // Woken by an abort (Work::wait gave up) or an earlier failure: report that cause, not the
+        // engine's echo of it.
+        std::lock_guard lock(failure_mu_);
+        throw_as(failure_->kind, op, rank_, failure_->what, failure_->peer);
+      }
+    }
+  }
+
+  /// The default translation of an engine's exception (call inside a catch block): comm::Error
+  /// and std::bad_alloc pass, any other exception becomes BackendError with its text. Engines
+  /// whose library throws its own types define their own (Gloo).
+  [[noreturn]] void rethrow_translated(const char* op) {
+    try {
+      throw;
+    } catch (const Error&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw BackendError(op, rank_, e.what());
+    } catch (...) {
+      throw BackendError(op, rank_, "unknown exception");
+    }
+  }
+
+  /// Engines that read and write buffers with the CPU set this: a CUDA device buffer is then a
+  /// comm::InvalidArgument before anything is sent, not a crash (one branch per operation where no
+  /// CUDA driver is usable).
+  void host_buffers_only(const char* hint) noexcept { host_only_hint_ = hint; }
+
+  /// True when the communicator has failed (cheap; for engines' wait loops).
+  [[nodiscard]] bool has_failed() const noexcept { return failed_.load(std::memory_order_acquire); }
+
+ private:
+  friend class OpQueue;
+
+  [[nodiscard]] Derived& derived() noexcept { return static_cast<Derived&>(*this); }
+
+  struct Failure {
+    FailureKind kind;
+    std::string what;
+    std::string peer;
+  };
+
+  /// Records the first failure; false when there was one already.
+  bool record_failure(FailureKind kind, const std::string& what, const std::string& peer) {
+    std::lock_guard lock(failure_mu_);
+    if (failure_) return false;
+    failure_ = Failure{kind, what, peer};
+    failed_.store(true, std::memory_order_release);
+    return true;
+  }
+
+  void check_host_buffers(const Op& op) const {
+    if (host_only_hint_ == nullptr || !cuda::driver_usable()) return;
+    for (const void* p : {op.in, static_cast<const void*>(op.out)})
+      if (cuda::is_device_pointer(p))
+        throw InvalidArgument(op_name(op.desc.kind), rank_,
+                              std::string("a buffer is CUDA device memory, which the ") + backend_ +
+                                  " backend cannot read: " + host_only_hint_);
+  }
+
+  template <class T>
+  [[nodiscard]] static Op make_op(OpKind kind, const T* in, T* out, std::size_t in_count, std::size_t out_count) {
+    Op op;
+    op.desc = OpDesc{kind, dtype_code<T>(), OpDesc::none, -1, 0};
+    op.in = in;
+    op.out = out;
+    op.in_count = in_count;
+    op.out_count = out_count;
+    op.elem_size = sizeof(T);
+    return op;
+  }
+
+  /// Sets the reduction of `op` from `red`, then launches it. A custom callable is referred to
+  /// where it lives: in the caller's frame for a blocking call, in `op.keep` for an async one.
+  template <class T, class Red, class Launch>
+  auto with_reduction(Op& op, Red& red, Launch l) {
+    if constexpr (std::is_same_v<Red, ReduceOp>) {
+      op.kernel = reduce_kernel_for<T>(red);
+      op.many = reduce_many_for<T>(red);
+    } else if constexpr (builtin_reduction<Red>) {
+      constexpr ReduceOp r = reduce_op_of<Red> == ReduceOp::avg ? ReduceOp::sum : reduce_op_of<Red>;
+      op.kernel = &reduce_kernel<r, T>;
+      op.many = &reduce_many_kernel<r, T>;
+    } else {
+      using F = std::remove_cvref_t<decltype(red.fn)>;
+      op.custom = &apply_custom<T, F>;
+      if constexpr (std::is_same_v<Launch, async_t>) {
+        auto held = std::make_shared<F>(std::move(red.fn));
+        op.custom_arg = held.get();
+        op.keep = std::move(held);
+      } else {
+        op.custom_arg = &red.fn;
+      }
+    }
+    if (is_avg(red)) op.finish = &finish_avg_erased<T>;
+    return launch(op, l);
+  }
+
+  static void execute_thunk(void* self, Op& op, std::uint64_t seq) {
+    static_cast<EngineCore*>(self)->execute(op, seq);
+  }
+  static void issue_thunk(void* self, const Op& op, std::uint64_t seq) {
+    static_cast<EngineCore*>(self)->recorder_.issued(seq, op.desc);
+  }
+  static void abort_thunk(void* self, const std::string& why, std::chrono::milliseconds grace) {
+    static_cast<EngineCore*>(self)->abort(why, grace);
+  }
+
+  /// One operation: flight-recorder transitions, the desync check when on, the hooks and the
+  /// engine's part.
+  void execute(Op& op, std::uint64_t seq) {
+    const char* name = op_name(op.desc.kind);
+    recorder_.started(seq);
+    try {
+      if (op.desc.kind == OpKind::monitored_barrier) {
+        // Store-based: its failure is a verdict about peers, not a broken transport.
+        detail::monitored_barrier(*store_, key_prefix_ + "mb", monitored_barriers_++, rank_, size_,
+                                  op.barrier_timeout, op.wait_all_ranks);
+      } else {
+        if (desync_ && size_ > 1) check_desync(op.desc, seq);
+        // `before` runs inside run(): when it fails (a device copy-in), this rank's part of the
+        // operation never happens, so the communicator fails and closes its transport, and the
+        // peers get RemoteError at once instead of waiting for their timeout.
+        run(name, [&] {
+          if (op.hooks.before) run_hook(name, op.hooks.before);
+          derived().perform(op, seq);
+        });
+        if (op.hooks.after) run_hook(name, op.hooks.after);
+      }
+      recorder_.completed(seq);
+    } catch (const std::exception& e) {
+      recorder_.failed(seq, e.what());
+      // A desync (every rank throws it, the communicator stays usable) and the first failure are
+      // dumped; operations failing at once after that are not.
+      if (op.desc.kind == OpKind::monitored_barrier || dynamic_cast<const DesyncError*>(&e) != nullptr ||
+          failure_to_dump_.exchange(false))
+        dump_after_error();
+      throw;
+    }
+  }
+
+  void run_hook(const char* name, const std::function<void()>& hook) {
+    try {
+      hook();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw BackendError(name, rank_, e.what());
+    }
+  }
+
+  /// Exchanges this operation's fingerprint with every rank and throws DesyncError on a mismatch.
+  void check_desync(const OpDesc& d, std::uint64_t seq) {
+    const char* op = op_name(d.kind);
+    fingerprints_[static_cast<std::size_t>(rank_)] = fingerprint(seq, d);
+    try {
+      run(op, [&] { derived().exchange_fingerprints(seq); });
+    } catch (const Timeout& e) {
+      throw Timeout(e.op(), e.rank(),
+                    e.detail() + " (in the desync check's fingerprint exchange before op #" + std::to_string(seq) +
+                        ": a rank is late, hung, or runs without the check; it must be on for every rank or none)",
+                    e.peer());
+    }
+    check_fingerprints(fingerprints_, op, rank_);
+  }
+
+  /// Writes the flight record where COMM_FLIGHT_RECORDER says, else to stderr at COMM_DEBUG>=WARN.
+  void dump_after_error() noexcept {
+    try {
+      const auto text = to_string(flight_record());
+      if (!dump_path_.empty()) {
+        const auto file = dump_file();
+        write_text_file(file, text, rank_);
+        log(LogLevel::warn, "rank " + std::to_string(rank_) + ": flight record written to " + file);
+      } else if (log_level() >= LogLevel::warn) {
+        log(LogLevel::warn, "rank " + std::to_string(rank_) + ": flight record after the error:\n" +
+                                text.substr(0, text.empty() ? 0 : text.size() - 1));
+      }
+    } catch (...) {  // diagnostics must not replace the error being reported
+    }
+  }
+
+  const char* backend_;
+  const char* host_only_hint_ = nullptr;  // see host_buffers_only()
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<comm::Store> store_;  // null when adopted
+  std::string key_prefix_;              // "comm/<backend>/<n>/": this communicator's keys in store_
+  int file_rank_ = 0;
+  std::string name_;
+  bool desync_;
+  bool shut_down_ = false;
+  std::vector<Fingerprint> fingerprints_;  // one per rank; operations run one at a time
+  std::atomic<std::uint64_t> groups_{0};
+  std::uint64_t monitored_barriers_ = 0;  // only touched by the executing operation
+  FlightRecorder recorder_;
+  std::string dump_path_;  // COMM_FLIGHT_RECORDER
+  std::atomic<bool> failure_to_dump_{false};
+  std::atomic<bool> failed_{false};
+  mutable std::mutex failure_mu_;
+  std::optional<Failure> failure_;
+  std::shared_ptr<AbortHandle> abort_ = std::make_shared<AbortHandle>(this, &EngineCore::abort_thunk);
+  OpQueue queue_{this, &EngineCore::execute_thunk, &EngineCore::issue_thunk};  // last: drained first
+};
+
+}  // namespace comm::detail

@@ -1,0 +1,29 @@
+#pragma once
+// The kinds of failure an engine remembers after its first error, so that every later operation
+// fails at once with the same kind of comm::Error and the first cause (backend-neutral).
+
+#include <string>
+
+#include <comm/error.hpp>
+
+namespace comm::detail {
+
+enum class FailureKind { timeout, remote, backend };
+
+[[noreturn]] inline void throw_as(FailureKind kind, const std::string& op, int rank, const std::string& text,
+                                  const std::string& peer = {}) {
+  switch (kind) {
+    case FailureKind::timeout: throw Timeout(op, rank, text, peer);
+    case FailureKind::remote: throw RemoteError(op, rank, text, peer);
+    case FailureKind::backend: break;
+  }
+  throw BackendError(op, rank, text, peer);
+}
+
+[[nodiscard]] inline FailureKind kind_of(const Error& e) {
+  if (dynamic_cast<const Timeout*>(&e) != nullptr) return FailureKind::timeout;
+  if (dynamic_cast<const RemoteError*>(&e) != nullptr) return FailureKind::remote;
+  return FailureKind::backend;
+}
+
+}  // namespace comm::detail

@@ -1,0 +1,552 @@
+#pragma once
+// The MPI engine behind comm::backends::Mpi: two MPI communicators of its own (a data one for the
+// collectives, a control one for subgroup creation and failure notices) and the MPI calls.
+// Everything else — issue order, async Work, the flight recorder, the desync check,
+// monitored_barrier, failure state — is the engine core's (detail/engine/core.hpp).
+//
+// Every collective is MPI's non-blocking one (MPI_Iallreduce, MPI_Ireduce_scatter_block,
+// MPI_Iallgather, MPI_Ibcast, MPI_Igather, MPI_Ibarrier) polled with MPI_Test until it completes or
+// the operation's deadline passes: spinning for the first kSpinFor (as MPI's own blocking calls
+// do; OpenMPI's progress yields by itself when mpirun oversubscribes the cores), then sched_yield
+// between tests, then short sleeps once the operation is clearly waiting for a late peer. MPI cannot cancel a collective: after a Timeout the request stays pending — MPI may
+// still read the inputs and write the outputs if the peers arrive later — and the communicator is
+// unusable. Its MPI communicators, datatypes and the request are then deliberately leaked.
+//
+// Failure notices: the rank that fails first (Timeout, MPI error, Work::wait abort) sends a short
+// text to every peer on the control communicator; a rank whose operation has waited for more than
+// kLookEvery probes for one and fails with comm::RemoteError naming that rank and its cause,
+// instead of waiting for its own deadline.
+//
+// Tags on the control communicator: MPI_Comm_create_group's (1 .. kTagSpan), the store-less
+// new_group gate's (kGateTagBase ..), the notices' (kNoticeTag); the data communicator carries only
+// collectives.
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <comm/detail/desync.hpp>
+#include <comm/detail/engine/core.hpp>
+#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/mpi/errors.hpp>
+#include <comm/detail/mpi/runtime.hpp>
+#include <comm/detail/mpi/types.hpp>
+#include <comm/error.hpp>
+#include <comm/store.hpp>
+#include <comm/types.hpp>
+
+namespace comm::detail::mpi {
+
+/// Where an engine's MPI communicators come from.
+struct CommSource {
+  MPI_Comm parent = MPI_COMM_NULL;
+  /// Empty: duplicate the whole parent (MPI_Comm_idup). Else the parent ranks of the new
+  /// communicator in its rank order (MPI_Comm_create_group, called by these ranks only, with `tag`).
+  std::vector<int> members;
+  int tag = 0;
+  const char* op = "mpi.init";  // names the step in errors
+};
+
+/// An operation's deadline, read from the clock only when first needed: a quick operation never
+/// reads the clock (each read costs about as much as an MPI_Test).
+class Deadline {
+  using Clock = std::chrono::steady_clock;
+
+ public:
+  explicit Deadline(std::chrono::milliseconds timeout) noexcept : timeout_(timeout) {}
+  [[nodiscard]] static Deadline from_now(std::chrono::milliseconds timeout) {
+    Deadline d(timeout);
+    (void)d.at();
+    return d;
+  }
+  [[nodiscard]] Clock::time_point at() {
+    if (!set_) {
+      at_ = Clock::now() + timeout_;
+      set_ = true;
+    }
+    return at_;
+  }
+
+ private:
+  std::chrono::milliseconds timeout_;
+  Clock::time_point at_{};
+  bool set_ = false;
+};
+
+class Engine : public EngineCore<Engine> {
+  using Core = EngineCore<Engine>;
+  using Clock = std::chrono::steady_clock;
+
+ public:
+  /// Largest element count of one MPI call (MPI counts are int). all_reduce and broadcast go in
+  /// chunks above it; the backend refuses larger per-rank blocks for the other operations.
+  static constexpr std::size_t kMaxCount = static_cast<std::size_t>(INT_MAX);
+  static constexpr int kTagSpan = 9999;
+  static constexpr int kGateTagBase = 10000;
+  static constexpr int kNoticeTag = 32000;  // MPI guarantees tags up to 32767
+
+  /// MPI_Comm_create_group's tag of subgroup number `k`.
+  [[nodiscard]] static int group_tag(std::uint64_t k) noexcept { return 1 + static_cast<int>(k % kTagSpan); }
+
+  /// A communicator over `store` (membership check first, then the MPI communicators).
+  Engine(std::shared_ptr<comm::Store> store, int rank, int size, const CoreConfig& cfg, const CommSource& src)
+      : Core(std::move(store), rank, size, cfg, "mpi") {
+    connect(src);
+  }
+
+  /// A communicator without a store (adopted, or a subgroup of an adopted one).
+  Engine(int rank, int size, const CoreConfig& cfg, std::string name, const CommSource& src)
+      : Core(rank, size, cfg, "mpi", std::move(name)) {
+    connect(src);
+  }
+
+  ~Engine() {
+    shutdown();
+    if (!initialized() || finalized()) return;  // MPI is gone: so are its objects
+    if (has_failed() || leaked_) {
+      // A pending request may still use the communicators, the datatypes and the slot.
+      (void)slot_.release();
+      return;
+    }
+    for (auto& t : types_)
+      if (t != MPI_DATATYPE_NULL) MPI_Type_free(&t);
+    if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+    if (ctl_ != MPI_COMM_NULL) MPI_Comm_free(&ctl_);
+  }
+
+  /// The data communicator (collectives only).
+  [[nodiscard]] MPI_Comm comm() const noexcept { return comm_; }
+  /// The control communicator (subgroup creation, notices).
+  [[nodiscard]] MPI_Comm control() const noexcept { return ctl_; }
+  /// Whether MPI runs at MPI_THREAD_MULTIPLE (needed for async operations).
+  [[nodiscard]] bool multi_threaded() const noexcept { return thread_level_ >= MPI_THREAD_MULTIPLE; }
+  [[nodiscard]] int thread_level() const noexcept { return thread_level_; }
+
+  /// new_group on a communicator without a store: the members meet on the control communicator
+  /// (rank members[0] collects the others) before MPI_Comm_create_group, which has no deadline, so
+  /// a member that does not come is a comm::Timeout naming it instead of a hang. Members only.
+  void gate(std::span<const int> members, std::uint64_t k) {
+    static constexpr const char* op = "new_group";
+    if (members.size() <= 1) return;
+    const int tag = kGateTagBase + static_cast<int>(k % kTagSpan);
+    auto deadline = Deadline::from_now(timeout());
+    // Send buffers in static storage: a freed send request may complete after this returns.
+    static const int kHere = 1, kGo = 1, kStop = 0;
+    const int leader = members[0];
+    if (rank() == leader) {
+      const std::size_t m = members.size() - 1;
+      std::vector<int> got(m, 0);
+      std::vector<MPI_Request> reqs(m, MPI_REQUEST_NULL);
+      for (std::size_t j = 0; j < m; ++j)
+        COMM_MPI_CHECK(MPI_Irecv(&got[j], 1, MPI_INT, members[j + 1], tag, ctl_, &reqs[j]), op, rank());
+      int all = 0;
+      const bool done = poll([&] {
+        COMM_MPI_CHECK(MPI_Testall(static_cast<int>(m), reqs.data(), &all, MPI_STATUSES_IGNORE), op, rank());
+        return all != 0;
+      }, [] {}, deadline);
+      if (done) {
+        for (std::size_t j = 0; j < m; ++j) send_and_forget(&kGo, members[j + 1], tag, op);
+        return;
+      }
+      std::string missing;
+      std::string first;
+      for (std::size_t j = 0; j < m; ++j) {
+        // (MPI_Testall leaves every request as it was unless all completed: look at each.)
+        int arrived = 0;
+        MPI_Status st;
+        MPI_Test(&reqs[j], &arrived, &st);
+        if (arrived == 0) {
+          MPI_Cancel(&reqs[j]);
+          MPI_Wait(&reqs[j], &st);
+          int cancelled = 0;
+          MPI_Test_cancelled(&st, &cancelled);
+          arrived = cancelled == 0;  // matched before the cancel took effect
+        }
+        if (arrived != 0) {  // tell it to give up at once
+          send_and_forget(&kStop, members[j + 1], tag, op);
+          continue;
+        }
+        const std::string r = std::to_string(members[j + 1]);
+        if (first.empty()) first = r;
+        missing += (missing.empty() ? "" : ", ") + r;
+      }
+      throw Timeout(op, rank(),
+                    std::string(missing.find(',') == std::string::npos ? "rank " : "ranks ") + missing +
+                        " of this communicator did not reach new_group within " + std::to_string(timeout().count()) +
+                        " ms",
+                    first);
+    }
+    send_and_forget(&kHere, leader, tag, op);
+    int verdict = -1;
+    MPI_Request r = MPI_REQUEST_NULL;
+    COMM_MPI_CHECK(MPI_Irecv(&verdict, 1, MPI_INT, leader, tag, ctl_, &r), op, rank());
+    int flag = 0;
+    const bool done = poll([&] {
+      COMM_MPI_CHECK(MPI_Test(&r, &flag, MPI_STATUS_IGNORE), op, rank());
+      return flag != 0;
+    }, [] {}, deadline);
+    if (!done) {
+      MPI_Cancel(&r);
+      MPI_Wait(&r, MPI_STATUS_IGNORE);
+      throw Timeout(op, rank(),
+                    "rank " + std::to_string(leader) + " (the group's first member) did not answer within " +
+                        std::to_string(timeout().count()) + " ms",
+                    std::to_string(leader));
+    }
+    if (verdict != kGo)
+      throw Timeout(op, rank(),
+                    "rank " + std::to_string(leader) +
+                        " (the group's first member) reports that another member did not reach new_group in time",
+                    std::to_string(leader));
+  }
+
+ private:
+  friend Core;
+
+  /// Only spin (MPI_Test back to back, as MPI's own blocking calls do) for this long: yielding
+  /// earlier hands a whole time slice to any other busy process on a loaded machine, which costs
+  /// milliseconds per operation. When ranks oversubscribe the cores, OpenMPI's progress engine
+  /// already yields inside MPI_Test (mpi_yield_when_idle, set by mpirun --oversubscribe).
+  static constexpr std::chrono::milliseconds kSpinFor{2};
+  /// Sleep between tests once an operation has waited this long (a late peer, not a slow link).
+  static constexpr std::chrono::milliseconds kSleepAfter{100};
+  static constexpr std::chrono::microseconds kSleep{50};
+  /// How often a waiting operation probes for failure notices.
+  static constexpr std::chrono::milliseconds kLookEvery{1};
+  static constexpr std::size_t kNoticeMax = 1000;  // bytes: small enough for MPI's eager protocol
+
+  // ---- the engine calls the core makes ----
+
+  void perform(Op& op, std::uint64_t seq) {
+    const char* name = op_name(op.desc.kind);
+    Deadline deadline(timeout());
+    const std::size_t es = op.elem_size;
+    switch (op.desc.kind) {
+      case OpKind::all_reduce: {
+        if (op.out_count == 0) return;
+        const Reduction red = reduction(op);
+        const bool in_place = op.in == op.out;
+        // MPI counts are int: larger buffers go in chunks, one collective each.
+        for (std::size_t done = 0; done < op.out_count;) {
+          const std::size_t n = std::min(op.out_count - done, kMaxCount);
+          const std::size_t off = done * es;
+          MPI_Request req = MPI_REQUEST_NULL;
+          COMM_MPI_CHECK(MPI_Iallreduce(in_place ? MPI_IN_PLACE : static_cast<const std::byte*>(op.in) + off,
+                                        static_cast<std::byte*>(op.out) + off, static_cast<int>(n), red.type, red.op,
+                                        comm_, &req),
+                         name, rank());
+          await(req, name, seq, deadline);
+          done += n;
+        }
+        if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
+        return;
+      }
+      case OpKind::reduce_scatter: {
+        if (op.out_count == 0) return;
+        const Reduction red = reduction(op);
+        const std::size_t bytes = op.out_count * es;
+        // In place (the output is this rank's block of the input): MPI_IN_PLACE would put the
+        // result at the start of the input and may use the rest as scratch, so the result goes to
+        // scratch and is copied to the block; the input is only read.
+        const bool in_place = op.out == static_cast<const std::byte*>(op.in) + static_cast<std::size_t>(rank()) * bytes;
+        void* recv = op.out;
+        if (in_place) {
+          if (scratch_.size() < bytes) scratch_.resize(bytes);
+          recv = scratch_.data();
+        }
+        MPI_Request req = MPI_REQUEST_NULL;
+        COMM_MPI_CHECK(MPI_Ireduce_scatter_block(op.in, recv, static_cast<int>(op.out_count), red.type, red.op, comm_,
+                                                 &req),
+                       name, rank());
+        await(req, name, seq, deadline);
+        if (in_place) {
+          std::memcpy(op.out, recv, bytes);
+          if (scratch_.capacity() > kScratchKeep) std::vector<std::byte>().swap(scratch_);
+        }
+        if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
+        return;
+      }
+      case OpKind::all_gather:
+      case OpKind::split: {
+        if (op.in_count == 0) return;
+        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+        const bool in_place =
+            op.in == static_cast<const std::byte*>(op.out) + static_cast<std::size_t>(rank()) * op.in_count * es;
+        MPI_Request req = MPI_REQUEST_NULL;
+        COMM_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : op.in, static_cast<int>(op.in_count), type, op.out,
+                                      static_cast<int>(op.in_count), type, comm_, &req),
+                       name, rank());
+        await(req, name, seq, deadline);
+        return;
+      }
+      case OpKind::broadcast: {
+        if (op.out_count == 0) return;
+        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+        for (std::size_t done = 0; done < op.out_count;) {
+          const std::size_t n = std::min(op.out_count - done, kMaxCount);
+          MPI_Request req = MPI_REQUEST_NULL;
+          COMM_MPI_CHECK(MPI_Ibcast(static_cast<std::byte*>(op.out) + done * es, static_cast<int>(n), type,
+                                    op.desc.root, comm_, &req),
+                         name, rank());
+          await(req, name, seq, deadline);
+          done += n;
+        }
+        return;
+      }
+      case OpKind::gather: {
+        if (op.in_count == 0) return;
+        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+        const int root = op.desc.root;
+        const bool is_root = rank() == root;
+        const bool in_place =
+            is_root &&
+            op.in == static_cast<const std::byte*>(op.out) + static_cast<std::size_t>(root) * op.in_count * es;
+        MPI_Request req = MPI_REQUEST_NULL;
+        COMM_MPI_CHECK(MPI_Igather(in_place ? MPI_IN_PLACE : op.in, static_cast<int>(op.in_count), type,
+                                   is_root ? op.out : nullptr, static_cast<int>(op.in_count), type, root, comm_, &req),
+                       name, rank());
+        await(req, name, seq, deadline);
+        return;
+      }
+      case OpKind::barrier: {
+        MPI_Request req = MPI_REQUEST_NULL;
+        COMM_MPI_CHECK(MPI_Ibarrier(comm_, &req), name, rank());
+        await(req, name, seq, deadline);
+        return;
+      }
+      default: throw BackendError(name, rank(), "not an operation the MPI engine runs");
+    }
+  }
+
+  /// Fills fingerprints() from every rank: an in-place allgather of 32 bytes per rank.
+  void exchange_fingerprints(std::uint64_t seq) {
+    const char* name = op_name(static_cast<OpKind>(own_fingerprint().kind));
+    auto& all = fingerprints();
+    MPI_Request req = MPI_REQUEST_NULL;
+    COMM_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_BYTE, all.data(), static_cast<int>(sizeof(Fingerprint)),
+                                  MPI_BYTE, comm_, &req),
+                   name, rank());
+    Deadline deadline(timeout());
+    await(req, name, seq, deadline);
+  }
+
+  [[noreturn]] void rethrow_translated(const char* op) {
+    try {
+      throw;
+    } catch (const Error&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw BackendError(op, rank(), e.what());
+    } catch (...) {
+      throw BackendError(op, rank(), "unknown exception");
+    }
+  }
+
+  /// Tells every peer that this communicator failed, with the first cause (see the file comment).
+  /// MPI has no way to interrupt this rank's own pending request: the wait loop sees has_failed().
+  void close_transport() noexcept {
+    if (ctl_ == MPI_COMM_NULL || notified_.exchange(true)) return;
+    if (!initialized() || finalized()) return;
+    try {
+      std::string text = failure_text();
+      if (text.size() > kNoticeMax) text.resize(kNoticeMax);
+      // Leaked on purpose: a freed send request may read it after this communicator is gone.
+      const auto* notice = new std::string(std::move(text));
+      for (int p = 0; p < size(); ++p) {
+        if (p == rank()) continue;
+        MPI_Request r = MPI_REQUEST_NULL;
+        if (MPI_Isend(notice->data(), static_cast<int>(notice->size()), MPI_CHAR, p, kNoticeTag, ctl_, &r) ==
+            MPI_SUCCESS)
+          MPI_Request_free(&r);
+      }
+    } catch (...) {  // best effort: peers still end by their own deadline
+    }
+  }
+
+  // ---- helpers ----
+
+  static constexpr std::size_t kScratchKeep = std::size_t{8} << 20;
+
+  struct Reduction {
+    MPI_Datatype type;
+    MPI_Op op;
+  };
+
+  /// MPI's own type and op where MPI reduces the element type, else this engine's datatype of the
+  /// element's size with the slot op running comm's kernel or the user's callable.
+  Reduction reduction(const Op& op) {
+    const auto d = static_cast<Dtype>(op.desc.dtype);
+    // desc.reduce is the ReduceOp's code for a built-in reduction (avg maps to MPI_SUM).
+    if (op.custom == nullptr && mpi_reduces(d)) return {datatype_of(d), op_of(static_cast<ReduceOp>(op.desc.reduce))};
+    slot_->kernel = op.kernel;
+    slot_->custom = op.custom;
+    slot_->arg = op.custom_arg;
+    return {erased_type(op.elem_size, op_name(op.desc.kind)), slot_op()};
+  }
+
+  /// Contiguous `bytes`-byte elements carrying this engine's ReduceSlot (made on first use).
+  MPI_Datatype erased_type(std::size_t bytes, const char* name) {
+    const std::size_t i = bytes == 1 ? 0 : bytes == 2 ? 1 : bytes == 4 ? 2 : 3;
+    MPI_Datatype& t = types_[i];
+    if (t == MPI_DATATYPE_NULL) {
+      MPI_Datatype made = MPI_DATATYPE_NULL;
+      COMM_MPI_CHECK(MPI_Type_contiguous(static_cast<int>(bytes), MPI_BYTE, &made), name, rank());
+      COMM_MPI_CHECK(MPI_Type_commit(&made), name, rank());
+      COMM_MPI_CHECK(MPI_Type_set_attr(made, slot_keyval(), slot_.get()), name, rank());
+      t = made;
+    }
+    return t;
+  }
+
+  /// Calls `test` until it returns true (true) or `deadline` passes (false): spinning for
+  /// kSpinFor, then a yield between tests, then short sleeps once the wait is long. `look` runs every
+  /// kLookEvery. The clock is read every 32 tests only, so a quick operation never reads it.
+  template <class Test, class Look>
+  bool poll(Test&& test, Look&& look, Deadline& deadline) {
+    Clock::time_point start{}, next_look{};
+    for (unsigned i = 1;; ++i) {
+      if (test()) return true;
+      if (i % 32 != 0) continue;
+      const auto now = Clock::now();
+      if (i == 32) {
+        start = now;
+        next_look = now + kLookEvery;
+      }
+      if (now >= next_look) {
+        next_look = now + kLookEvery;
+        look();
+      }
+      if (now >= deadline.at()) return false;
+      const auto waited = now - start;
+      if (waited >= kSleepAfter)
+        std::this_thread::sleep_for(kSleep);
+      else if (waited >= kSpinFor)
+        std::this_thread::yield();
+    }
+  }
+
+  /// Waits for the request of operation `seq` (see the file comment); on a Timeout, an abort or a
+  /// peer's failure notice the request is left pending (leaked) and the error thrown.
+  void await(MPI_Request& req, const char* name, std::uint64_t seq, Deadline& deadline) {
+    int done = 0;
+    COMM_MPI_CHECK(MPI_Test(&req, &done, MPI_STATUS_IGNORE), name, rank());
+    if (done != 0) return;
+    const bool completed = poll([&] {
+      COMM_MPI_CHECK(MPI_Test(&req, &done, MPI_STATUS_IGNORE), name, rank());
+      return done != 0;
+    }, [&] { look_out(name); }, deadline);
+    if (completed) return;
+    leaked_ = true;
+    throw Timeout(name, rank(),
+                  "op #" + std::to_string(seq) + " did not complete within " + std::to_string(timeout().count()) +
+                      " ms (a rank is late, hung, or did not call it). MPI cannot cancel a collective: its request "
+                      "stays pending (MPI may still read and write this operation's buffers if the peers arrive "
+                      "later) and this communicator is unusable");
+  }
+
+  /// While waiting: fail at once when the communicator was aborted, or when a peer says it failed.
+  void look_out(const char* name) {
+    if (has_failed()) {
+      leaked_ = true;
+      throw Timeout(name, rank(), "aborted");  // run() reports the abort's own cause instead
+    }
+    int flag = 0;
+    MPI_Status st;
+    COMM_MPI_CHECK(MPI_Iprobe(MPI_ANY_SOURCE, kNoticeTag, ctl_, &flag, &st), name, rank());
+    if (flag == 0) return;
+    int len = 0;
+    COMM_MPI_CHECK(MPI_Get_count(&st, MPI_CHAR, &len), name, rank());
+    std::string text(static_cast<std::size_t>(std::max(len, 0)), '\0');
+    COMM_MPI_CHECK(MPI_Recv(text.data(), len, MPI_CHAR, st.MPI_SOURCE, kNoticeTag, ctl_, MPI_STATUS_IGNORE), name,
+                   rank());
+    leaked_ = true;
+    throw RemoteError(name, rank(), "rank " + std::to_string(st.MPI_SOURCE) + " failed: " + text,
+                      std::to_string(st.MPI_SOURCE));
+  }
+
+  void send_and_forget(const int* value, int to, int tag, const char* op) {
+    MPI_Request r = MPI_REQUEST_NULL;
+    COMM_MPI_CHECK(MPI_Isend(value, 1, MPI_INT, to, tag, ctl_, &r), op, rank());
+    MPI_Request_free(&r);
+  }
+
+  /// Makes the data and control communicators (blocking, ends by the timeout).
+  void connect(const CommSource& src) {
+    thread_level_ = mpi::thread_level();
+    const char* op = src.op;
+    auto deadline = Deadline::from_now(timeout());
+    // MPI writes the new handles when the requests complete, which after a Timeout may be later:
+    // they live on the heap and are leaked with the requests.
+    auto handles = std::make_unique<std::array<MPI_Comm, 2>>();
+    handles->fill(MPI_COMM_NULL);
+    auto await_made = [&](MPI_Request* reqs, int n, const char* what) {
+      int all = 0;
+      const bool done = poll([&] {
+        COMM_MPI_CHECK(MPI_Testall(n, reqs, &all, MPI_STATUSES_IGNORE), op, rank());
+        return all != 0;
+      }, [] {}, deadline);
+      if (done) return;
+      (void)handles.release();
+      throw Timeout(op, rank(),
+                    std::string(what) + " did not complete within " + std::to_string(timeout().count()) +
+                        " ms: a rank did not make this communicator (every rank of the parent must, in the same "
+                        "order); the pending MPI request is leaked");
+    };
+    if (src.members.empty()) {
+      std::array<MPI_Request, 2> reqs{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+      COMM_MPI_CHECK(MPI_Comm_idup(src.parent, &(*handles)[0], &reqs[0]), op, rank());
+      COMM_MPI_CHECK(MPI_Comm_idup(src.parent, &(*handles)[1], &reqs[1]), op, rank());
+      await_made(reqs.data(), 2, "MPI_Comm_idup");
+    } else {
+      MPI_Group parent_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
+      COMM_MPI_CHECK(MPI_Comm_group(src.parent, &parent_group), op, rank());
+      const int rc = MPI_Group_incl(parent_group, static_cast<int>(src.members.size()), src.members.data(), &group);
+      MPI_Group_free(&parent_group);
+      if (rc != MPI_SUCCESS) throw_mpi_error(rc, "MPI_Group_incl", op, rank());
+      // No deadline of its own: every member is known to be here (the split's exchange, the
+      // membership check on the store, or gate()).
+      const int rc2 = MPI_Comm_create_group(src.parent, group, src.tag, &(*handles)[0]);
+      MPI_Group_free(&group);
+      if (rc2 != MPI_SUCCESS) throw_mpi_error(rc2, "MPI_Comm_create_group", op, rank());
+      MPI_Request req = MPI_REQUEST_NULL;
+      COMM_MPI_CHECK(MPI_Comm_idup((*handles)[0], &(*handles)[1], &req), op, rank());
+      await_made(&req, 1, "MPI_Comm_idup");
+    }
+    comm_ = (*handles)[0];
+    ctl_ = (*handles)[1];
+    // Failures come back as error codes (COMM_MPI_CHECK) instead of aborting the job.
+    COMM_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), op, rank());
+    COMM_MPI_CHECK(MPI_Comm_set_errhandler(ctl_, MPI_ERRORS_RETURN), op, rank());
+    const std::string label = "comm" + (name().empty() ? std::string() : "." + name());
+    MPI_Comm_set_name(comm_, label.c_str());
+    MPI_Comm_set_name(ctl_, (label + ".control").c_str());
+  }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm ctl_ = MPI_COMM_NULL;
+  int thread_level_ = MPI_THREAD_SINGLE;
+  bool leaked_ = false;  // a request was left pending (only the executing thread writes it)
+  std::atomic<bool> notified_{false};
+  std::unique_ptr<ReduceSlot> slot_ = std::make_unique<ReduceSlot>();
+  std::array<MPI_Datatype, 4> types_{MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL};
+  std::vector<std::byte> scratch_;  // in-place reduce_scatter's result; ops run one at a time
+};
+
+}  // namespace comm::detail::mpi

@@ -1,0 +1,612 @@
+#pragma once
+// The Shm engine behind comm::backends::Shm: collectives among the ranks of one host through one
+// shared-memory segment (segment.hpp). Everything that is not about moving bytes — issue order,
+// async Work, flight recorder, desync check, monitored_barrier, failure state — is the engine
+// core's (detail/engine/core.hpp).
+//
+// The protocol: a communicator-wide step counter, the same on every rank. In step s a rank writes
+// its contribution into its half s%2 and then publishes s in that half's header line (release
+// store); a reader waits until the writer's header says s (acquire load) and reads. With the
+// header line also go the fingerprint of the step's operation (so a peer in another operation, or
+// with another count, is a DesyncError on every rank, never a wrong read) and up to kInline bytes
+// of payload: an 8-byte all_reduce between two ranks moves one cache line each way.
+//   - A half written in step s was last written in step s-2; a rank writes it only once every
+//     peer has published s-1 (and so finished step s-2). In symmetric steps that is already
+//     known from the previous step's wait, so it costs nothing.
+//   - The first step of every operation is symmetric: every rank publishes and reads every
+//     rank's header, so every rank sees every fingerprint and either all throw DesyncError or none
+//     does (then the communicator stays usable: every rank consumed the same step).
+// Algorithms:
+//   - all_reduce, <= small_max bytes: one step; each rank reduces all inputs (n-input kernels,
+//     reduce.hpp: half/bfloat16/fp8 accumulate in float).
+//   - all_reduce, larger: per chunk two steps, a direct reduce-scatter (each rank reduces its
+//     slice of the chunk from every rank's half) and an all-gather of the reduced slices; chunks
+//     of `chunk` bytes keep the working set in cache and let ranks run a step apart.
+//   - reduce_scatter, all_gather, gather: one step per chunk; broadcast: one step per chunk with
+//     the root one step ahead at most.
+// Waiting: spin (with pause) briefly, then yield for up to 2 ms, then sleep on a futex in the peer's
+// control line with bounded slices; a publisher wakes only when a sleeper announced itself, so the fast path
+// has no syscall. In the sleeping phase the waiter checks the deadline, the abort words and whether
+// the peer's process still exists (pidfd, or kill(pid, 0) where pidfds are missing), so a SIGKILLed
+// peer is seen within a slice (10 ms), a stopped one by the deadline.
+
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <comm/detail/desync.hpp>
+#include <comm/detail/engine/core.hpp>
+#include <comm/detail/env.hpp>
+#include <comm/detail/shm/segment.hpp>
+#include <comm/error.hpp>
+#include <comm/store.hpp>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace comm::detail::shm {
+
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+inline void futex_wait(std::atomic<std::uint32_t>* w, std::uint32_t expected, std::chrono::nanoseconds t) noexcept {
+  timespec ts{static_cast<time_t>(t.count() / 1000000000), static_cast<long>(t.count() % 1000000000)};
+  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(w), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+inline void futex_wake_all(std::atomic<std::uint32_t>* w) noexcept {
+  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(w), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+/// Watches whether a process exists: a pidfd (readable once the process has exited, zombie or
+/// not), else kill(pid, 0).
+class ProcessWatch {
+ public:
+  ProcessWatch() = default;
+  explicit ProcessWatch(std::int64_t pid) : pid_(static_cast<pid_t>(pid)) {
+#if defined(SYS_pidfd_open)
+    fd_ = static_cast<int>(::syscall(SYS_pidfd_open, pid_, 0));
+#endif
+  }
+  ProcessWatch(ProcessWatch&& o) noexcept : pid_(o.pid_), fd_(std::exchange(o.fd_, -1)) {}
+  ProcessWatch& operator=(ProcessWatch&& o) noexcept {
+    std::swap(pid_, o.pid_);
+    std::swap(fd_, o.fd_);
+    return *this;
+  }
+  ~ProcessWatch() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  [[nodiscard]] bool exited() const noexcept {
+    if (pid_ <= 0) return false;
+    if (fd_ >= 0) {
+      pollfd p{fd_, POLLIN, 0};
+      return ::poll(&p, 1, 0) > 0;
+    }
+    return ::kill(pid_, 0) != 0 && errno == ESRCH;
+  }
+  [[nodiscard]] pid_t pid() const noexcept { return pid_; }
+
+ private:
+  pid_t pid_ = 0;
+  int fd_ = -1;
+};
+
+struct EngineConfig : CoreConfig {
+  std::size_t chunk = 0;      // payload bytes per half
+  std::size_t small_max = 0;  // all_reduce: one step up to this many bytes
+  int spin = -1;              // spins before yielding (-1: from the load)
+};
+
+class Engine : public EngineCore<Engine> {
+  using Core = EngineCore<Engine>;
+  using Clock = std::chrono::steady_clock;
+
+ public:
+  Engine(std::shared_ptr<comm::Store> store, int rank, int size, const EngineConfig& cfg)
+      : Core(std::move(store), rank, size, cfg, "shm"),
+        layout_(size, cfg.chunk),
+        small_max_(std::min(cfg.small_max, cfg.chunk)),
+        seen_(static_cast<std::size_t>(size), 0),
+        watch_(static_cast<std::size_t>(size)),
+        srcs_(static_cast<std::size_t>(size)),
+        table_(static_cast<std::size_t>(size)) {
+    host_buffers_only("use Communicator<backends::Nccl>, or Gloo, which stages device buffers");
+    map_ = rendezvous(*Core::store(), key_prefix(), rank, layout_, timeout());
+    header_ = reinterpret_cast<Header*>(map_.base());
+    ctl(rank).pid = static_cast<std::int64_t>(::getpid());
+    // Touch this rank's halves here, so that their pages are on this rank's NUMA node.
+    std::memset(static_cast<void*>(half(rank, 0)), 0, 2 * layout_.half_bytes);
+    spin_ = cfg.spin >= 0 ? cfg.spin : default_spin(size);
+    // One step that every rank takes: afterwards every pid is published.
+    fp_ = fingerprint(0, OpDesc{OpKind::barrier, OpDesc::none, OpDesc::none, -1, 0});
+    run("shm.init", [&] {
+      op_name_ = "shm.init";
+      const std::uint64_t s = next_step();
+      publish(s);
+      wait_all(s);
+    });
+    for (int p = 0; p < size; ++p)
+      if (p != rank) watch_[static_cast<std::size_t>(p)] = ProcessWatch(ctl(p).pid);
+  }
+
+  ~Engine() {
+    shutdown();
+    if (header_ != nullptr) {
+      // Peers still waiting on this rank (a mismatched program) learn at once that it left.
+      ctl(rank()).left.store(1, std::memory_order_seq_cst);
+      ring(rank());
+    }
+  }
+
+  [[nodiscard]] std::size_t chunk_bytes() const noexcept { return layout_.chunk; }
+
+ private:
+  friend Core;
+
+  // ---- the engine calls the core makes ----
+
+  void perform(Op& op, std::uint64_t seq) {
+    fp_ = fingerprint(seq, op.desc);
+    op_seq_ = seq;
+    op_name_ = op_name(op.desc.kind);
+    switch (op.desc.kind) {
+      case OpKind::all_reduce: return do_all_reduce(op);
+      case OpKind::reduce_scatter: return do_reduce_scatter(op);
+      case OpKind::all_gather:
+      case OpKind::split: return do_all_gather(op);
+      case OpKind::broadcast: return do_broadcast(op);
+      case OpKind::gather: return do_gather(op);
+      case OpKind::barrier: {
+        const std::uint64_t s = next_step();
+        publish(s);
+        wait_all(s);
+        return;
+      }
+      default: throw BackendError(op_name_, rank(), "not an operation the shm engine runs");
+    }
+  }
+
+  void exchange_fingerprints(std::uint64_t seq) {
+    // One symmetric step whose operation fingerprint is the check's own; the fingerprints travel
+    // as payload.
+    fp_ = fingerprint(seq, OpDesc{OpKind::barrier, OpDesc::none, OpDesc::none, -2, 0});
+    op_seq_ = seq;
+    op_name_ = "desync_check";
+    auto& all = fingerprints();
+    const std::uint64_t s = next_step();
+    copy(begin(s), &all[static_cast<std::size_t>(rank())], sizeof(Fingerprint));
+    publish(s);
+    wait_all(s);
+    for (int p = 0; p < size(); ++p)
+      if (p != rank()) std::memcpy(&all[static_cast<std::size_t>(p)], payload(p, s), sizeof(Fingerprint));
+  }
+
+  /// Tells every peer that this communicator failed (their waits end with RemoteError naming this
+  /// rank, unless a dead rank was named first) and wakes them.
+  void close_transport() noexcept {
+    if (header_ == nullptr) return;
+    std::uint32_t none = 0;
+    (void)header_->abort.compare_exchange_strong(none, static_cast<std::uint32_t>(rank() + 1));
+    for (int p = 0; p < size(); ++p) ring(p);
+  }
+
+  // ---- layout ----
+
+  [[nodiscard]] RankCtl& ctl(int p) const noexcept {
+    return reinterpret_cast<RankCtl*>(map_.base() + layout_.ctl)[p];
+  }
+  [[nodiscard]] HalfHeader* half(int p, std::uint64_t s) const noexcept {
+    return reinterpret_cast<HalfHeader*>(map_.base() + layout_.halves +
+                                         (static_cast<std::size_t>(p) * 2 + (s & 1)) * layout_.half_bytes);
+  }
+  [[nodiscard]] std::byte* payload(int p, std::uint64_t s) const noexcept {
+    return reinterpret_cast<std::byte*>(half(p, s)) + sizeof(std::uint64_t) + sizeof(Fingerprint);
+  }
+  static_assert(sizeof(std::uint64_t) + sizeof(Fingerprint) <= kLine);
+
+  // ---- steps ----
+
+  [[nodiscard]] std::uint64_t next_step() noexcept { return ++step_; }
+
+  /// Returns once every peer has left step s-2 (published s-1), so half s%2 may be rewritten.
+  void ensure_free(std::uint64_t s) {
+    for (int p = 0; p < size(); ++p)
+      if (p != rank() && seen_[static_cast<std::size_t>(p)] + 1 < s) wait_published(p, s - 1);
+  }
+
+  /// This rank's payload for step `s`, once it may be written.
+  std::byte* begin(std::uint64_t s) {
+    ensure_free(s);
+    return payload(rank(), s);
+  }
+
+  /// Publishes step `s` with the current operation's fingerprint; wakes sleepers on this rank.
+  void publish(std::uint64_t s) {
+    ensure_free(s);  // (the header line is rewritten too)
+    HalfHeader* h = half(rank(), s);
+    std::memcpy(reinterpret_cast<std::byte*>(h) + sizeof(std::uint64_t), &fp_, sizeof(Fingerprint));
+    h->step.store(s, std::memory_order_seq_cst);
+    if (ctl(rank()).sleepers.load(std::memory_order_seq_cst) != 0) ring(rank());
+  }
+
+  void ring(int p) noexcept {
+    ctl(p).bell.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&ctl(p).bell);
+  }
+
+  /// Waits until peer `p` has published step `s`, then checks its fingerprint.
+  void wait_step(int p, std::uint64_t s) {
+    wait_published(p, s);
+    const auto* f = reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(half(p, s)) +
+                                                         sizeof(std::uint64_t));
+    if (!same(*f, fp_)) desync(s);
+  }
+
+  /// The first step of every operation: waits for every peer and compares every fingerprint.
+  void wait_all(std::uint64_t s) {
+    bool mismatch = false;
+    for (int p = 0; p < size(); ++p) {
+      if (p == rank()) continue;
+      wait_published(p, s);
+      const auto* f = reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(half(p, s)) +
+                                                           sizeof(std::uint64_t));
+      mismatch = mismatch || !same(*f, fp_);
+    }
+    if (mismatch) desync(s);
+  }
+
+  /// Every peer has published `s` (wait_all/wait_step done): DesyncError naming every call.
+  [[noreturn]] void desync(std::uint64_t s) {
+    for (int p = 0; p < size(); ++p) {
+      if (p != rank()) wait_published(p, s);
+      std::memcpy(&table_[static_cast<std::size_t>(p)],
+                  p == rank() ? static_cast<const void*>(&fp_)
+                              : reinterpret_cast<const std::byte*>(half(p, s)) + sizeof(std::uint64_t),
+                  sizeof(Fingerprint));
+    }
+    auto msg = desync_message(table_);
+    if (msg.empty()) msg = "a peer ran a different step of this operation";
+    throw DesyncError(op_name_, rank(),
+                      "desync (always checked on shm): " + msg +
+                          "; every rank must issue the same collectives in the same order with matching sizes");
+  }
+
+  /// Waits until `p`'s half (s%2) holds step s or later.
+  void wait_published(int p, std::uint64_t s) {
+    auto& seen = seen_[static_cast<std::size_t>(p)];
+    if (seen >= s) return;
+    const auto& w = half(p, s)->step;
+    if (w.load(std::memory_order_acquire) >= s) {
+      seen = s;
+      return;
+    }
+    for (int i = 0; i < spin_; ++i) {
+      cpu_relax();
+      if (w.load(std::memory_order_acquire) >= s) {
+        seen = s;
+        return;
+      }
+    }
+    wait_slow(p, s, w);
+    seen = s;
+  }
+
+  void wait_slow(int p, std::uint64_t s, const std::atomic<std::uint64_t>& w) {
+    const auto deadline = Clock::now() + timeout();
+    auto ready = [&] { return w.load(std::memory_order_acquire) >= s; };
+    // Then yield for a while: a peer that shares this core (the scheduler does not always spread
+    // the ranks) runs at once, and one on another core costs a system call per check. Only a peer
+    // that is really busy or stopped sends this rank to sleep.
+    const auto yield_until = Clock::now() + kYieldPhase;
+    for (int i = 0;; ++i) {
+      if (ready()) return;
+      std::this_thread::yield();
+      if (i % 64 == 63) {
+        if (!check_peers(p, s, deadline, false, w)) return;
+        if (Clock::now() >= yield_until) break;
+      }
+    }
+    RankCtl& c = ctl(p);
+    for (;;) {
+      c.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      const std::uint32_t bell = c.bell.load(std::memory_order_seq_cst);
+      if (ready()) {
+        c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        return;
+      }
+      const auto left = deadline - Clock::now();
+      futex_wait(&c.bell, bell, std::min<std::chrono::nanoseconds>(kSlice, std::max<Clock::duration>(left, {})));
+      c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      if (ready() || !check_peers(p, s, deadline, true, w)) return;
+    }
+  }
+
+  /// Ends a wait on peer `p` that cannot succeed: a rank found dead, the communicator aborted by a
+  /// rank, `p` gone, or the deadline passed. Returns false when the step arrived after all: a peer
+  /// may publish its last step and then exit or destroy its communicator at once.
+  bool check_peers(int p, std::uint64_t s, Clock::time_point deadline, bool probe,
+                   const std::atomic<std::uint64_t>& w) {
+    const bool gone = header_->dead.load(std::memory_order_acquire) != 0 ||
+                      header_->abort.load(std::memory_order_acquire) != 0 ||
+                      ctl(p).left.load(std::memory_order_acquire) != 0 ||
+                      (probe && watch_[static_cast<std::size_t>(p)].exited()) || Clock::now() >= deadline;
+    if (!gone) return true;
+    if (w.load(std::memory_order_acquire) >= s) return false;
+    auto at = [&] { return " (op #" + std::to_string(op_seq_) + ", step " + std::to_string(s) + ")"; };
+    if (const auto d = header_->dead.load(std::memory_order_acquire); d != 0) {
+      const int r = static_cast<int>(d) - 1;
+      throw RemoteError(op_name_, rank(),
+                        "rank " + std::to_string(r) + " (pid " + std::to_string(ctl(r).pid) +
+                            ") died during the operation" + at(),
+                        "rank " + std::to_string(r));
+    }
+    if (const auto a = header_->abort.load(std::memory_order_acquire); a != 0 && static_cast<int>(a) - 1 != rank()) {
+      const int r = static_cast<int>(a) - 1;
+      throw RemoteError(op_name_, rank(),
+                        "rank " + std::to_string(r) + " failed and aborted the communicator" + at(),
+                        "rank " + std::to_string(r));
+    }
+    if (ctl(p).left.load(std::memory_order_acquire) != 0)
+      throw RemoteError(op_name_, rank(),
+                        "rank " + std::to_string(p) + " destroyed its communicator while this rank waited for it" + at(),
+                        "rank " + std::to_string(p));
+    if (probe && watch_[static_cast<std::size_t>(p)].exited()) {
+      std::uint32_t none = 0;
+      (void)header_->dead.compare_exchange_strong(none, static_cast<std::uint32_t>(p + 1));
+      for (int q = 0; q < size(); ++q) ring(q);
+      throw RemoteError(op_name_, rank(),
+                        "rank " + std::to_string(p) + " (pid " + std::to_string(ctl(p).pid) +
+                            ") died during the operation" + at(),
+                        "rank " + std::to_string(p));
+    }
+    if (Clock::now() < deadline)  // this rank's own abort (Work::wait gave up): end the wait now
+      throw Timeout(op_name_, rank(), "the communicator was aborted while this rank waited for rank " +
+                                          std::to_string(p) + at(), "rank " + std::to_string(p));
+    throw Timeout(op_name_, rank(),
+                  "rank " + std::to_string(p) + " (pid " + std::to_string(ctl(p).pid) + ") did not arrive within " +
+                      std::to_string(timeout().count()) + " ms" + at() + ": stopped, hung, or in another operation",
+                  "rank " + std::to_string(p));
+  }
+
+  static int default_spin(int size) {
+    // Spinning helps only while every rank has a core of its own.
+    const auto cores = static_cast<int>(std::thread::hardware_concurrency());
+    if (auto v = env_nonneg_int("COMM_SHM_SPIN")) return *v;
+    return cores >= size ? 2000 : 16;
+  }
+
+  // ---- algorithms ----
+
+  // memcpy/memmove of `bytes`, nothing for 0 (an empty buffer's data() may be null).
+  static void copy(void* dst, const void* src, std::size_t bytes) noexcept {
+    if (bytes != 0) std::memcpy(dst, src, bytes);
+  }
+  static void move(void* dst, const void* src, std::size_t bytes) noexcept {
+    if (bytes != 0) std::memmove(dst, src, bytes);
+  }
+
+  /// Elements per step for element size `e` when each rank writes `pieces` pieces per step.
+  [[nodiscard]] std::size_t per_step(std::size_t e, std::size_t pieces = 1) const noexcept {
+    return std::max<std::size_t>(layout_.chunk / (e * pieces), 1);
+  }
+
+  /// out = reduction of srcs_[0..n) over `count` elements with op's kernels; `finish` (avg) too.
+  void reduce_from(const Op& op, void* out, std::size_t count, bool finish) {
+    const int n = size();
+    if (count == 0) return;
+    if (n == 1) {
+      if (out != srcs_[0]) copy(out, srcs_[0], count * op.elem_size);
+    } else if (op.many != nullptr) {
+      op.many(out, srcs_.data(), n, count);
+    } else {
+      // A custom callable, pairwise (it must be associative and commutative). When `out` is one of
+      // the inputs (in place), that one is the accumulator, so it is not overwritten before use.
+      int acc = -1;
+      for (int k = 0; k < n; ++k)
+        if (srcs_[static_cast<std::size_t>(k)] == out) acc = k;
+      if (acc < 0) {
+        op.custom(op.custom_arg, out, srcs_[0], srcs_[1], count);
+        for (int k = 2; k < n; ++k) op.custom(op.custom_arg, out, out, srcs_[static_cast<std::size_t>(k)], count);
+      } else {
+        for (int k = 0; k < n; ++k)
+          if (k != acc) op.custom(op.custom_arg, out, out, srcs_[static_cast<std::size_t>(k)], count);
+      }
+    }
+    if (finish && op.finish != nullptr) op.finish(out, count, n);
+  }
+
+  void do_all_reduce(Op& op) {
+    const std::size_t e = op.elem_size;
+    const std::size_t count = op.out_count;
+    const auto* in = static_cast<const std::byte*>(op.in);
+    auto* out = static_cast<std::byte*>(op.out);
+    const int n = size();
+    if (count * e <= small_max_) {
+      const std::uint64_t s = next_step();
+      copy(begin(s), in, count * e);
+      publish(s);
+      wait_all(s);
+      for (int p = 0; p < n; ++p) srcs_[static_cast<std::size_t>(p)] = p == rank() ? in : payload(p, s);
+      reduce_from(op, out, count, true);
+      return;
+    }
+    // Chunks of k elements; in each, rank p reduces slice p (cache-line aligned) and all gather.
+    const std::size_t k = per_step(e);
+    const std::size_t align = std::max<std::size_t>(kLine / e, 1);
+    for (std::size_t off = 0; off < count; off += k) {
+      const std::size_t m = std::min(k, count - off);
+      const std::size_t q = ((m + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n) + align - 1) / align * align;
+      const std::size_t lo = std::min(m, q * static_cast<std::size_t>(rank()));
+      const std::size_t hi = std::min(m, lo + q);
+      const std::uint64_t a = next_step();
+      // The peers read their slices of this rank's chunk; its own slice it reads from `in`.
+      std::byte* staged = begin(a);
+      copy(staged, in + off * e, lo * e);
+      copy(staged + hi * e, in + (off + hi) * e, (m - hi) * e);
+      publish(a);
+      wait_all(a);
+      const std::uint64_t b = next_step();
+      // Half b%2 was last read in step a-1, which every peer has left (they published a).
+      for (int p = 0; p < n; ++p)
+        srcs_[static_cast<std::size_t>(p)] = (p == rank() ? in + off * e : payload(p, a)) + lo * e;
+      std::byte* mine = payload(rank(), b) + lo * e;
+      reduce_from(op, mine, hi - lo, true);
+      publish(b);
+      // Own slice: copied after the reduction, since `out` may be `in` (the other ranks' slices of
+      // `in` were read from the halves, this rank's from `in` itself).
+      copy(out + (off + lo) * e, mine, (hi - lo) * e);
+      for (int p = 0; p < n; ++p) {
+        if (p == rank()) continue;
+        wait_step(p, b);
+        const std::size_t plo = std::min(m, q * static_cast<std::size_t>(p));
+        const std::size_t phi = std::min(m, plo + q);
+        copy(out + (off + plo) * e, payload(p, b) + plo * e, (phi - plo) * e);
+      }
+    }
+  }
+
+  void do_reduce_scatter(Op& op) {
+    const std::size_t e = op.elem_size;
+    const std::size_t m = op.out_count;  // per rank
+    const int n = size();
+    const auto* in = static_cast<const std::byte*>(op.in);
+    auto* out = static_cast<std::byte*>(op.out);
+    const std::size_t k = per_step(e, static_cast<std::size_t>(n));
+    std::size_t off = 0;
+    do {
+      const std::size_t c = std::min(k, m - off);
+      const std::uint64_t s = next_step();
+      std::byte* mine = begin(s);
+      // Piece r of this step: in[r*m + off, +c), at r*c in the payload.
+      for (int r = 0; r < n; ++r)
+        copy(mine + static_cast<std::size_t>(r) * c * e, in + (static_cast<std::size_t>(r) * m + off) * e, c * e);
+      publish(s);
+      wait_all(s);
+      for (int p = 0; p < n; ++p)
+        srcs_[static_cast<std::size_t>(p)] = payload(p, s) + static_cast<std::size_t>(rank()) * c * e;
+      reduce_from(op, out + off * e, c, true);
+      off += c;
+    } while (off < m);
+  }
+
+  void do_all_gather(Op& op) {
+    const std::size_t e = op.elem_size;
+    const std::size_t m = op.in_count;
+    const int n = size();
+    const auto* in = static_cast<const std::byte*>(op.in);
+    auto* out = static_cast<std::byte*>(op.out);
+    const std::size_t k = per_step(e);
+    std::size_t off = 0;
+    do {
+      const std::size_t c = std::min(k, m - off);
+      const std::uint64_t s = next_step();
+      copy(begin(s), in + off * e, c * e);
+      publish(s);
+      wait_all(s);
+      for (int p = 0; p < n; ++p) {
+        std::byte* dst = out + (static_cast<std::size_t>(p) * m + off) * e;
+        const std::byte* src = p == rank() ? in + off * e : payload(p, s);
+        if (dst != src) move(dst, src, c * e);
+      }
+      off += c;
+    } while (off < m);
+  }
+
+  void do_broadcast(Op& op) {
+    const std::size_t e = op.elem_size;
+    const std::size_t m = op.out_count;
+    const int root = op.desc.root;
+    auto* data = static_cast<std::byte*>(op.out);
+    const std::size_t k = per_step(e);
+    std::size_t off = 0;
+    bool first = true;
+    do {
+      const std::size_t c = std::min(k, m - off);
+      const std::uint64_t s = next_step();
+      if (rank() == root) copy(begin(s), data + off * e, c * e);
+      publish(s);
+      if (first) {
+        wait_all(s);
+        first = false;
+      } else if (rank() != root) {
+        wait_step(root, s);
+      }
+      if (rank() != root) copy(data + off * e, payload(root, s), c * e);
+      off += c;
+    } while (off < m);
+  }
+
+  void do_gather(Op& op) {
+    const std::size_t e = op.elem_size;
+    const std::size_t m = op.in_count;
+    const int n = size();
+    const int root = op.desc.root;
+    const auto* in = static_cast<const std::byte*>(op.in);
+    auto* out = static_cast<std::byte*>(op.out);
+    const std::size_t k = per_step(e);
+    std::size_t off = 0;
+    bool first = true;
+    do {
+      const std::size_t c = std::min(k, m - off);
+      const std::uint64_t s = next_step();
+      if (rank() != root) copy(begin(s), in + off * e, c * e);
+      publish(s);
+      if (first) {
+        wait_all(s);
+        first = false;
+      }
+      if (rank() == root) {
+        for (int p = 0; p < n; ++p) {
+          std::byte* dst = out + (static_cast<std::size_t>(p) * m + off) * e;
+          if (p == rank()) {
+            if (dst != in + off * e) move(dst, in + off * e, c * e);
+            continue;
+          }
+          wait_step(p, s);
+          copy(dst, payload(p, s), c * e);
+        }
+      }
+      off += c;
+    } while (off < m);
+  }
+
+  static constexpr std::chrono::microseconds kYieldPhase{2000};
+  static constexpr std::chrono::milliseconds kSlice{10};
+
+  Layout layout_;
+  std::size_t small_max_;
+  Mapping map_;
+  Header* header_ = nullptr;
+  int spin_ = 64;
+  std::uint64_t step_ = 0;
+  std::vector<std::uint64_t> seen_;  // per peer: the last step known published
+  std::vector<ProcessWatch> watch_;
+  std::vector<const void*> srcs_;    // reduction inputs, one per rank
+  std::vector<Fingerprint> table_;   // a desync's fingerprints
+  Fingerprint fp_;                   // the current operation's
+  std::uint64_t op_seq_ = 0;
+  const char* op_name_ = "shm";
+};
+
+}  // namespace comm::detail::shm

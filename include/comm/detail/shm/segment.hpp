@@ -1,0 +1,259 @@
+#pragma once
+// The shared-memory segment of one Shm communicator: its layout, how the ranks map it through the
+// store, and the identity that says whether ranks share a host.
+//
+// Layout (every part cache-line aligned, sizes computed by every rank from (size, chunk), never
+// read from the segment):
+//   Header                 magic, version, size, chunk, the abort words
+//   RankCtl[size]          per rank: pid, the futex bell and its sleeper count, "left" flag
+//   Half[size][2]          per rank, two halves (by step parity): a header line {step, fp} that
+//                          the rank publishes, then `chunk` bytes of payload
+//
+// Rendezvous: rank 0 creates the segment under a fresh name (shm_open O_CREAT|O_EXCL, mode 0600),
+// sizes and initializes it, and publishes the name in the store; every rank maps it and adds
+// itself to a counter; the rank that completes the count unlinks the name. So once the
+// communicator exists nothing is left in /dev/shm, whatever happens to its processes later. If the
+// rendezvous fails (a rank never comes), every rank that knows the name unlinks it before it
+// throws. The one window left: rank 0 killed between creating the name and publishing it.
+//
+// Host identity: boot id + the IPC, PID and network namespaces. Ranks on one machine but in
+// different network namespaces count as different hosts: that is how containers (and comm's
+// multi-node test bed) separate nodes, and their /dev/shm may differ.
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <comm/error.hpp>
+#include <comm/store.hpp>
+
+namespace comm::detail::shm {
+
+inline constexpr std::size_t kLine = 64;
+
+struct alignas(kLine) Header {
+  static constexpr std::uint64_t kMagic = 0x636f6d6d73686d31ull;  // "commshm1"
+  std::uint64_t magic;
+  std::uint32_t version;
+  std::int32_t size;
+  std::uint64_t chunk;
+  std::uint64_t total;
+  alignas(kLine) std::atomic<std::uint32_t> dead;   // 1 + the rank found dead, 0: none
+  alignas(kLine) std::atomic<std::uint32_t> abort;  // 1 + the rank that failed first, 0: none
+};
+
+struct alignas(kLine) RankCtl {
+  std::int64_t pid;
+  alignas(kLine) std::atomic<std::uint32_t> bell;      // futex word: bumped when a waiter may sleep
+  std::atomic<std::uint32_t> sleepers;                 // waiters on this rank's steps
+  alignas(kLine) std::atomic<std::uint32_t> left;      // the rank destroyed its communicator
+};
+
+/// The header line of a half: the step it holds and the fingerprint of that step's operation.
+/// Small payloads continue in the same line, so a peer reading a small step moves one line.
+struct alignas(kLine) HalfHeader {
+  std::atomic<std::uint64_t> step;
+  std::uint64_t fp;
+};
+inline constexpr std::size_t kInline = kLine - 16;  // payload bytes in the header line
+
+static_assert(std::atomic<std::uint64_t>::is_always_lock_free && std::atomic<std::uint32_t>::is_always_lock_free,
+              "comm: the Shm backend needs lock-free 32- and 64-bit atomics in shared memory");
+
+/// Byte offsets of the parts, from (size, chunk).
+struct Layout {
+  int size = 0;
+  std::size_t chunk = 0;  // payload bytes per half (a multiple of kLine)
+  std::size_t ctl = 0, halves = 0, half_bytes = 0, total = 0;
+
+  Layout(int n, std::size_t chunk_bytes) : size(n), chunk(chunk_bytes) {
+    ctl = sizeof(Header);
+    halves = ctl + static_cast<std::size_t>(n) * sizeof(RankCtl);
+    // The payload starts inside the header line (after step and fp).
+    half_bytes = (16 + chunk + kLine - 1) / kLine * kLine;
+    total = halves + static_cast<std::size_t>(n) * 2 * half_bytes;
+  }
+};
+
+/// This process's host identity (see the file comment).
+[[nodiscard]] inline std::string host_identity() {
+  std::string id;
+  {
+    std::ifstream f("/proc/sys/kernel/random/boot_id");
+    std::string b;
+    if (f >> b) id += "boot=" + b;
+  }
+  for (const char* ns : {"ipc", "pid", "net"}) {
+    struct stat st {};
+    const std::string path = std::string("/proc/self/ns/") + ns;
+    if (::stat(path.c_str(), &st) == 0) id += std::string(" ") + ns + "=" + std::to_string(st.st_ino);
+  }
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) == 0) id += std::string(" host=") + host;
+  return id;
+}
+
+/// A mapped segment; unmaps on destruction.
+class Mapping {
+ public:
+  Mapping() = default;
+  Mapping(void* base, std::size_t bytes) noexcept : base_(base), bytes_(bytes) {}
+  Mapping(Mapping&& o) noexcept : base_(std::exchange(o.base_, nullptr)), bytes_(o.bytes_) {}
+  Mapping& operator=(Mapping&& o) noexcept {
+    std::swap(base_, o.base_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~Mapping() {
+    if (base_ != nullptr) ::munmap(base_, bytes_);
+  }
+  [[nodiscard]] std::byte* base() const noexcept { return static_cast<std::byte*>(base_); }
+
+ private:
+  void* base_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+[[nodiscard]] inline std::string errno_text(int e) { return std::strerror(e); }
+
+/// Unlinks `name` when destroyed unless released: the creator's and the mappers' safety net.
+class NameGuard {
+ public:
+  explicit NameGuard(std::string name) : name_(std::move(name)) {}
+  NameGuard(const NameGuard&) = delete;
+  NameGuard& operator=(const NameGuard&) = delete;
+  ~NameGuard() {
+    if (!name_.empty()) (void)::shm_unlink(name_.c_str());
+  }
+  void release() noexcept { name_.clear(); }
+
+ private:
+  std::string name_;
+};
+
+/// Creates (rank 0) or maps (others) the segment of the communicator whose keys start with
+/// `prefix`, checks that every rank is on this host, and returns the mapping once every rank has
+/// mapped it (the name is unlinked by then).
+[[nodiscard]] inline Mapping rendezvous(Store& store, const std::string& prefix, int rank, const Layout& layout,
+                                        std::chrono::milliseconds timeout) {
+  const std::string op = "shm.init";
+  // Every rank on one host: compare identities through the store.
+  const std::string me = host_identity();
+  store.set(prefix + "host/" + std::to_string(rank), me);
+  for (int p = 0; p < layout.size; ++p) {
+    if (p == rank) continue;
+    const std::string key = prefix + "host/" + std::to_string(p);
+    try {
+      store.wait({key}, timeout);
+    } catch (const Timeout&) {
+      throw Timeout(op, rank,
+                    "rank " + std::to_string(p) + " of " + std::to_string(layout.size) + " did not join within " +
+                        std::to_string(timeout.count()) + " ms (no record " + key + ")",
+                    "rank " + std::to_string(p));
+    }
+    const auto bytes = store.get(key);
+    const std::string other(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    if (other != me)
+      throw InvalidArgument(op, rank,
+                            "rank " + std::to_string(p) + " is not on this host (it reports '" + other +
+                                "', this process '" + me +
+                                "'): the Shm backend needs every rank on one host and in one IPC, PID and network "
+                                "namespace; use Gloo or Hierarchical across hosts");
+  }
+
+  const std::string name_key = prefix + "shm/name";
+  std::string name;
+  int fd = -1;
+  if (rank == 0) {
+    std::random_device rd;
+    name = "/comm-shm-" + std::to_string(::getpid()) + "-" + std::to_string(rd()) + "-" +
+           std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
+    fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) throw BackendError(op, rank, "shm_open(" + name + ") failed: " + errno_text(errno));
+  }
+  NameGuard guard(name);
+  if (rank == 0) {
+    if (::ftruncate(fd, static_cast<off_t>(layout.total)) != 0) {
+      const int e = errno;
+      ::close(fd);
+      throw BackendError(op, rank,
+                         "ftruncate of the shared segment to " + std::to_string(layout.total) +
+                             " bytes failed: " + errno_text(e) + " (is /dev/shm large enough?)");
+    }
+  } else {
+    try {
+      store.wait({name_key}, timeout);
+    } catch (const Timeout&) {
+      throw Timeout(op, rank, "rank 0 did not publish the shared segment within " + std::to_string(timeout.count()) +
+                                  " ms", "rank 0");
+    }
+    const auto bytes = store.get(name_key);
+    name.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    if (!name.starts_with("/comm-shm-") || name.size() > 200 || name.find('/', 1) != std::string::npos)
+      throw InvalidArgument(op, rank, "the segment name in the store is not comm's: '" + name.substr(0, 64) + "'");
+    fd = ::shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0) throw BackendError(op, rank, "shm_open(" + name + ") failed: " + errno_text(errno));
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) != layout.total) {
+      ::close(fd);
+      throw InvalidArgument(op, rank,
+                            "the shared segment " + name + " has " + std::to_string(st.st_size) + " bytes, expected " +
+                                std::to_string(layout.total) + ": do all ranks use the same Shm options?");
+    }
+  }
+  void* base = ::mmap(nullptr, layout.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int map_errno = errno;
+  ::close(fd);
+  if (base == MAP_FAILED) throw BackendError(op, rank, "mmap of the shared segment failed: " + errno_text(map_errno));
+  Mapping mapping(base, layout.total);
+  if (rank == 0) {
+    // The creator initializes everything before publishing the name (the store orders it).
+    std::memset(base, 0, layout.total);
+    auto* h = reinterpret_cast<Header*>(base);
+    h->magic = Header::kMagic;
+    h->version = 1;
+    h->size = layout.size;
+    h->chunk = layout.chunk;
+    h->total = layout.total;
+    store.set(name_key, name);
+  } else {
+    const auto* h = reinterpret_cast<const Header*>(base);
+    if (h->magic != Header::kMagic || h->size != layout.size || h->chunk != layout.chunk || h->total != layout.total)
+      throw InvalidArgument(op, rank,
+                            "the shared segment " + name + " does not match this communicator (size " +
+                                std::to_string(h->size) + ", chunk " + std::to_string(h->chunk) + ", expected " +
+                                std::to_string(layout.size) + ", " + std::to_string(layout.chunk) + ")");
+  }
+  // The last rank to map unlinks the name; everyone waits for that.
+  const auto mapped = store.add(prefix + "shm/mapped", 1);
+  if (mapped == layout.size) {
+    (void)::shm_unlink(name.c_str());
+    store.set(prefix + "shm/ready", "1");
+  }
+  try {
+    store.wait({prefix + "shm/ready"}, timeout);
+  } catch (const Timeout&) {
+    const auto n = store.add(prefix + "shm/mapped", 0);
+    throw Timeout(op, rank,
+                  "only " + std::to_string(n) + " of " + std::to_string(layout.size) +
+                      " ranks mapped the shared segment within " + std::to_string(timeout.count()) + " ms");
+  }
+  guard.release();
+  return mapping;
+}
+
+}  // namespace comm::detail::shm
