@@ -345,19 +345,7 @@ class Engine : public EngineCore<Engine> {
     await(req, name, seq, deadline);
   }
 
-  [[noreturn]] void rethrow_translated(const char* op) {
-    try {
-      throw;
-    } catch (const Error&) {
-      throw;
-    } catch (const std::bad_alloc&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw BackendError(op, rank(), e.what());
-    } catch (...) {
-      throw BackendError(op, rank(), "unknown exception");
-    }
-  }
+  // rethrow_translated: the core's default (MPI errors are already comm::Errors here).
 
   /// Tells every peer that this communicator failed, with the first cause (see the file comment).
   /// MPI has no way to interrupt this rank's own pending request: the wait loop sees has_failed().
