@@ -7,8 +7,8 @@ import os
 import struct
 import sys
 
-MAGIC, VERSION, TOKEN = 0x54534D43, 1, b"fuzz-token"
-SET, GET, ADD, CAS, WAIT, CHECK, NUM, DEL = 1, 2, 3, 4, 5, 6, 7, 8
+MAGIC, VERSION, TOKEN = 0x54534D43, 2, b"fuzz-token"
+SET, GET, ADD, CAS, WAIT, CHECK, NUM, DEL, WATCH, BEAT = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
 
 
 def s(b):  # u64 length | bytes
@@ -24,8 +24,9 @@ def req(op, *fields):
     return frame(bytes([op]) + b"".join(fields))
 
 
-def hello(token=TOKEN, version=VERSION, rank=1):
-    return struct.pack("<IHHi", MAGIC, version, len(token), rank) + token
+def hello(token=TOKEN, version=VERSION, rank=1, job=b""):
+    h = struct.pack("<IHHi", MAGIC, version, len(token), rank) + token
+    return h + struct.pack("<H", len(job)) + job if version >= 2 else h  # version 1: no job id
 
 
 def hello_reply(status=0, msg=b""):
@@ -61,18 +62,28 @@ server = {  # flags 0x01: the target sends a valid hello first
     "half_frame": u64(100) + b"\x01" * 10,
     "many_keys": req(WAIT, u32(50), *[s("") for _ in range(50)], u64(0)),
     "count_lies": req(WAIT, u32(0xFFFFFFFF), s("a"), u64(0)),
+    "watch_beat": req(WATCH, s("dead"), s("1|"), u64(1000)) + req(BEAT, u64(0)) + req(SET, s("dead"), s("2|x")) + req(BEAT, u64(0)),
+    "watch_cancel": req(WATCH, s("dead"), s("1|"), u64(1000)) + req(WATCH, s(""), s(""), u64(0)) + req(BEAT, u64(0)),
+    "watch_silent": req(WATCH, s("dead"), s("1|"), u64(1)) + req(GET, s("dead"), u64(30)),
+    "beat_parks": req(WATCH, s("dead"), s("1|"), u64(200)) + req(BEAT, u64(50)) + req(BEAT, u64(50)),
 }
 raw = {  # flags 0x00: the input is the whole stream, hello included
     "hello_set": hello() + req(SET, s("k"), s("v")),
     "wrong_token": hello(b"nope") + req(NUM),
     "no_token": hello(b"") + req(NUM),
-    "bad_version": hello(version=2) + req(NUM),
+    "bad_version": hello(version=3) + req(NUM),
+    "hello_v1": hello(version=1) + req(NUM),
+    "wrong_job": hello(job=b"another-job") + req(NUM),
+    "job_too_long": hello()[:-2] + struct.pack("<H", 300) + b"j" * 300,
+    "half_job": hello(job=b"another-job")[:-5],
     "bad_magic": b"GET / HTTP/1.0\r\n\r\n",
     "token_too_long": struct.pack("<IHHi", MAGIC, VERSION, 5000, 0),
     "half_hello": hello()[:7],
 }
 two = {  # flags 0x05, param = split point: a get parks on A, the set on B wakes it
     "park_wake": (req(GET, s("w"), u64(2000)), req(SET, s("w"), s("x"))),
+    "will_wakes": (req(GET, s("dead"), u64(2000)), req(WATCH, s("dead"), s("1|"), u64(60000))),
+    "beat_woken": (req(WATCH, s("dead"), s("1|"), u64(5000)) + req(BEAT, u64(2000)), req(SET, s("dead"), s("2|x"))),
     "wait_wake": (req(WAIT, u32(2), s("p"), s("q"), u64(2000)), req(SET, s("p"), s("1")) + req(SET, s("q"), s("1"))),
 }
 # flags 0x80, param = first call + 8 * second call (0 get, 1 set, 2 add, 3 compare_set, 4 wait,
@@ -90,11 +101,16 @@ client = {  # flags 0x80, param 0: replies to a get, then a get
     "short_value": frame(b"\x00" + u64(100) + b"ab"),
     "trailing": frame(b"\x00" + s("v") + b"zz"),
 }
+client.update({"watch_beat_%d" % i: v for i, v in enumerate([
+    frame(b"\x00" + s("v")) + frame(b"\x00" + struct.pack("<i", 0)) + frame(b"\x00\x01" + s("3|gone")),
+    frame(b"\x00" + s("v")) + frame(b"\x00" + struct.pack("<i", 0)) + frame(b"\x00\x00" + s("")),
+])})  # param 0x40: get, watch, heartbeat
 client_raw = {  # flags 0x81: the hello reply is fuzzed too
     "ok": hello_reply() + frame(b"\x00" + s("v")),
     "wrong_token": hello_reply(2, b"wrong token"),
     "bad_version": hello_reply(1, b"v2"),
     "too_many": hello_reply(3, b"server at its connection limit"),
+    "wrong_job": hello_reply(4, b"job-1"),
     "bad_magic": b"HTTP/1.0 400 Bad Request\r\n",
     "long_message": struct.pack("<IHBH", MAGIC, VERSION, 0, 60000),
 }
@@ -109,7 +125,7 @@ def main():
     for a, b in two.values():
         inputs.append(bytes([0x05, len(a)]) + a + b)
     inputs += [bytes([0x80, param]) + v for param, v in client_ok]
-    inputs += [bytes([0x80, 0]) + v for v in client.values()]
+    inputs += [bytes([0x80, 0x40 if k.startswith("watch") else 0]) + v for k, v in client.items()]
     inputs += [bytes([0x81, 0]) + v for v in client_raw.values()]
     for data in inputs:
         with open(os.path.join(out, hashlib.sha1(data).hexdigest()), "wb") as f:

@@ -127,7 +127,8 @@ void fuzz_server(std::uint8_t flags, std::uint8_t param, std::span<const std::ui
 
 // A fake server: accepts one connection, reads the hello, then sends `input` (after a valid hello
 // reply unless `raw`) and closes. The client makes call number `param % 8` and, if that left the
-// connection usable, call number `(param / 8) % 8` on the same connection.
+// connection usable, call number `(param / 8) % 8` on the same connection (with bit 6 of `param`:
+// watch and heartbeat, the liveness calls, instead).
 void fuzz_client(bool raw, std::uint8_t param, std::span<const std::uint8_t> input) {
   std::vector<std::uint8_t> wire;
   if (!raw) wire = sp::encode_hello_reply(sp::HelloStatus::ok, "");
@@ -175,7 +176,12 @@ void fuzz_client(bool raw, std::uint8_t param, std::span<const std::uint8_t> inp
       }
     };
     call(param % 8);
-    call((param / 8) % 8);
+    if (param & 0x40) {  // the liveness calls' replies
+      (void)c.watch("dead", "1|", 20ms);
+      (void)c.heartbeat(20ms);
+    } else {
+      call((param / 8) % 8);
+    }
   } catch (const comm::Error&) {
     // Every bad reply must end here: a value or a comm::Error, nothing else.
   }

@@ -115,7 +115,7 @@ struct Raw {
 
   // Sends a hello and returns the reply's status (-1: no reply).
   int hello(std::string_view tok = token, std::uint16_t version = sp::version) {
-    auto h = sp::encode_hello(tok, 0);
+    auto h = sp::encode_hello(tok, 0, comm::detail::job_id_from_env());  // the server's default
     h[4] = static_cast<std::uint8_t>(version);
     h[5] = static_cast<std::uint8_t>(version >> 8);
     if (!send(h)) return -1;
@@ -315,7 +315,7 @@ TEST_CASE("half-sent handshakes and requests are dropped at the stall timeout") 
   }
   {
     Raw r(s.port());
-    const auto h = sp::encode_hello(token, 0);
+    const auto h = sp::encode_hello(token, 0, comm::detail::job_id_from_env());
     r.send(std::span(h).first(6));
     expect_dropped(r);
   }
@@ -344,6 +344,35 @@ TEST_CASE("half-sent handshakes and requests are dropped at the stall timeout") 
     CHECK(idle.reply().size() == 9);
   }
   check_healthy(s.port());
+}
+
+TEST_CASE("a client that sends half a frame holds nothing on the server past the stall timeout") {
+  auto so = stalling_server_options();
+  so.max_connections = 3;  // the test's store client, and two more
+  comm::TcpStore s("127.0.0.1", 0, so);
+  const std::string big(200 << 10, 'v');
+  auto f = frame(sp::Op::set, [&](sp::Writer& w) {
+    w.str("half");
+    w.str(big);
+  });
+  {
+    // Two connections each send half of a 200 KiB set and go silent: they hold both free slots.
+    Raw a(s.port()), b(s.port());
+    REQUIRE(a.hello() == 0);
+    REQUIRE(b.hello() == 0);
+    REQUIRE(a.send(std::span(f).first(f.size() / 2)));
+    REQUIRE(b.send(std::span(f).first(f.size() / 2)));
+    const auto t0 = Clock::now();
+    CHECK(a.read_until_closed(stall + 3000ms).closed);
+    CHECK(b.read_until_closed(stall + 3000ms).closed);
+    CHECK(since(t0) < stall + 3000ms);
+  }
+  // Their slots and buffers are free again: two new clients are served, and nothing was stored.
+  Raw c(s.port()), d(s.port());
+  CHECK(c.hello() == 0);
+  CHECK(d.hello() == 0);
+  CHECK_FALSE(s.check("half"));
+  CHECK(s.num_keys() == 0);
 }
 
 TEST_CASE("a wrong token is rejected with a clear error; the right one (or COMM_STORE_TOKEN) is accepted") {
@@ -392,6 +421,84 @@ TEST_CASE("a wrong token is rejected with a clear error; the right one (or COMM_
   c.token = "unexpected";
   CHECK_THROWS_AS(comm::TcpStore("127.0.0.1", s2.port(), c), comm::InvalidArgument);
   if (saved) ::setenv("COMM_STORE_TOKEN", saved->c_str(), 1);
+}
+
+TEST_CASE("the job id: another job's client is refused with the server's job id; version 1 hellos have none") {
+  auto so = server_options();
+  so.job_id = "job-A";
+  comm::TcpStore s("127.0.0.1", 0, so);
+  auto hello_as = [&](Raw& r, std::string_view job, std::uint16_t version, std::string* msg) {
+    auto h = sp::encode_hello(token, 3, job);
+    if (version == 1) {
+      h.resize(h.size() - 2 - job.size());  // version 1 ends after the token
+      h[4] = 1;
+      h[5] = 0;
+    }
+    REQUIRE(r.send(h));
+    std::uint8_t head[sp::hello_reply_size];
+    REQUIRE(r.read(head));
+    sp::Reader rd(head);
+    CHECK(rd.u32() == sp::magic);
+    (void)rd.u16();
+    const int status = rd.u8();
+    msg->assign(rd.u16(), '\0');
+    if (!msg->empty()) REQUIRE(r.read(std::span(reinterpret_cast<std::uint8_t*>(msg->data()), msg->size())));
+    return status;
+  };
+  std::string msg;
+  {
+    Raw r(s.port());
+    CHECK(hello_as(r, "job-B", sp::version, &msg) == static_cast<int>(sp::HelloStatus::wrong_job));
+    CHECK(msg == "job-A");
+    CHECK(r.read_until_closed(2s).closed);
+  }
+  {
+    Raw r(s.port());  // a version 1 client has no job id: not this job's
+    CHECK(hello_as(r, "", 1, &msg) == static_cast<int>(sp::HelloStatus::wrong_job));
+    CHECK(r.read_until_closed(2s).closed);
+  }
+  {
+    Raw r(s.port());  // the right job but the wrong token is still refused
+    auto h = sp::encode_hello("wrong", 3, "job-A");
+    REQUIRE(r.send(h));
+    std::uint8_t head[sp::hello_reply_size];
+    REQUIRE(r.read(head));
+    CHECK(head[6] == static_cast<std::uint8_t>(sp::HelloStatus::wrong_token));
+  }
+  {
+    Raw r(s.port());
+    CHECK(hello_as(r, "job-A", sp::version, &msg) == 0);
+    r.send(frame(sp::Op::num_keys, [](sp::Writer&) {}));
+    CHECK(r.reply().size() == 9);
+  }
+  {
+    Raw r(s.port());  // a job id over the limit: dropped without a reply
+    auto h = sp::encode_hello(token, 3, "");
+    h[h.size() - 2] = 0xff;
+    h[h.size() - 1] = 0xff;
+    REQUIRE(r.send(h));
+    const auto o = r.read_until_closed(2s);
+    CHECK(o.closed);
+    CHECK(o.got.empty());
+  }
+  auto v1 = server_options();
+  v1.job_id = "";
+  const char* env = std::getenv("COMM_JOB_ID");
+  const std::optional<std::string> saved = env ? std::optional<std::string>(env) : std::nullopt;
+  ::unsetenv("COMM_JOB_ID");
+  {
+    comm::TcpStore none("127.0.0.1", 0, v1);
+    Raw r(none.port());  // no job id on either side: version 1 clients are served
+    CHECK(hello_as(r, "", 1, &msg) == 0);
+    r.send(frame(sp::Op::num_keys, [](sp::Writer&) {}));
+    CHECK(r.reply().size() == 9);
+  }
+  if (saved) ::setenv("COMM_JOB_ID", saved->c_str(), 1);
+  auto c = client_options();
+  c.job_id = "job-A";
+  comm::TcpStore client("127.0.0.1", s.port(), c);
+  client.set("k", "v");
+  CHECK(client.check("k"));
 }
 
 TEST_CASE("malformed and oversized requests get an error reply; the server keeps serving") {

@@ -420,6 +420,113 @@ TEST_CASE("TcpStore: bad input is an Error, not a crash") {
   }
 }
 
+TEST_CASE("TcpStore: a store of another job refuses this job's clients and says so") {
+  comm::TcpStoreOptions o;
+  o.is_server = true;
+  o.timeout = 5s;
+  o.token = "same-token";  // a later job may even reuse the token: the job id still tells them apart
+  o.job_id = "job-A";
+  auto old_job = std::make_unique<comm::TcpStore>("127.0.0.1", 0, o);
+  const auto port = old_job->port();
+
+  comm::TcpStoreOptions c = o;
+  c.is_server = false;
+  c.rank = 1;
+  c.timeout = 1s;  // bounds the retry against a store that might be closing
+  c.job_id = "job-B";
+  const auto t0 = Clock::now();
+  try {
+    comm::TcpStore client("127.0.0.1", port, c);
+    FAIL("a client of job-B joined job-A's store");
+  } catch (const comm::InvalidArgument& e) {
+    MESSAGE(e.what());
+    CHECK(e.op() == "store.connect");
+    CHECK(e.rank() == 1);
+    CHECK(contains(e.what(), "belongs to job 'job-A', this process to job 'job-B'"));
+    CHECK(contains(e.what(), "an earlier job's store still runs on this port"));
+  }
+  CHECK(since(t0) >= 900ms);
+  CHECK(since(t0) < 3s);
+  // Nothing of job-B reached job-A's store.
+  CHECK(old_job->num_keys() == 0);
+
+  // No job id on one side only is a mismatch too.
+  {
+    std::vector<std::pair<std::string, std::string>> saved;
+    for (const char* n : {"COMM_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"}) {
+      if (const char* v = std::getenv(n)) saved.emplace_back(n, v);
+      ::unsetenv(n);
+    }
+    c.job_id.clear();
+    CHECK_THROWS_WITH_AS(comm::TcpStore("127.0.0.1", port, c), doctest::Contains("this process to no job id"),
+                         comm::InvalidArgument);
+    for (const auto& [n, v] : saved) ::setenv(n.c_str(), v.c_str(), 1);
+  }
+
+  // The earlier job's store closes while job-B's client retries; job-B's own store then takes
+  // the port and the client joins it.
+  c.job_id = "job-B";
+  c.timeout = 10s;
+  std::unique_ptr<comm::TcpStore> new_job;
+  std::thread restart([&] {
+    std::this_thread::sleep_for(300ms);
+    old_job.reset();
+    comm::TcpStoreOptions n = o;
+    n.job_id = "job-B";
+    new_job = std::make_unique<comm::TcpStore>("127.0.0.1", port, n);
+  });
+  const auto t1 = Clock::now();
+  comm::TcpStore joined("127.0.0.1", port, c);
+  restart.join();
+  CHECK(since(t1) < 3s);
+  joined.set("k", "v");
+  CHECK(str(new_job->get("k")) == "v");
+}
+
+TEST_CASE("TcpStore: a will (liveness) fires when its connection closes or falls silent, not once withdrawn") {
+  comm::TcpStoreOptions o;
+  o.is_server = true;
+  o.timeout = 5s;
+  o.rank = 0;
+  comm::TcpStore server("127.0.0.1", 0, o);
+  comm::TcpStoreOptions c = o;
+  c.is_server = false;
+  c.rank = 1;
+  {
+    auto a = std::make_unique<comm::TcpStore>("127.0.0.1", server.port(), c);
+    CHECK(a->watch("w/closed", "1|", 10s) == 0);  // the rank hosting the server
+    CHECK_FALSE(a->heartbeat(1s).has_value());
+    const auto t0 = Clock::now();
+    a.reset();  // its connection closes, as when the process dies
+    const auto v = str(server.get("w/closed"));
+    CHECK(since(t0) < 1s);
+    CHECK(v == "1|its connection to the store closed (the process exited or was killed)");
+  }
+  {
+    comm::TcpStore watcher("127.0.0.1", server.port(), c);
+    (void)watcher.watch("w/silent", "9|", 10s);
+    comm::TcpStore silent("127.0.0.1", server.port(), c);
+    (void)silent.watch("w/silent", "2|", 200ms);
+    const auto t0 = Clock::now();
+    const auto v = str(server.get("w/silent"));  // parked until the will fires
+    CHECK(since(t0) >= 150ms);
+    CHECK(since(t0) < 2s);
+    CHECK(v == "2|it sent no heartbeat for 200 ms (stopped, hung or cut off)");
+    const auto seen = watcher.heartbeat(1s);  // the others see it with their next heartbeat
+    REQUIRE(seen.has_value());
+    CHECK(str(*seen) == v);
+    CHECK_THROWS_AS((void)silent.heartbeat(1s), comm::RemoteError);  // and the silent one was dropped
+  }
+  {
+    auto d = std::make_unique<comm::TcpStore>("127.0.0.1", server.port(), c);
+    (void)d->watch("w/withdrawn", "3|", 10s);
+    (void)d->watch("", "", 10s);  // a rank that leaves normally withdraws its will first
+    d.reset();
+    std::this_thread::sleep_for(100ms);
+    CHECK_FALSE(server.check("w/withdrawn"));
+  }
+}
+
 // --- FileStore ----------------------------------------------------------------------------------
 
 TEST_CASE("FileStore: the Store contract in one process") {

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -27,6 +28,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -81,6 +85,8 @@ Each rank gets in its environment:
   MASTER_ADDR, MASTER_PORT
   COMM_STORE_TOKEN  kept if set, else a random per-job token (the store checks it);
                     with --nnodes > 1 it must be set, to the same value on every node
+  COMM_JOB_ID       kept if set, else (one node) a fresh id per job: a store of another job
+                    on the same port refuses this job's ranks, naming both job ids
 
 Output: every line a rank writes to stdout (stderr) is written to stdout (stderr) prefixed with
 "[RANK] ", whole lines only; a last line without a newline is completed at exit. Ranks run with
@@ -91,6 +97,10 @@ to the other ranks (their whole process groups), SIGKILL after the grace period,
 that rank's code (128 + signal number for a signal). SIGINT, SIGTERM and SIGHUP sent to comm-run
 are forwarded to all ranks (a second SIGINT/SIGTERM kills them); comm-run then exits with
 128 + signal number. Exit codes: 2 bad arguments, 124 timeout, 126/127 program not runnable.
+
+Trace: when COMM_TRACE=path is set, every rank writes its Chrome trace to path.<rank>; when the job
+ends comm-run merges the files of this node's ranks into `path` (with --nnodes > 1:
+path.node<I>), a trace of every rank that opens in chrome://tracing or ui.perfetto.dev.
 )";
 
 // ---------------------------------------------------------------------------------------------
@@ -308,6 +318,106 @@ std::string seconds_text(milliseconds d) {
 void message(const std::string& text) { write_all(STDERR_FILENO, "comm-run: " + text + "\n"); }
 
 // ---------------------------------------------------------------------------------------------
+// COMM_TRACE: the ranks' Chrome traces merged into one file
+
+/// The contents of the "traceEvents" array of a JSON trace (between its brackets), or nullopt
+/// when there is none or it does not close (a rank killed while writing).
+std::optional<std::string_view> trace_events(std::string_view doc) {
+  const std::size_t key = doc.find("\"traceEvents\"");
+  if (key == std::string_view::npos) return std::nullopt;
+  const std::size_t open = doc.find('[', key);
+  if (open == std::string_view::npos) return std::nullopt;
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (std::size_t i = open; i < doc.size(); ++i) {
+    const char c = doc[i];
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      ++depth;
+    } else if ((c == ']' || c == '}') && --depth == 0) {
+      return c == ']' ? std::optional(doc.substr(open + 1, i - open - 1)) : std::nullopt;
+    }
+  }
+  return std::nullopt;
+}
+
+/// Merges this node's ranks' traces (path.<rank>, written during this job) into path, or
+/// path.node<I> when the job spans several nodes. Says what it did on stderr.
+void merge_traces(const Options& o, std::filesystem::file_time_type started) {
+  const char* env = std::getenv("COMM_TRACE");
+  if (env == nullptr || *env == '\0') return;
+  std::string_view path_view = env;
+  while (!path_view.empty() && std::isspace(static_cast<unsigned char>(path_view.front()))) path_view.remove_prefix(1);
+  while (!path_view.empty() && std::isspace(static_cast<unsigned char>(path_view.back()))) path_view.remove_suffix(1);
+  if (path_view.empty()) return;
+  const std::string path(path_view);
+  // File times come from a coarser clock than ours: a file of this job may look a little older.
+  started -= std::chrono::seconds(1);
+  std::string events;
+  std::vector<int> missing;
+  int merged = 0;
+  for (int local = 0; local < o.nproc; ++local) {
+    const int rank = o.node_rank * o.nproc + local;
+    const std::string file = path + "." + std::to_string(rank);
+    std::error_code ec;
+    const auto written = std::filesystem::last_write_time(file, ec);
+    if (ec || written < started) {
+      missing.push_back(rank);
+      continue;
+    }
+    std::ifstream in(file, std::ios::binary);
+    const std::string doc((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto body = trace_events(doc);
+    if (!in.good() && !in.eof()) body.reset();
+    if (!body) {
+      missing.push_back(rank);
+      continue;
+    }
+    while (!body->empty() && std::isspace(static_cast<unsigned char>(body->front()))) body->remove_prefix(1);
+    while (!body->empty() && std::isspace(static_cast<unsigned char>(body->back()))) body->remove_suffix(1);
+    if (!body->empty()) {
+      if (!events.empty()) events += ",\n";
+      events.append(*body);
+    }
+    ++merged;
+  }
+  std::string missing_text;
+  for (int r : missing) missing_text += (missing_text.empty() ? "" : ", ") + std::to_string(r);
+  if (merged == 0) {
+    message("COMM_TRACE is set but no rank wrote a trace (" + path + ".<rank>) during this job");
+    return;
+  }
+  const std::string out = o.nnodes > 1 ? path + ".node" + std::to_string(o.node_rank) : path;
+  const std::string tmp = out + ".tmp" + std::to_string(::getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f << "{\"traceEvents\":[\n" << events << "\n],\n\"displayTimeUnit\":\"ms\",\"otherData\":{\"producer\":\"comm-run\",\"ranks\":"
+      << merged << "}}\n";
+    f.flush();
+    if (!f) {
+      message("cannot write the merged trace " + tmp);
+      std::remove(tmp.c_str());
+      return;
+    }
+  }
+  if (std::rename(tmp.c_str(), out.c_str()) != 0) {
+    message("cannot write the merged trace " + out + ": " + std::strerror(errno));
+    std::remove(tmp.c_str());
+    return;
+  }
+  message("trace of " + std::to_string(merged) + " rank(s) merged into " + out +
+          (missing.empty() ? std::string() : " (no trace from rank(s) " + missing_text + ")"));
+}
+
+// ---------------------------------------------------------------------------------------------
 // The job
 
 /// One output pipe of one rank, cut into prefixed lines.
@@ -331,9 +441,11 @@ class Job {
   int run() {
     setup_signals();
     prepare_env();
+    const auto started = std::filesystem::file_time_type::clock::now();
     start_ranks();
     event_loop();
     final_drain();
+    merge_traces(opt_, started);
     return exit_code_;
   }
 
@@ -355,7 +467,7 @@ class Job {
     static constexpr std::string_view ours[] = {"RANK=",       "LOCAL_RANK=",       "WORLD_SIZE=",
                                                 "LOCAL_WORLD_SIZE=", "GROUP_RANK=", "NODE_RANK=",
                                                 "GROUP_WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT=",
-                                                "COMM_STORE_TOKEN="};
+                                                "COMM_STORE_TOKEN=", "COMM_JOB_ID="};
     for (char** e = environ; *e != nullptr; ++e) {
       std::string_view kv = *e;
       if (std::none_of(std::begin(ours), std::end(ours), [&](std::string_view k) { return kv.starts_with(k); }))
@@ -371,6 +483,11 @@ class Job {
     } else {
       token_ = random_token();
     }
+    const char* job = std::getenv("COMM_JOB_ID");
+    if (job != nullptr && *job != '\0')
+      job_id_ = job;
+    else if (opt_.nnodes == 1)
+      job_id_ = "comm-run-" + std::to_string(::getpid()) + "-" + random_token().substr(0, 8);
   }
 
   std::vector<std::string> rank_env(int local) const {
@@ -386,6 +503,7 @@ class Job {
     env.push_back("MASTER_ADDR=" + opt_.master_addr);
     env.push_back("MASTER_PORT=" + std::to_string(opt_.master_port));
     env.push_back("COMM_STORE_TOKEN=" + token_);
+    if (!job_id_.empty()) env.push_back("COMM_JOB_ID=" + job_id_);
     return env;
   }
 
@@ -659,6 +777,7 @@ class Job {
   Options opt_;
   std::vector<std::string> base_env_;
   std::string token_;
+  std::string job_id_;  // COMM_JOB_ID for the ranks; empty: not set
   std::vector<Rank> ranks_;
   sigset_t old_mask_{};
   int sfd_ = -1;

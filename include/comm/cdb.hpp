@@ -37,6 +37,7 @@
 /// `dump_flight_record` forward to the backend (comm::InvalidArgument where it lacks them).
 
 #include <chrono>
+#include <cstddef>
 #include <cstdlib>
 #include <functional>
 #include <initializer_list>
@@ -111,6 +112,18 @@ class AnyCommImpl {
   virtual Work gather(Dtype, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root,
                       bool async) = 0;
   virtual Work barrier(bool async) = 0;
+  // The rest of the surface (capability 11): InvalidArgument where the backend lacks it.
+  virtual Work reduce(Dtype, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root,
+                      const ErasedOp&, bool async) = 0;
+  virtual Work scatter(Dtype, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root,
+                       bool async) = 0;
+  virtual Work all_to_all(Dtype, const void* in, std::size_t in_n, void* out, std::size_t out_n, bool async) = 0;
+  virtual Work all_to_all_v(Dtype, const void* in, std::size_t in_n, std::span<const std::size_t> in_counts, void* out,
+                            std::size_t out_n, std::span<const std::size_t> out_counts, bool async) = 0;
+  virtual Work send(Dtype, const void* data, std::size_t n, int peer, int tag, bool async) = 0;
+  virtual Work recv(Dtype, void* data, std::size_t n, int peer, int tag, bool async) = 0;
+  /// The entries' buffers as bytes pointers and element counts of type `Dtype`.
+  virtual std::vector<Work> batch_isend_irecv(Dtype, std::span<const P2POp<std::byte>> ops) = 0;
   /// Subgroups: null for "no group" (negative color, not a member).
   [[nodiscard]] virtual std::unique_ptr<AnyCommImpl> split(int color, int key) = 0;
   [[nodiscard]] virtual std::unique_ptr<AnyCommImpl> new_group(std::span<const int> ranks) = 0;
@@ -204,6 +217,105 @@ class AnyCommModel final : public AnyCommImpl {
 
   Work barrier(bool async) override {
     return run_flag(async, [&](auto... t) { return c_.barrier(t...); });
+  }
+
+  Work reduce(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root, const ErasedOp& op,
+              bool async) override {
+    if constexpr (supports_full_surface<B>) {
+      return typed(d, "reduce", [&]<class T>() {
+        return reduce(op, async, "reduce", [&](auto&& red, auto tag) {
+          return run(tag, [&](auto... t) {
+            return c_.reduce(std::span<const T>(static_cast<const T*>(in), in_n),
+                             std::span<T>(static_cast<T*>(out), out_n), root, red, t...);
+          });
+        }, static_cast<T*>(nullptr));
+      });
+    } else {
+      throw lacks("reduce", "reduce to a root");
+    }
+  }
+
+  Work scatter(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root, bool async) override {
+    if constexpr (supports_full_surface<B>) {
+      return typed(d, "scatter", [&]<class T>() {
+        return run_flag(async, [&](auto... t) {
+          return c_.scatter(std::span<const T>(static_cast<const T*>(in), in_n),
+                            std::span<T>(static_cast<T*>(out), out_n), root, t...);
+        });
+      });
+    } else {
+      throw lacks("scatter", "scatter");
+    }
+  }
+
+  Work all_to_all(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, bool async) override {
+    if constexpr (supports_full_surface<B>) {
+      return typed(d, "all_to_all", [&]<class T>() {
+        return run_flag(async, [&](auto... t) {
+          return c_.all_to_all(std::span<const T>(static_cast<const T*>(in), in_n),
+                               std::span<T>(static_cast<T*>(out), out_n), t...);
+        });
+      });
+    } else {
+      throw lacks("all_to_all", "run all_to_all");
+    }
+  }
+
+  Work all_to_all_v(Dtype d, const void* in, std::size_t in_n, std::span<const std::size_t> in_counts, void* out,
+                    std::size_t out_n, std::span<const std::size_t> out_counts, bool async) override {
+    if constexpr (supports_full_surface<B>) {
+      return typed(d, "all_to_all_v", [&]<class T>() {
+        return run_flag(async, [&](auto... t) {
+          return c_.all_to_all_v(std::span<const T>(static_cast<const T*>(in), in_n), in_counts,
+                                 std::span<T>(static_cast<T*>(out), out_n), out_counts, t...);
+        });
+      });
+    } else {
+      throw lacks("all_to_all_v", "run all_to_all_v");
+    }
+  }
+
+  Work send(Dtype d, const void* data, std::size_t n, int peer, int tag, bool async) override {
+    if constexpr (supports_full_surface<B>) {
+      return typed(d, "send", [&]<class T>() {
+        return run_flag(async, [&](auto... t) {
+          return c_.send(std::span<const T>(static_cast<const T*>(data), n), peer, tag, t...);
+        });
+      });
+    } else {
+      throw lacks("send", "send");
+    }
+  }
+
+  Work recv(Dtype d, void* data, std::size_t n, int peer, int tag, bool async) override {
+    if constexpr (supports_full_surface<B>) {
+      return typed(d, "recv", [&]<class T>() {
+        return run_flag(async, [&](auto... t) { return c_.recv(std::span<T>(static_cast<T*>(data), n), peer, tag, t...); });
+      });
+    } else {
+      throw lacks("recv", "receive");
+    }
+  }
+
+  std::vector<Work> batch_isend_irecv(Dtype d, std::span<const P2POp<std::byte>> ops) override {
+    if constexpr (supports_full_surface<B>) {
+      return visit_dtype(d, [&]<class T>() -> std::vector<Work> {
+        if constexpr (supports_element<B, T>) {
+          std::vector<P2POp<T>> typed_ops;
+          typed_ops.reserve(ops.size());
+          for (const auto& o : ops)
+            typed_ops.push_back(P2POp<T>{o.op, std::span<T>(reinterpret_cast<T*>(o.buffer.data()), o.buffer.size()),
+                                         o.peer, o.tag});
+          return c_.batch_isend_irecv(typed_ops);
+        } else {
+          throw InvalidArgument("batch_isend_irecv", c_.rank(),
+                                "element type " + std::string(to_string(d)) + " is not supported by the " +
+                                    std::string(B::name) + " backend");
+        }
+      });
+    } else {
+      throw lacks("batch_isend_irecv", "send or receive");
+    }
   }
 
   std::unique_ptr<AnyCommImpl> split(int color, int key) override {
@@ -380,6 +492,111 @@ class AnyCommunicator {
   void barrier() { (void)impl_->barrier(false); }
   Work barrier(async_t) { return impl_->barrier(true); }
 
+  /// See Communicator::reduce (out of place; `(data, root, ...)` in place). premul_sum is not
+  /// offered here: use the typed Communicator (get_if).
+  template <class In, class Out, class... A>
+    requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
+  detail::reduce_result_t<A...> reduce(In&& in, Out&& out, int root, A&&... a) {
+    check_output<Out>();
+    using T = detail::buffer_value_t<Out>;
+    return reduce_root_call(std::span<const T>(detail::as_span(in)), detail::as_span(out), root, std::forward<A>(a)...);
+  }
+  template <class Data, class... A>
+    requires detail::any_buffer<Data> && detail::reduce_tail<A...>
+  detail::reduce_result_t<A...> reduce(Data&& data, int root, A&&... a) {
+    check_output<Data>();
+    using T = detail::buffer_value_t<Data>;
+    std::span<T> s = detail::as_span(data);
+    return reduce_root_call(std::span<const T>(s), s, root, std::forward<A>(a)...);
+  }
+  /// See Communicator::scatter.
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  void scatter(In&& in, Out&& out, int root) {
+    (void)two_buffer_call(in, out, [&](Dtype d, auto* i, std::size_t ni, auto* o, std::size_t no) {
+      return impl_->scatter(d, i, ni, o, no, root, false);
+    });
+  }
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  Work scatter(In&& in, Out&& out, int root, async_t) {
+    return two_buffer_call(in, out, [&](Dtype d, auto* i, std::size_t ni, auto* o, std::size_t no) {
+      return impl_->scatter(d, i, ni, o, no, root, true);
+    });
+  }
+  /// See Communicator::all_to_all.
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  void all_to_all(In&& in, Out&& out) {
+    (void)two_buffer_call(in, out, [&](Dtype d, auto* i, std::size_t ni, auto* o, std::size_t no) {
+      return impl_->all_to_all(d, i, ni, o, no, false);
+    });
+  }
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  Work all_to_all(In&& in, Out&& out, async_t) {
+    return two_buffer_call(in, out, [&](Dtype d, auto* i, std::size_t ni, auto* o, std::size_t no) {
+      return impl_->all_to_all(d, i, ni, o, no, true);
+    });
+  }
+  /// See Communicator::all_to_all_v.
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  void all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out, std::span<const std::size_t> out_counts) {
+    (void)two_buffer_call(in, out, [&](Dtype d, auto* i, std::size_t ni, auto* o, std::size_t no) {
+      return impl_->all_to_all_v(d, i, ni, in_counts, o, no, out_counts, false);
+    });
+  }
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  Work all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out, std::span<const std::size_t> out_counts,
+                    async_t) {
+    return two_buffer_call(in, out, [&](Dtype d, auto* i, std::size_t ni, auto* o, std::size_t no) {
+      return impl_->all_to_all_v(d, i, ni, in_counts, o, no, out_counts, true);
+    });
+  }
+  /// See Communicator::send / recv.
+  template <class Data>
+    requires detail::any_buffer<Data>
+  void send(Data&& data, int peer, int tag = 0) {
+    (void)send_call(data, peer, tag, false);
+  }
+  template <class Data>
+    requires detail::any_buffer<Data>
+  Work send(Data&& data, int peer, int tag, async_t) {
+    return send_call(data, peer, tag, true);
+  }
+  template <class Data>
+    requires detail::any_buffer<Data>
+  void recv(Data&& data, int peer, int tag = 0) {
+    (void)recv_call(data, peer, tag, false);
+  }
+  template <class Data>
+    requires detail::any_buffer<Data>
+  Work recv(Data&& data, int peer, int tag, async_t) {
+    return recv_call(data, peer, tag, true);
+  }
+  /// See Communicator::batch_isend_irecv.
+  template <class T>
+  std::vector<Work> batch_isend_irecv(std::span<const P2POp<T>> ops) {
+    check_element<T>();
+    std::vector<P2POp<std::byte>> erased;
+    erased.reserve(ops.size());
+    for (const auto& o : ops)
+      erased.push_back(P2POp<std::byte>{o.op, std::span<std::byte>(reinterpret_cast<std::byte*>(o.buffer.data()),
+                                                                   o.buffer.size()),
+                                        o.peer, o.tag});
+    return impl_->batch_isend_irecv(dtype_of<T>, erased);
+  }
+  template <class T>
+  std::vector<Work> batch_isend_irecv(const std::vector<P2POp<T>>& ops) {
+    return batch_isend_irecv(std::span<const P2POp<T>>(ops));
+  }
+  template <class T>
+  std::vector<Work> batch_isend_irecv(std::initializer_list<P2POp<T>> ops) {
+    return batch_isend_irecv(std::span<const P2POp<T>>(ops.begin(), ops.size()));
+  }
+
   /// See Communicator::split: a collective; nullopt for a negative color.
   [[nodiscard]] std::optional<AnyCommunicator> split(int color, int key) { return wrap(impl_->split(color, key)); }
   [[nodiscard]] std::optional<AnyCommunicator> split(int color) { return split(color, rank()); }
@@ -454,6 +671,45 @@ class AnyCommunicator {
                  ? impl_->all_reduce(dtype_of<T>, in.data(), in.size(), out.data(), out.size(), op, is_async)
                  : impl_->reduce_scatter(dtype_of<T>, in.data(), in.size(), out.data(), out.size(), op, is_async);
     if constexpr (is_async) return w;
+  }
+
+  template <class T, class... A>
+  detail::reduce_result_t<A...> reduce_root_call(std::span<const T> in, std::span<T> out, int root, A&&... a) {
+    check_element<T>();
+    constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
+    std::optional<std::function<T(T, T)>> holder;
+    detail::ErasedOp op;
+    if constexpr (sizeof...(A) == 2 || (sizeof...(A) == 1 && !is_async)) {
+      op = erase_op<T>(std::get<0>(std::forward_as_tuple(a...)), holder);
+    }
+    Work w = impl_->reduce(dtype_of<T>, in.data(), in.size(), out.data(), out.size(), root, op, is_async);
+    if constexpr (is_async) return w;
+  }
+
+  template <class In, class Out, class F>
+  Work two_buffer_call(In& in_r, Out& out_r, F&& f) {
+    check_output<Out>();
+    using T = detail::buffer_value_t<Out>;
+    check_element<T>();
+    static_assert(std::is_same_v<detail::buffer_value_t<In>, T>, "comm: input and output buffers must have the same element type");
+    std::span<const T> in = detail::as_span(in_r);
+    std::span<T> out = detail::as_span(out_r);
+    return f(dtype_of<T>, static_cast<const void*>(in.data()), in.size(), static_cast<void*>(out.data()), out.size());
+  }
+  template <class Data>
+  Work send_call(Data& d, int peer, int tag, bool async) {
+    using T = detail::buffer_value_t<Data>;
+    check_element<T>();
+    std::span<const T> s = detail::as_span(d);
+    return impl_->send(dtype_of<T>, s.data(), s.size(), peer, tag, async);
+  }
+  template <class Data>
+  Work recv_call(Data& d, int peer, int tag, bool async) {
+    check_output<Data>();
+    using T = detail::buffer_value_t<Data>;
+    check_element<T>();
+    std::span<T> s = detail::as_span(d);
+    return impl_->recv(dtype_of<T>, s.data(), s.size(), peer, tag, async);
   }
 
   template <class In, class Out>

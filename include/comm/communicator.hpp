@@ -49,6 +49,7 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <ranges>
@@ -138,6 +139,26 @@ template <any_buffer R>
 }
 
 enum class reduction_kind { all_reduce, reduce_scatter };
+
+template <class X>
+inline constexpr bool is_p2p_op = false;
+template <class T>
+inline constexpr bool is_p2p_op<P2POp<T>> = true;
+
+/// Calls f(op, launch) from the trailing arguments `[op] [comm::async]` of a reducing call.
+template <class F, class... A>
+auto with_reduce_tail(F&& f, A&&... a) {
+  if constexpr (sizeof...(A) == 0) {
+    return f(op::sum, blocking);
+  } else if constexpr (sizeof...(A) == 1) {
+    if constexpr ((async_tag<A> && ...))
+      return f(op::sum, async);
+    else
+      return f(std::forward<A>(a)..., blocking);
+  } else {
+    return f(std::forward<A>(a)...);
+  }
+}
 
 }  // namespace detail
 
@@ -261,6 +282,132 @@ class Communicator {
     requires detail::any_buffer<In> && detail::any_buffer<Out>
   Work gather(In&& in, Out&& out, int root, async_t) {
     return gather_entry<In, Out>(in, out, root, async);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  /// reduce: the `root` rank's `out` (same size as `in`) receives the element-wise reduction of
+  /// every rank's `in`; elsewhere `out` is not used and may be empty. Forms:
+  /// `(in, out, root)`, `(in, out, root, op)`, `(..., comm::async)`.
+  template <class In, class Out, class... A>
+    requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
+  detail::reduce_result_t<A...> reduce(In&& in, Out&& out, int root, A&&... a) {
+    constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
+    check_buffer<In, false, is_async>("reduce");
+    check_buffer<Out, true, is_async>("reduce");
+    check_same_type<In, Out>();
+    using T = detail::buffer_value_t<Out>;
+    return reduce_root_entry<T>(std::span<const T>(detail::as_span(in)), std::span<T>(detail::as_span(out)), root,
+                                std::forward<A>(a)...);
+  }
+  /// reduce in place: the `root` rank's `data` becomes the reduction; other ranks' `data` is left
+  /// as it was. Forms: `(data, root)`, `(data, root, op)`, `(..., comm::async)`.
+  template <class Data, class... A>
+    requires detail::any_buffer<Data> && detail::reduce_tail<A...>
+  detail::reduce_result_t<A...> reduce(Data&& data, int root, A&&... a) {
+    check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("reduce");
+    using T = detail::buffer_value_t<Data>;
+    const std::span<T> d = detail::as_span(data);
+    return reduce_root_entry<T>(std::span<const T>(d), d, root, std::forward<A>(a)...);
+  }
+
+  /// scatter: on `root`, `in` holds size()*out.size() elements and rank r's `out` receives
+  /// `in[r*out.size(), (r+1)*out.size())`; elsewhere `in` is not used and may be empty. On the
+  /// root `out` may be exactly its own slice of `in`.
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  void scatter(In&& in, Out&& out, int root) {
+    scatter_entry<In, Out>(in, out, root, detail::blocking);
+  }
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  Work scatter(In&& in, Out&& out, int root, async_t) {
+    return scatter_entry<In, Out>(in, out, root, async);
+  }
+
+  /// all_to_all: `in` and `out` hold size() equal blocks; block p of this rank's `in` goes to
+  /// rank p, and block q of `out` comes from rank q (MPI_Alltoall). `in` and `out` must not
+  /// overlap.
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  void all_to_all(In&& in, Out&& out) {
+    all_to_all_entry<In, Out>(in, out, detail::blocking);
+  }
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  Work all_to_all(In&& in, Out&& out, async_t) {
+    return all_to_all_entry<In, Out>(in, out, async);
+  }
+
+  /// all_to_all_v: this rank sends `in_counts[p]` elements to rank p and receives
+  /// `out_counts[q]` from rank q; blocks lie in rank order, at the prefix sums of the counts
+  /// (MPI_Alltoallv with packed displacements). Each count must match the peer's; a mismatch is
+  /// comm::DesyncError. The counts are copied (an async call need not keep them).
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  void all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out,
+                    std::span<const std::size_t> out_counts) {
+    all_to_all_v_entry<In, Out>(in, in_counts, out, out_counts, detail::blocking);
+  }
+  template <class In, class Out>
+    requires detail::any_buffer<In> && detail::any_buffer<Out>
+  Work all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out,
+                    std::span<const std::size_t> out_counts, async_t) {
+    return all_to_all_v_entry<In, Out>(in, in_counts, out, out_counts, async);
+  }
+
+  /// send: `data` to rank `peer`, received there by a recv (or a batch's irecv) with the same
+  /// tag, element type and count. Messages between two ranks are matched in the order they are
+  /// sent; a mismatch is comm::DesyncError on the receiver, after which the communicator is
+  /// unusable (the unread message stays in the way); the sender's operation completes or fails
+  /// with RemoteError. Like every operation, send runs in the communicator's issue order: a rank
+  /// that sends and receives at once uses batch_isend_irecv.
+  /// The blocking form returns once `data` may be reused (host backends: the message was copied
+  /// or written out; Shm buffers up to two chunks). Tags are >= 0 (NCCL: 0 only).
+  template <class Data>
+    requires detail::any_buffer<Data>
+  void send(Data&& data, int peer, int tag = 0) {
+    send_entry<Data>(data, peer, tag, detail::blocking);
+  }
+  template <class Data>
+    requires detail::any_buffer<Data>
+  Work send(Data&& data, int peer, async_t) {
+    return send_entry<Data>(data, peer, 0, async);
+  }
+  template <class Data>
+    requires detail::any_buffer<Data>
+  Work send(Data&& data, int peer, int tag, async_t) {
+    return send_entry<Data>(data, peer, tag, async);
+  }
+
+  /// recv: `data` from rank `peer`'s matching send (see send).
+  template <class Data>
+    requires detail::any_buffer<Data>
+  void recv(Data&& data, int peer, int tag = 0) {
+    recv_entry<Data>(data, peer, tag, detail::blocking);
+  }
+  template <class Data>
+    requires detail::any_buffer<Data>
+  Work recv(Data&& data, int peer, async_t) {
+    return recv_entry<Data>(data, peer, 0, async);
+  }
+  template <class Data>
+    requires detail::any_buffer<Data>
+  Work recv(Data&& data, int peer, int tag, async_t) {
+    return recv_entry<Data>(data, peer, tag, async);
+  }
+
+  /// batch_isend_irecv: the sends and receives of `ops` (made with comm::isend / comm::irecv) as
+  /// one operation in which they all progress at once, so exchanges in both directions cannot
+  /// deadlock. Returns one Work per entry (they complete together). Buffers must outlive them.
+  template <class R>
+    requires detail::any_buffer<R> && detail::is_p2p_op<detail::buffer_value_t<R>>
+  std::vector<Work> batch_isend_irecv(R&& ops) {
+    using P = detail::buffer_value_t<R>;
+    return batch_entry<typename P::value_type>(std::span<const P>(std::ranges::data(ops), std::ranges::size(ops)));
+  }
+  template <class T>
+  std::vector<Work> batch_isend_irecv(std::initializer_list<P2POp<T>> ops) {
+    return batch_entry<T>(std::span<const P2POp<T>>(ops.begin(), ops.size()));
   }
 
   /// barrier: returns once every rank has entered it (blocking form; the async one completes then).
@@ -388,6 +535,11 @@ class Communicator {
     if constexpr (std::is_same_v<O, ReduceOp>) {
       check_runtime_op<T>(name, o);
       return ReduceOp{o};
+    } else if constexpr (std::is_same_v<O, op::premul_sum_t>) {
+      static_assert(floating_element<T>, "comm: premul_sum needs a floating element type");
+      static_assert(!floating_element<T> || supports_reduction<Backend, T, ReduceOp::sum>,
+                    "comm: this backend does not support sum on this element type");
+      return o;
     } else if constexpr (builtin_reduction<O>) {
       constexpr ReduceOp r = reduce_op_of<O>;
       static_assert(!is_bitwise(r) || integral_element<T>,
@@ -538,6 +690,158 @@ class Communicator {
       check_slot_overlap<T>("gather", in, std::span<const T>(out), "input", "output");
     }
     return b_.gather(in, out, root, l);
+  }
+
+  // ---- the rest of the surface (capability 11) ----
+
+  static constexpr void check_full_surface() {
+    static_assert(supports_full_surface<Backend>,
+                  "comm: this backend lacks reduce/scatter/all_to_all/send/recv (the optional capability "
+                  "supports_full_surface, see concepts.hpp)");
+  }
+
+  void check_peer(const char* name, int peer, int tag) const {
+    if (peer < 0 || peer >= size())
+      invalid(name, "peer " + std::to_string(peer) + " is out of range [0, " + std::to_string(size()) + ")");
+    if (peer == rank())
+      invalid(name, "peer " + std::to_string(peer) + " is this rank; a rank cannot send to or receive from itself");
+    if (tag < 0) invalid(name, "tag " + std::to_string(tag) + " is negative; tags are >= 0");
+  }
+
+  template <class T, class... A>
+  auto reduce_root_entry(std::span<const T> in, std::span<T> out, int root, A&&... a) {
+    check_full_surface();
+    check_root("reduce", root);
+    if (rank() == root) {
+      if (out.size() != in.size())
+        invalid("reduce", "output has " + n_elems(out.size()) + " on the root but input has " + n_elems(in.size()) +
+                              "; they must be equal");
+      if (in.data() != out.data() && detail::overlap(in.data(), in.size_bytes(), out.data(), out.size_bytes()))
+        invalid("reduce", "input and output overlap partially; pass one buffer for an in-place reduce");
+    }
+    return detail::with_reduce_tail(
+        [&](auto&& o, auto l) {
+          auto red = normalize_op<T>("reduce", std::forward<decltype(o)>(o));
+          if constexpr (supports_full_surface<Backend>)
+            return b_.reduce(in, out, root, std::move(red), l);
+        },
+        std::forward<A>(a)...);
+  }
+
+  template <class In, class Out, class Launch>
+  auto scatter_entry(In& in_r, Out& out_r, int root, Launch l) {
+    check_full_surface();
+    constexpr bool is_async = std::is_same_v<Launch, async_t>;
+    check_buffer<In, false, is_async>("scatter");
+    check_buffer<Out, true, is_async>("scatter");
+    check_same_type<In, Out>();
+    using T = detail::buffer_value_t<Out>;
+    const std::span<const T> in = detail::as_span(in_r);
+    const std::span<T> out = detail::as_span(out_r);
+    check_root("scatter", root);
+    if (rank() == root) {
+      const auto n = static_cast<std::size_t>(size());
+      if (in.size() != n * out.size())
+        invalid("scatter", "input has " + n_elems(in.size()) + " on the root, expected size()*output = " +
+                               std::to_string(n * out.size()) + " (size() = " + std::to_string(n) + ", output has " +
+                               n_elems(out.size()) + ")");
+      check_slot_overlap<T>("scatter", std::span<const T>(out), in, "output", "input");
+    }
+    if constexpr (supports_full_surface<Backend>) return b_.scatter(in, out, root, l);
+  }
+
+  template <class In, class Out, class Launch>
+  auto all_to_all_entry(In& in_r, Out& out_r, Launch l) {
+    check_full_surface();
+    constexpr bool is_async = std::is_same_v<Launch, async_t>;
+    check_buffer<In, false, is_async>("all_to_all");
+    check_buffer<Out, true, is_async>("all_to_all");
+    check_same_type<In, Out>();
+    using T = detail::buffer_value_t<Out>;
+    const std::span<const T> in = detail::as_span(in_r);
+    const std::span<T> out = detail::as_span(out_r);
+    const auto n = static_cast<std::size_t>(size());
+    if (in.size() != out.size() || in.size() % n != 0)
+      invalid("all_to_all", "input has " + n_elems(in.size()) + " and output " + n_elems(out.size()) +
+                                "; both must hold size() = " + std::to_string(n) + " equal blocks");
+    if (detail::overlap(in.data(), in.size_bytes(), out.data(), out.size_bytes()))
+      invalid("all_to_all", "input and output overlap; all_to_all needs separate buffers");
+    if constexpr (supports_full_surface<Backend>) return b_.all_to_all(in, out, l);
+  }
+
+  template <class In, class Out, class Launch>
+  auto all_to_all_v_entry(In& in_r, std::span<const std::size_t> in_counts, Out& out_r,
+                          std::span<const std::size_t> out_counts, Launch l) {
+    check_full_surface();
+    constexpr bool is_async = std::is_same_v<Launch, async_t>;
+    check_buffer<In, false, is_async>("all_to_all_v");
+    check_buffer<Out, true, is_async>("all_to_all_v");
+    check_same_type<In, Out>();
+    using T = detail::buffer_value_t<Out>;
+    const std::span<const T> in = detail::as_span(in_r);
+    const std::span<T> out = detail::as_span(out_r);
+    const auto n = static_cast<std::size_t>(size());
+    if (in_counts.size() != n || out_counts.size() != n)
+      invalid("all_to_all_v", "in_counts has " + std::to_string(in_counts.size()) + " entries and out_counts " +
+                                  std::to_string(out_counts.size()) + "; both need size() = " + std::to_string(n));
+    auto total = [&](std::span<const std::size_t> c, const char* what) {
+      std::size_t t = 0;
+      for (const std::size_t x : c) {
+        if (x > std::numeric_limits<std::size_t>::max() - t)
+          invalid("all_to_all_v", std::string(what) + " overflow when summed");
+        t += x;
+      }
+      return t;
+    };
+    const std::size_t ti = total(in_counts, "in_counts"), to = total(out_counts, "out_counts");
+    if (ti != in.size())
+      invalid("all_to_all_v", "in_counts sum to " + std::to_string(ti) + " but input has " + n_elems(in.size()));
+    if (to != out.size())
+      invalid("all_to_all_v", "out_counts sum to " + std::to_string(to) + " but output has " + n_elems(out.size()));
+    const auto r = static_cast<std::size_t>(rank());
+    if (in_counts[r] != out_counts[r])
+      invalid("all_to_all_v", "this rank sends itself " + std::to_string(in_counts[r]) + " but receives " +
+                                  std::to_string(out_counts[r]) + " (in_counts[rank()] != out_counts[rank()])");
+    if (detail::overlap(in.data(), in.size_bytes(), out.data(), out.size_bytes()))
+      invalid("all_to_all_v", "input and output overlap; all_to_all_v needs separate buffers");
+    if constexpr (supports_full_surface<Backend>) return b_.all_to_all_v(in, in_counts, out, out_counts, l);
+  }
+
+  template <class Data, class Launch>
+  auto send_entry(Data& data_r, int peer, int tag, Launch l) {
+    check_full_surface();
+    check_buffer<Data, false, std::is_same_v<Launch, async_t>>("send");
+    using T = detail::buffer_value_t<Data>;
+    check_peer("send", peer, tag);
+    if constexpr (supports_full_surface<Backend>)
+      return b_.send(std::span<const T>(detail::as_span(data_r)), peer, tag, l);
+  }
+
+  template <class Data, class Launch>
+  auto recv_entry(Data& data_r, int peer, int tag, Launch l) {
+    check_full_surface();
+    check_buffer<Data, true, std::is_same_v<Launch, async_t>>("recv");
+    using T = detail::buffer_value_t<Data>;
+    const std::span<T> data = detail::as_span(data_r);  // (not in the return: the static_assert above must show)
+    check_peer("recv", peer, tag);
+    if constexpr (supports_full_surface<Backend>) return b_.recv(data, peer, tag, l);
+  }
+
+  template <class T>
+  std::vector<Work> batch_entry(std::span<const P2POp<T>> ops) {
+    check_full_surface();
+    static_assert(element<T>, "comm: unsupported element type in a P2POp");
+    if constexpr (element<T>)
+      static_assert(supports_element<Backend, T>, "comm: this backend does not support this element type");
+    for (const auto& o : ops) {
+      if (o.op != P2PKind::isend && o.op != P2PKind::irecv)
+        invalid("batch_isend_irecv", "an entry's op is neither isend nor irecv");
+      check_peer("batch_isend_irecv", o.peer, o.tag);
+    }
+    if constexpr (supports_full_surface<Backend>)
+      return b_.batch_isend_irecv(ops);
+    else
+      return {};
   }
 
   Backend b_;

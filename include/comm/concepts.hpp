@@ -47,6 +47,13 @@
 ///    `b.monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks)` (timeout 0:
 ///    the communicator's), throwing comm::Timeout naming the ranks that did not arrive
 ///    (`comm::detail::monitored_barrier` implements it over a Store).
+/// 11. **The rest of the surface** (`comm::supports_full_surface<B>`), each with a launch tag last:
+///    `b.reduce(in, out, root, Red, l)` (in place: in.data() == out.data(); off the root `out` may
+///    be empty), `b.scatter(in, out, root, l)`, `b.all_to_all(in, out, l)`,
+///    `b.all_to_all_v(in, in_counts, out, out_counts, l)`, `b.send(data, peer, tag, l)`,
+///    `b.recv(data, peer, tag, l)`, and `b.batch_isend_irecv(std::span<const P2POp<T>>) ->
+///    std::vector<Work>`. Every built-in backend has them (host backends compose what their engine
+///    lacks in the engine core).
 /// 10. **Flight recorder** (`comm::supports_flight_recorder<B>`): `cb.flight_record() ->
 ///    comm::FlightRecord` and `cb.dump_flight_record(const std::string& path)`
 ///    (`comm::detail::FlightRecorder` implements the ring).
@@ -61,6 +68,7 @@
 /// - That the capability functions agree with what the operations actually accept.
 
 #include <chrono>
+#include <cstddef>
 #include <concepts>
 #include <memory>
 #include <optional>
@@ -68,6 +76,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include <comm/diagnostics.hpp>
 #include <comm/store.hpp>
@@ -181,6 +190,27 @@ template <class B>
 concept supports_monitored_barrier = backend<B> && requires(B& b, std::chrono::milliseconds t) {
   b.monitored_barrier(t, true);
 };
+
+/// Optional capability 11: reduce, scatter, all_to_all, all_to_all_v, send, recv,
+/// batch_isend_irecv (checked for T = float, like requirement 7).
+template <class B>
+concept supports_full_surface =
+    backend<B> && requires(B& b, std::span<const float> in, std::span<float> out, std::span<const std::size_t> counts,
+                           std::span<const P2POp<float>> ops, op::sum_t s) {
+      { b.reduce(in, out, 0, s, detail::blocking) } -> std::same_as<void>;
+      { b.reduce(in, out, 0, s, async) } -> std::same_as<Work>;
+      { b.scatter(in, out, 0, detail::blocking) } -> std::same_as<void>;
+      { b.scatter(in, out, 0, async) } -> std::same_as<Work>;
+      { b.all_to_all(in, out, detail::blocking) } -> std::same_as<void>;
+      { b.all_to_all(in, out, async) } -> std::same_as<Work>;
+      { b.all_to_all_v(in, counts, out, counts, detail::blocking) } -> std::same_as<void>;
+      { b.all_to_all_v(in, counts, out, counts, async) } -> std::same_as<Work>;
+      { b.send(in, 0, 0, detail::blocking) } -> std::same_as<void>;
+      { b.send(in, 0, 0, async) } -> std::same_as<Work>;
+      { b.recv(out, 0, 0, detail::blocking) } -> std::same_as<void>;
+      { b.recv(out, 0, 0, async) } -> std::same_as<Work>;
+      { b.batch_isend_irecv(ops) } -> std::same_as<std::vector<Work>>;
+    };
 
 /// Optional capability 10: `cb.flight_record() -> FlightRecord`, `cb.dump_flight_record(path)`.
 template <class B>

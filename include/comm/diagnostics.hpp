@@ -50,17 +50,24 @@ enum class OpState : std::uint8_t { queued, started, completed, failed };
 /// One operation as the flight recorder saw it.
 struct OpRecord {
   using time_point = std::chrono::system_clock::time_point;
-  /// Position in the communicator's sequence of operations (0-based; the desync check's "op #").
+  /// Position in this rank's sequence of operations on the communicator (0-based). It is the
+  /// desync check's "op #" as long as no point-to-point operation ran: send, recv and
+  /// batch_isend_irecv count here but not in the collectives' sequence, which must match across
+  /// ranks.
   std::uint64_t seq = 0;
   /// "all_reduce", "reduce_scatter", "all_gather", "broadcast", "gather", "barrier", "split",
-  /// "monitored_barrier".
+  /// "monitored_barrier", "reduce", "scatter", "all_to_all", "all_to_all_v", "send", "recv",
+  /// "batch_isend_irecv".
   std::string op;
   /// Element type; none for barriers and other operations without a buffer.
   std::optional<Dtype> dtype;
   /// The element count that is the same on every rank: the input count (gather, all_gather,
-  /// all_reduce), the output count (reduce_scatter), the buffer (broadcast).
+  /// all_reduce, reduce, all_to_all), the output count (reduce_scatter, scatter), the buffer
+  /// (broadcast, send, recv); 0 for all_to_all_v (counts differ by rank), the number of entries
+  /// for batch_isend_irecv.
   std::uint64_t count = 0;
-  /// The root (broadcast, gather, monitored_barrier) or peer; -1 when none.
+  /// The root (broadcast, gather, reduce, scatter, monitored_barrier) or the peer (send, recv; a
+  /// batch's first entry); -1 when none.
   int root = -1;
   /// The built-in reduction; none for non-reducing operations and custom callables.
   std::optional<ReduceOp> reduce;

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -83,6 +84,13 @@ struct TcpStoreOptions {
   /// Shared secret checked at connect. Empty: COMM_STORE_TOKEN from the environment; if that is
   /// empty too, no token (client and server must agree either way).
   std::string token;
+  /// The job this store belongs to: a client and a server of different jobs refuse each other
+  /// (comm::InvalidArgument naming both job ids), so a new job on the port of an earlier one that
+  /// is still running never talks to its store. Empty: COMM_JOB_ID from the environment (comm-run
+  /// sets one per job), else TORCHELASTIC_RUN_ID, else SLURM_JOB_ID; empty too: no job id (a
+  /// launch by hand). A client refused for its job id retries for up to 5 s (bounded by `timeout`)
+  /// in case the earlier job's store is closing, then throws.
+  std::string job_id;
   /// Server: connections beyond this many are rejected with an error.
   int max_connections = 1024;
   /// Largest value accepted by set/compare_set (bytes).
@@ -115,7 +123,8 @@ class TcpStore final : public Store {
   /// Connects to (and with `opts.is_server`, first starts) the store at host:port. A server with
   /// port 0 picks a free port (see port()). Throws comm::BackendError when the server cannot bind
   /// (the message names the address and port), comm::Timeout when no server answers in time, and
-  /// comm::Error when the server rejects the connection (wrong token, version, connection limit).
+  /// comm::Error when the server rejects the connection (wrong token, another job's store,
+  /// version, connection limit).
   TcpStore(std::string host, std::uint16_t port, TcpStoreOptions opts = {});
   ~TcpStore() override;
   TcpStore(const TcpStore&) = delete;
@@ -141,6 +150,23 @@ class TcpStore final : public Store {
   std::int64_t num_keys() override;
   bool delete_key(std::string_view key) override;
   bool check(std::string_view key) override;
+
+  /// The options in effect (token and job id filled in from the environment where they were empty).
+  [[nodiscard]] const TcpStoreOptions& options() const noexcept { return opts_; }
+
+  /// Liveness (what communicators use, detail/liveness.hpp; call from one thread only, on a
+  /// TcpStore of its own, so that every call uses the same connection): gives this client's
+  /// connection a will. When the connection closes, errs, or makes no call for `silence`, the
+  /// server sets `key` (unless already set) to `value` followed by the reason, and drops the
+  /// connection. An empty key withdraws the will; `silence` 0 releases the will of `key` and
+  /// `value` held by any connection (and answers its pending heartbeat). Returns the rank of the
+  /// process hosting the server (-1 unknown). Bounded by the store's timeout.
+  int watch(std::string_view key, std::string_view value, std::chrono::milliseconds silence);
+  /// Keeps the will alive; returns the value of its key once some connection's will has set it
+  /// (empty while not). While it is not set, the server holds the answer for up to `wait` (capped
+  /// at half the silence bound) and answers the moment it is set. Bounded by `timeout` + `wait`.
+  std::optional<Bytes> heartbeat(std::chrono::milliseconds timeout,
+                                 std::chrono::milliseconds wait = std::chrono::milliseconds(0));
 
  private:
   struct Reply;

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <ranges>
+#include <span>
 #include <string_view>
 #include <type_traits>
 
@@ -312,6 +314,39 @@ concept integral_element = element<T> && std::is_integral_v<std::remove_cv_t<T>>
          d == Dtype::float8_e4m3 || d == Dtype::float8_e5m2;
 }
 
+/// Whether a batch_isend_irecv entry sends or receives.
+enum class P2PKind : std::uint8_t { isend, irecv };
+
+/// One entry of `Communicator::batch_isend_irecv` (torch.distributed's P2POp): send `buffer` to
+/// `peer`, or receive into it from `peer`, with `tag` (CPU backends match it; NCCL takes tag 0
+/// only). Make them with comm::isend / comm::irecv. The buffer must outlive the returned Works.
+template <class T>
+struct P2POp {
+  using value_type = T;
+  P2PKind op = P2PKind::isend;
+  std::span<T> buffer;
+  int peer = -1;
+  int tag = 0;
+};
+
+/// A batch_isend_irecv entry that sends `data` (not modified) to `peer`.
+template <class R>
+  requires std::ranges::contiguous_range<R> && std::ranges::sized_range<R>
+[[nodiscard]] auto isend(R&& data, int peer, int tag = 0) {
+  using T = std::remove_cv_t<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
+  return P2POp<T>{P2PKind::isend, std::span<T>(const_cast<T*>(std::ranges::data(data)), std::ranges::size(data)),
+                  peer, tag};
+}
+
+/// A batch_isend_irecv entry that receives into `data` from `peer`.
+template <class R>
+  requires std::ranges::contiguous_range<R> && std::ranges::sized_range<R> &&
+           (!std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<R>>>)
+[[nodiscard]] auto irecv(R&& data, int peer, int tag = 0) {
+  using T = std::remove_cv_t<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
+  return P2POp<T>{P2PKind::irecv, std::span<T>(std::ranges::data(data), std::ranges::size(data)), peer, tag};
+}
+
 /// Tag: pass `comm::async` as the last argument of a collective to get a `comm::Work` back.
 struct async_t {
   explicit async_t() = default;
@@ -341,6 +376,14 @@ inline constexpr avg_t avg{};
 inline constexpr band_t band{};
 inline constexpr bor_t bor{};
 inline constexpr bxor_t bxor{};
+
+/// The sum of `factor * x` over ranks (NCCL's ncclRedOpCreatePreMulSum; a scaled gradient sum),
+/// for floating element types. On NCCL the factor is applied on the device; host backends scale a
+/// copy of the input (half-like types in float) and then sum.
+struct premul_sum_t {
+  double factor = 1.0;
+};
+[[nodiscard]] constexpr premul_sum_t premul_sum(double factor) noexcept { return premul_sum_t{factor}; }
 }  // namespace op
 
 namespace detail {

@@ -251,6 +251,35 @@ TEST_CASE("AnyCommunicator: the typed API over a runtime-selected backend") {
       for (int i = 0; i < n; ++i) CHECK(float(gout[static_cast<std::size_t>(i)]) == float(i));
     w.barrier();
   }
+  SUBCASE("reduce, scatter, all_to_all(_v), send/recv and batch_isend_irecv") {
+    std::vector<int> v{r + 1};
+    w.reduce(v, n - 1);
+    if (r == n - 1) CHECK(v[0] == n * (n + 1) / 2);
+    std::vector<double> sc_in(r == 0 ? static_cast<std::size_t>(n) : 0), sc_out(1, -1.0);
+    for (std::size_t i = 0; i < sc_in.size(); ++i) sc_in[i] = 10.0 * static_cast<double>(i);
+    w.scatter(sc_in, sc_out, 0);
+    CHECK(sc_out[0] == 10.0 * r);
+    std::vector<std::int64_t> a2a(static_cast<std::size_t>(n)), got(static_cast<std::size_t>(n));
+    for (int p = 0; p < n; ++p) a2a[static_cast<std::size_t>(p)] = r * 100 + p;
+    w.all_to_all(a2a, got, comm::async).wait();
+    for (int p = 0; p < n; ++p) CHECK(got[static_cast<std::size_t>(p)] == p * 100 + r);
+    std::vector<std::size_t> ones(static_cast<std::size_t>(n), 1);
+    std::fill(got.begin(), got.end(), -1);
+    w.all_to_all_v(a2a, ones, got, ones);
+    for (int p = 0; p < n; ++p) CHECK(got[static_cast<std::size_t>(p)] == p * 100 + r);
+    if (n >= 2) {
+      std::vector<float> out{float(r)}, in{-1.f};
+      auto works = w.batch_isend_irecv({comm::isend(out, (r + 1) % n), comm::irecv(in, (r + n - 1) % n)});
+      for (auto& x : works) x.wait();
+      CHECK(in[0] == float((r + n - 1) % n));
+      if (r == 0) w.send(out, 1, 4);
+      if (r == 1) {
+        w.recv(in, 0, 4);
+        CHECK(in[0] == 0.f);
+      }
+    }
+    w.barrier();
+  }
   SUBCASE("run-time errors name the op, rank and values") {
     std::vector<float> f{1.f};
     CHECK(contains(invalid_message([&] { w.all_reduce(f, comm::ReduceOp::bxor); }),

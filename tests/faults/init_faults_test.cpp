@@ -73,6 +73,41 @@ TEST_CASE("a worker never joins: the others end with Timeout naming what is miss
   }
 }
 
+TEST_CASE("a new job on the port of an earlier job that still runs never joins its store, and says so") {
+  HangGuard guard("new job on an old port", 30s);
+  const auto port = free_port();
+  // The earlier job's rank 0 still serves its store (hung, or slow to exit); the new job has its
+  // own COMM_JOB_ID (comm-run makes one per job) and, here, even the same token.
+  auto old_env = rank_env(0, 2, port, "30s");
+  old_env["COMM_JOB_ID"] = "job-1";
+  Process old_store({fault_peer, "store-server"}, old_env);
+  REQUIRE_MESSAGE(old_store.wait_line("READY", 10s).has_value(), old_store.output());
+  World w;
+  for (int r = 0; r < 2; ++r) {
+    auto env = rank_env(r, 2, port, timeout_env);
+    env["COMM_JOB_ID"] = "job-2";
+    w.ranks.push_back(std::make_unique<Process>(std::vector<std::string>{fault_peer, "init"}, env));
+  }
+  // Its rank 0 cannot bind the port; its worker is refused by the earlier job's store, naming both jobs.
+  auto r0 = result_of(w[0], 15s);
+  REQUIRE_MESSAGE(!r0.empty(), w.outputs());
+  CHECK(r0.at("kind") == "BackendError");
+  CHECK(contains(r0.at("what"), "in use"));
+  auto r1 = result_of(w[1], 15s);
+  REQUIRE_MESSAGE(!r1.empty(), w.outputs());
+  const double ms = elapsed_ms(r1);
+  CHECK(r1.at("kind") == "InvalidArgument");
+  CHECK(r1.at("op") == "store.connect");
+  CHECK(r1.at("rank") == "1");
+  CHECK(contains(r1.at("what"), "belongs to job 'job-1', this process to job 'job-2'"));
+  CHECK(contains(r1.at("what"), "an earlier job's store still runs on this port"));
+  CHECK(ms < t_ms + slack_ms);  // retried for min(timeout, 5 s) in case the old store was closing
+  report("new job on the port of a running earlier job: worker", r1.at("kind"), ms, t_ms + slack_ms, r1.at("what"));
+  for (std::size_t i = 0; i < w.size(); ++i) CHECK_MESSAGE(w[i].wait_or_kill(5s).code == 10, w.outputs());
+  old_store.signal(SIGKILL);
+  (void)old_store.wait_or_kill(5s);
+}
+
 TEST_CASE("duplicate rank 0: during rendezvous it fails at once; after it, it waits alone and times out") {
   HangGuard guard("duplicate rank 0", 30s);
   {

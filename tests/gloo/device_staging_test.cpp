@@ -345,3 +345,28 @@ TEST_CASE("Shm, which reads buffers with the CPU, rejects device buffers with In
   c.all_reduce(host);
   CHECK(host[1] == 2.0f * static_cast<float>(c.size()));
 }
+
+TEST_CASE("Gloo rejects device buffers in the operations it does not stage (reduce, scatter, point-to-point...)") {
+  STAGING_REQUIRE_GPU();
+  auto c = make_comm();
+  const int n = c.size(), r = c.rank();
+  DeviceVec<float> d(std::vector<float>(static_cast<std::size_t>(n), 1.0f));
+  std::vector<float> host(static_cast<std::size_t>(n), 1.0f), out(static_cast<std::size_t>(n));
+  try {
+    c.reduce(d.span(), 0);
+    FAIL("no error for a device buffer");
+  } catch (const comm::InvalidArgument& e) {
+    CHECK(std::string(e.what()).find("CUDA device memory") != std::string::npos);
+    CHECK(std::string(e.what()).find("reduce") != std::string::npos);
+  }
+  CHECK_THROWS_AS(c.all_to_all(d.cspan(), out), comm::InvalidArgument);
+  if (n > 1) {
+    // A batch whose receive buffer is on the device: rejected before anything is sent.
+    CHECK_THROWS_AS((void)c.batch_isend_irecv({comm::isend(host, (r + 1) % n), comm::irecv(d.span(), (r + n - 1) % n)}),
+                    comm::InvalidArgument);
+  }
+  // Nothing was sent: the communicator stays usable, and the staged collectives still take the
+  // device buffer.
+  c.all_reduce(d.span());
+  CHECK(d.download()[0] == static_cast<float>(n));
+}

@@ -93,6 +93,7 @@
 #include <comm/concepts.hpp>
 #include <comm/detail/backend_diagnostics.hpp>
 #include <comm/detail/desync.hpp>
+#include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/subgroups.hpp>
 #include <comm/detail/env.hpp>
 #include <comm/detail/flight_recorder.hpp>
@@ -137,7 +138,9 @@ struct GlooOptions {
 };
 
 /// The Gloo backend policy. Move-only; its moved-from state may only be destroyed or assigned.
-class Gloo : public comm::detail::BackendDiagnostics<Gloo>, public comm::detail::Subgroups<Gloo> {
+class Gloo : public comm::detail::ForwardOps<Gloo>,
+             public comm::detail::BackendDiagnostics<Gloo>,
+             public comm::detail::Subgroups<Gloo> {
  public:
   using backend_concept = comm::backend_t;
   static constexpr std::string_view name = "gloo";
@@ -216,10 +219,14 @@ class Gloo : public comm::detail::BackendDiagnostics<Gloo>, public comm::detail:
     return engine_->barrier(l);
   }
 
+  // reduce, scatter, all_to_all(_v), send, recv and batch_isend_irecv come from ForwardOps (the
+  // engine rejects device buffers for them; it stages only the five above).
+
   // Optional capabilities (concepts.hpp): split/new_group from Subgroups, monitored_barrier and
   // the flight recorder from BackendDiagnostics.
 
  private:
+  friend class comm::detail::ForwardOps<Gloo>;          // the operations without device staging
   friend class comm::detail::BackendDiagnostics<Gloo>;  // monitored_barrier, flight_record, options
   friend class comm::detail::Subgroups<Gloo>;           // split, new_group: child()
 

@@ -29,7 +29,15 @@
 ///   node sends the buffer across once, L streams at a time, where a flat ring sends up to twice
 ///   that. Below it: intra all_reduce, then inter all_reduce of the whole buffer. reduce_scatter,
 ///   all_gather, gather and broadcast are the same two levels; barrier is intra then inter.
-///   avg is the sum divided once at the end (integers: floor division).
+///   avg is the sum divided once at the end (integers: floor division). reduce is that all_reduce
+///   (into scratch off the root).
+/// - **scatter, all_to_all, all_to_all_v, send, recv, batch_isend_irecv** (where `Inter` has them,
+///   `comm::supports_full_surface<Inter>`; Gloo does): each rank also holds a third member, an
+///   `Inter` communicator of every rank (same ranks as this one), and these run on it: they move
+///   different data between every pair of ranks, where two levels would only add copies. It costs
+///   one more `Inter` rendezvous at creation (Gloo: a connection between every pair of ranks).
+///   Point-to-point messages are checked as the member checks them (element type, count, tag, in
+///   the order sent: a mismatch is comm::DesyncError); premul_sum scales a copy of the input.
 /// - **Blocking calls** return when the result is in the output on this rank; **async calls**
 ///   (`comm::async`) return a `comm::Work` and run in issue order on one worker thread per
 ///   communicator. Buffers must stay alive and untouched until completion.
@@ -39,8 +47,8 @@
 ///   thrown as this communicator's operation and rank, with the step that failed and, where known,
 ///   the peer as a rank of this communicator.
 /// - **Failure:** after a Timeout/RemoteError/BackendError the communicator is unusable (later
-///   operations fail at once with the first cause) and this rank closes both members, so ranks
-///   waiting on it in either member fail soon instead of at their deadline.
+///   operations fail at once with the first cause) and this rank closes every member, so ranks
+///   waiting on it in any member fail soon instead of at their deadline.
 /// - **Reductions and types:** those both members support (Shm and Gloo: every built-in op on every
 ///   element type, bitwise on integers; custom callables `T(T, T)`, associative and commutative).
 /// - **Diagnostics:** flight recorder (`Options::flight_recorder_size`; the members keep records
@@ -59,6 +67,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <comm/concepts.hpp>
 #include <comm/detail/backend_diagnostics.hpp>
@@ -204,6 +213,45 @@ class Hierarchical : public comm::detail::BackendDiagnostics<Hierarchical<Intra,
   template <class Launch>
   auto barrier(Launch l) {
     return engine_->barrier(l);
+  }
+
+  // ---- the rest of the surface (capability 11), where Inter has it (see the file comment) ----
+
+  template <element T, class Red, class Launch>
+    requires comm::supports_full_surface<Inter>
+  auto reduce(std::span<const T> in, std::span<T> out, int root, Red red, Launch l) {
+    return engine_->template reduce<T>(in, out, root, std::move(red), l);
+  }
+  template <element T, class Launch>
+    requires comm::supports_full_surface<Inter>
+  auto scatter(std::span<const T> in, std::span<T> out, int root, Launch l) {
+    return engine_->template scatter<T>(in, out, root, l);
+  }
+  template <element T, class Launch>
+    requires comm::supports_full_surface<Inter>
+  auto all_to_all(std::span<const T> in, std::span<T> out, Launch l) {
+    return engine_->template all_to_all<T>(in, out, l);
+  }
+  template <element T, class Launch>
+    requires comm::supports_full_surface<Inter>
+  auto all_to_all_v(std::span<const T> in, std::span<const std::size_t> in_counts, std::span<T> out,
+                    std::span<const std::size_t> out_counts, Launch l) {
+    return engine_->template all_to_all_v<T>(in, in_counts, out, out_counts, l);
+  }
+  template <element T, class Launch>
+    requires comm::supports_full_surface<Inter>
+  auto send(std::span<const T> data, int peer, int tag, Launch l) {
+    return engine_->template send<T>(data, peer, tag, l);
+  }
+  template <element T, class Launch>
+    requires comm::supports_full_surface<Inter>
+  auto recv(std::span<T> data, int peer, int tag, Launch l) {
+    return engine_->template recv<T>(data, peer, tag, l);
+  }
+  template <element T>
+    requires comm::supports_full_surface<Inter>
+  std::vector<Work> batch_isend_irecv(std::span<const P2POp<T>> ops) {
+    return engine_->template batch_isend_irecv<T>(ops);
   }
 
   // Optional capabilities (concepts.hpp): split/new_group from Subgroups, monitored_barrier and

@@ -16,9 +16,10 @@
 ///   - `adopt(MPI_Comm)` duplicates the caller's communicator (which must be an intracommunicator,
 ///     on an initialized MPI) and never frees it. It has no store: `monitored_barrier` is not
 ///     available (comm::InvalidArgument); split and new_group work.
-///   - Each communicator duplicates its MPI communicator twice (MPI_Comm_idup, so creation ends by
-///     the timeout too): one carries the collectives, the other subgroup creation and failure
-///     notices. Both are freed at destruction. `native_handle()` is the first (escape hatch: do not
+///   - Each communicator duplicates its MPI communicator three times (MPI_Comm_idup, so creation
+///     ends by the timeout too): one carries the collectives, one subgroup creation and failure
+///     notices, one point-to-point messages. The first and the last are freed at destruction; the
+///     control one only at MPI_Finalize (a peer that fails later still sends its notice there). `native_handle()` is the first (escape hatch: do not
 ///     use it concurrently with this communicator's operations).
 /// - **Blocking calls** return when the result is in the output on this rank. They run on the
 ///   calling thread when nothing is queued, else after the queued async work.
@@ -28,12 +29,22 @@
 ///   comm::InvalidArgument from async calls, blocking ones work). The buffers must stay alive and
 ///   untouched until the Work completes.
 /// - **Execution:** every collective is MPI's non-blocking one (MPI_Iallreduce,
-///   MPI_Ireduce_scatter_block, MPI_Iallgather, MPI_Ibcast, MPI_Igather, MPI_Ibarrier) polled with
-///   MPI_Test (spinning for 2 ms, then sched_yield between tests, then 50 us sleeps after 100 ms) until
-///   it completes or the deadline passes. In-place forms use MPI_IN_PLACE (in-place reduce_scatter
-///   goes through a scratch block: the input is only read). Counts above INT_MAX: all_reduce and
-///   broadcast run in chunks; reduce_scatter, all_gather and gather refuse per-rank blocks that
-///   large (comm::InvalidArgument).
+///   MPI_Ireduce_scatter_block, MPI_Iallgather, MPI_Ibcast, MPI_Igather, MPI_Ireduce, MPI_Iscatter,
+///   MPI_Ialltoall, MPI_Ialltoallv, MPI_Ibarrier) polled with MPI_Test (spinning for 2 ms, then
+///   sched_yield between tests, then 50 us sleeps after 100 ms) until it completes or the deadline
+///   passes. In-place forms use MPI_IN_PLACE (in-place reduce_scatter goes through a scratch block:
+///   the input is only read; reduce in place on the root, scatter into the root's own slice).
+///   Counts above INT_MAX: all_reduce, reduce, broadcast and point-to-point messages run in chunks;
+///   reduce_scatter, all_gather, gather, scatter and all_to_all refuse per-rank blocks that large,
+///   all_to_all_v counts or displacements beyond INT_MAX (comm::InvalidArgument).
+/// - **Point-to-point** (send, recv, batch_isend_irecv) runs on a third duplicate of the
+///   communicator, so user tags never meet the collectives: each message is a 32-byte header
+///   (kind, element type, count, the user's tag, its number on the pair), checked by the receiver
+///   before the payload is received (a mismatch is comm::DesyncError, never a buffer overrun), then
+///   the payload (MPI_Isend / MPI_Irecv). The messages of a pair are matched in the order they were
+///   sent; any tag >= 0 works (it never becomes an MPI tag). A batch posts every send and receive
+///   before waiting, so exchanges in both directions cannot deadlock; batch_isend_irecv is always
+///   async (MPI_THREAD_MULTIPLE). premul_sum scales a copy of the input, then sums.
 /// - **Deadlines and what a Timeout leaves behind:** every operation ends by `Options::timeout`
 ///   (default: COMM_TIMEOUT, else 30 min) with comm::Timeout naming the operation, rank and
 ///   sequence number. **MPI cannot cancel a collective**: the timed-out request stays pending, and
@@ -214,6 +225,50 @@ class Mpi : public comm::detail::BackendDiagnostics<Mpi> {
     return engine_->barrier(l);
   }
 
+  // ---- the rest of the surface (capability 11) ----
+
+  template <element T, class Red, class Launch>
+  auto reduce(std::span<const T> in, std::span<T> out, int root, Red red, Launch l) {
+    check_launch<Launch>("reduce");
+    return engine_->reduce<T>(in, out, root, std::move(red), l);
+  }
+  template <element T, class Launch>
+  auto scatter(std::span<const T> in, std::span<T> out, int root, Launch l) {
+    check_launch<Launch>("scatter");
+    check_count("scatter", out.size(), "output");
+    return engine_->scatter<T>(in, out, root, l);
+  }
+  template <element T, class Launch>
+  auto all_to_all(std::span<const T> in, std::span<T> out, Launch l) {
+    check_launch<Launch>("all_to_all");
+    check_count("all_to_all", in.size() / static_cast<std::size_t>(size()), "input");
+    return engine_->all_to_all<T>(in, out, l);
+  }
+  template <element T, class Launch>
+  auto all_to_all_v(std::span<const T> in, std::span<const std::size_t> in_counts, std::span<T> out,
+                    std::span<const std::size_t> out_counts, Launch l) {
+    check_launch<Launch>("all_to_all_v");
+    check_counts_v(in_counts, "in_counts");
+    check_counts_v(out_counts, "out_counts");
+    return engine_->all_to_all_v<T>(in, in_counts, out, out_counts, l);
+  }
+  template <element T, class Launch>
+  auto send(std::span<const T> data, int peer, int tag, Launch l) {
+    check_launch<Launch>("send");
+    return engine_->send<T>(data, peer, tag, l);
+  }
+  template <element T, class Launch>
+  auto recv(std::span<T> data, int peer, int tag, Launch l) {
+    check_launch<Launch>("recv");
+    return engine_->recv<T>(data, peer, tag, l);
+  }
+  /// Always async (runs on the worker thread): needs MPI_THREAD_MULTIPLE.
+  template <element T>
+  std::vector<Work> batch_isend_irecv(std::span<const P2POp<T>> ops) {
+    check_launch<async_t>("batch_isend_irecv");
+    return engine_->batch_isend_irecv<T>(ops);
+  }
+
   // ---- optional capabilities (see concepts.hpp): subgroups and diagnostics ----
 
   /// Collective over every rank of this communicator (an operation "split" in its sequence):
@@ -300,6 +355,24 @@ class Mpi : public comm::detail::BackendDiagnostics<Mpi> {
                             std::string(what) + " has " + std::to_string(n) +
                                 " elements per rank; the MPI backend moves at most INT_MAX (" +
                                 std::to_string(INT_MAX) + ") per rank in one call: split the call");
+  }
+
+  /// MPI_Ialltoallv takes int counts and int displacements (the prefix sums of the counts).
+  void check_counts_v(std::span<const std::size_t> counts, const char* what) const {
+    std::size_t displ = 0;
+    for (std::size_t p = 0; p < counts.size(); ++p) {
+      if (counts[p] > Engine::kMaxCount)
+        throw InvalidArgument("all_to_all_v", rank(),
+                              std::string(what) + "[" + std::to_string(p) + "] is " + std::to_string(counts[p]) +
+                                  " elements; the MPI backend moves at most INT_MAX (" + std::to_string(INT_MAX) +
+                                  ") per block (MPI_Alltoallv counts are int): split the call");
+      if (displ > Engine::kMaxCount)
+        throw InvalidArgument("all_to_all_v", rank(),
+                              std::string(what) + ": block " + std::to_string(p) + " starts at element " +
+                                  std::to_string(displ) + ", beyond INT_MAX (" + std::to_string(INT_MAX) +
+                                  "; MPI_Alltoallv displacements are int): split the call");
+      displ += counts[p];
+    }
   }
 
   static void check_timeout(const Options& o, int rank, const char* op) {

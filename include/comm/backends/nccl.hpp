@@ -70,11 +70,32 @@
 /// by 1/size() before summing) and unsigned integers. Not available, as compile errors for
 /// compile-time ops (comm::op::band, a lambda) and comm::InvalidArgument for ReduceOp values:
 /// bitwise ops (NCCL has none), custom callables, and avg on signed integers (NCCL rounds toward
-/// zero, comm's contract is floor division: use sum and divide). The extra
-/// `backend().all_reduce_premul_sum(in, out, scalar)` multiplies each rank's input by its own
-/// scalar before summing (ncclRedOpCreatePreMulSum). fp8 (comm::float8_e4m3/e5m2, where comm
-/// defines them) is moved by every collective and reduced where NCCL >= 2.24 and the device has
-/// compute capability >= 9.0.
+/// zero, comm's contract is floor division: use sum and divide). `comm::op::premul_sum(factor)`
+/// (all_reduce, reduce_scatter, reduce; floating types) is NCCL's pre-multiplied sum: an operator
+/// made with ncclRedOpCreatePreMulSum around each call, with the factor converted to the element
+/// type on the host (float: rounded once; half, bfloat16, fp8: through float, as CUDA converts) and
+/// applied on the device; it is destroyed once the call is enqueued. The factor may differ by rank.
+/// The extra `backend().all_reduce_premul_sum(in, out, scalar)` takes the scalar in the element
+/// type. fp8 (comm::float8_e4m3/e5m2, where comm defines them) is moved by every collective and
+/// reduced (premul_sum included) where NCCL >= 2.24 and the device has compute capability >= 9.0.
+///
+/// ### More operations (reduce, scatter, all_to_all, all_to_all_v, send, recv, batch_isend_irecv)
+/// Same stream rules, deadlines, watchdog, flight recorder and errors as the collectives above.
+/// - `reduce`: ncclReduce; off the root NCCL gets a null receive buffer (`out` may be empty there,
+///   and an in-place reduce leaves the non-root ranks' data as it was).
+/// - `scatter`, `all_to_all`, `all_to_all_v`: ncclSend/ncclRecv in one group call (as
+///   torch.distributed does; every NCCL), the rank's own block a device copy on the stream. Counts
+///   are elements. all_to_all_v counts that do not match the peer's are not detected (NCCL's
+///   send/recv must match; the watchdog's deadline ends a transfer that never completes).
+/// - `send`, `recv`: ncclSend / ncclRecv in a group call. NCCL has no tags: a tag other than 0 is
+///   comm::InvalidArgument. Messages between two ranks match in issue order. The blocking form
+///   returns once enqueued, as every NCCL operation; a rank that sends to and receives from the
+///   same peer uses batch_isend_irecv (or async forms issued in an order that matches the peer's).
+/// - `batch_isend_irecv`: all entries in one ncclGroupStart/ncclGroupEnd, one operation (one
+///   flight-recorder entry "batch_isend_irecv"); one Work per entry, all on that operation's
+///   completion (Work::wait orders the caller's current stream after it, as for `comm::async`).
+/// - Point-to-point operations (send, recv, batch_isend_irecv) involve two ranks, not the group:
+///   they skip the desync check and do not advance the collective sequence number it compares.
 ///
 /// ### gather
 /// ncclGather where NCCL >= 2.28 (compiled and loaded), else ncclSend/ncclRecv in one group call
@@ -142,6 +163,7 @@
 #include <string_view>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <comm/concepts.hpp>
 #include <comm/detail/backend_diagnostics.hpp>
@@ -319,6 +341,38 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
     return engine_->barrier(l);
   }
 
+  // ---- the rest of the surface (concepts.hpp, capability 11; see "More operations" above) ----
+
+  template <element T, class Red, class Launch>
+  auto reduce(std::span<const T> in, std::span<T> out, int root, Red red, Launch l) {
+    return engine_->reduce<T>(in, out, root, red, l);
+  }
+  template <element T, class Launch>
+  auto scatter(std::span<const T> in, std::span<T> out, int root, Launch l) {
+    return engine_->scatter<T>(in, out, root, l);
+  }
+  template <element T, class Launch>
+  auto all_to_all(std::span<const T> in, std::span<T> out, Launch l) {
+    return engine_->all_to_all<T>(in, out, l);
+  }
+  template <element T, class Launch>
+  auto all_to_all_v(std::span<const T> in, std::span<const std::size_t> in_counts, std::span<T> out,
+                    std::span<const std::size_t> out_counts, Launch l) {
+    return engine_->all_to_all_v<T>(in, in_counts, out, out_counts, l);
+  }
+  template <element T, class Launch>
+  auto send(std::span<const T> data, int peer, int tag, Launch l) {
+    return engine_->send<T>(data, peer, tag, l);
+  }
+  template <element T, class Launch>
+  auto recv(std::span<T> data, int peer, int tag, Launch l) {
+    return engine_->recv<T>(data, peer, tag, l);
+  }
+  template <element T>
+  [[nodiscard]] std::vector<Work> batch_isend_irecv(std::span<const P2POp<T>> ops) {
+    return engine_->batch_isend_irecv<T>(ops);
+  }
+
   /// all_reduce with NCCL's pre-multiplied sum: `out` = sum over ranks of (scalar_r * in_r), each
   /// rank passing its own `scalar`. `in` and `out` have equal sizes (may be the same buffer).
   /// Blocking (enqueued, as the other operations) unless `comm::async` is passed last.
@@ -490,5 +544,8 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
   std::unique_ptr<comm::detail::nccl::Engine> engine_;
   Options options_;
 };
+
+static_assert(comm::backend<Nccl>);
+static_assert(comm::supports_full_surface<Nccl>, "comm: the nccl backend must have the whole surface");
 
 }  // namespace comm::backends

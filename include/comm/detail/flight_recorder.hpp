@@ -35,7 +35,20 @@ enum class OpKind : std::uint8_t {
   barrier = 6,
   split = 7,
   monitored_barrier = 8,
+  reduce = 9,
+  scatter = 10,
+  all_to_all = 11,
+  all_to_all_v = 12,
+  send = 13,  // point-to-point: desc.root is the peer
+  recv = 14,
+  p2p_batch = 15,  // batch_isend_irecv: several sends and receives that progress together
 };
+
+/// Point-to-point operations involve two ranks, not the whole group: they take no collective
+/// sequence number (see OpQueue) and are never in the desync check's all-rank exchange.
+[[nodiscard]] constexpr bool is_p2p(OpKind k) noexcept {
+  return k == OpKind::send || k == OpKind::recv || k == OpKind::p2p_batch;
+}
 
 [[nodiscard]] constexpr const char* op_name(OpKind k) noexcept {
   switch (k) {
@@ -47,6 +60,13 @@ enum class OpKind : std::uint8_t {
     case OpKind::barrier: return "barrier";
     case OpKind::split: return "split";
     case OpKind::monitored_barrier: return "monitored_barrier";
+    case OpKind::reduce: return "reduce";
+    case OpKind::scatter: return "scatter";
+    case OpKind::all_to_all: return "all_to_all";
+    case OpKind::all_to_all_v: return "all_to_all_v";
+    case OpKind::send: return "send";
+    case OpKind::recv: return "recv";
+    case OpKind::p2p_batch: return "batch_isend_irecv";
   }
   return "unknown_op";
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <cstdlib>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -95,6 +96,28 @@ struct AddResult {
                                       std::span<const std::uint8_t> expected) {
   if (current == nullptr) return expected.empty();
   return current->size() == expected.size() && std::equal(current->begin(), current->end(), expected.begin());
+}
+
+/// The job this process belongs to, for the store handshake: COMM_JOB_ID (comm-run sets a fresh
+/// one per job), else TORCHELASTIC_RUN_ID, else SLURM_JOB_ID[.SLURM_STEP_ID], else "" (none:
+/// processes started by hand). Stores of different jobs refuse each other's clients.
+[[nodiscard]] inline std::string job_id_from_env() {
+  auto get = [](const char* n) -> std::string {
+    const char* v = std::getenv(n);
+    return v != nullptr ? std::string(v) : std::string();
+  };
+  if (auto v = get("COMM_JOB_ID"); !v.empty()) return v;
+  if (auto v = get("TORCHELASTIC_RUN_ID"); !v.empty()) return "torchelastic:" + v;
+  if (auto v = get("SLURM_JOB_ID"); !v.empty()) {
+    const auto step = get("SLURM_STEP_ID");
+    return "slurm:" + v + (step.empty() ? "" : "." + step);
+  }
+  return {};
+}
+
+/// `job` quoted for messages ("no job id" when empty).
+[[nodiscard]] inline std::string describe_job(std::string_view job) {
+  return job.empty() ? std::string("no job id") : "job " + quote_key(job, 80);
 }
 
 [[nodiscard]] inline std::span<const std::uint8_t> as_bytes(std::string_view s) noexcept {

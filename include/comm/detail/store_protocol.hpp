@@ -3,6 +3,8 @@
 //
 // Handshake (once per connection, client first):
 //   hello        u32 magic "CMST" | u16 version | u16 token_len | i32 rank | token bytes
+//                | u16 job_len | job id bytes                      (version 2; version 1 stops
+//                                                                   after the token: job id "")
 //   hello reply  u32 magic | u16 version | u8 HelloStatus | u16 msg_len | msg bytes
 // Then request/reply frames, one reply per request, in order:
 //   frame        u64 payload_len | payload            (payload_len in 1..frame_limit)
@@ -23,12 +25,14 @@
 namespace comm::detail::store_proto {
 
 inline constexpr std::uint32_t magic = 0x54534d43u;  // bytes "CMST"
-inline constexpr std::uint16_t version = 1;
+inline constexpr std::uint16_t version = 2;
+inline constexpr std::uint16_t min_version = 1;      // accepted by the server (job id "")
 inline constexpr std::size_t hello_size = 12;        // without the token
 inline constexpr std::size_t hello_reply_size = 9;   // without the message
 inline constexpr std::size_t frame_header_size = 8;
 inline constexpr std::size_t max_token_bytes = 4096;
 inline constexpr std::size_t max_hello_message = 1024;
+inline constexpr std::size_t max_job_id_bytes = 256;
 
 /// Requests. Fields after the op byte:
 enum class Op : std::uint8_t {
@@ -40,13 +44,29 @@ enum class Op : std::uint8_t {
   check = 6,        // u32 n | n * str key                           -> ok u8 all_exist
   num_keys = 7,     //                                               -> ok i64 count
   delete_key = 8,   // str key                                       -> ok u8 existed
+  // Liveness (detail/liveness.hpp). watch gives this connection a "will": when the connection
+  // closes or errs, or sends no request for silence_ms, the server sets `key` (unless set) to
+  // `value` followed by the reason, and drops the connection. An empty key withdraws the will;
+  // silence_ms 0 releases the will of `key` and `value` held by any connection (a rank leaving).
+  watch = 9,        // str key | bytes value | u64 silence_ms       -> ok i32 server_rank
+  heartbeat = 10,   // u64 wait_ms                                   -> ok u8 set | bytes value
+                    //   (the watched key's value, once some connection's will set it; while it is
+                    //   not set the server holds the reply up to wait_ms, and sends it the moment
+                    //   the key is set)
 };
 
 /// Reply status. `timeout` carries u32 n | n * str missing_key; `invalid` (the request was wrong)
 /// and `failed` (the server could not do it, e.g. store full) carry str message.
 enum class Status : std::uint8_t { ok = 0, timeout = 1, invalid = 2, failed = 3 };
 
-enum class HelloStatus : std::uint8_t { ok = 0, bad_version = 1, wrong_token = 2, too_many_connections = 3 };
+/// `wrong_job`: the server belongs to another job (its message is the server's job id).
+enum class HelloStatus : std::uint8_t {
+  ok = 0,
+  bad_version = 1,
+  wrong_token = 2,
+  too_many_connections = 3,
+  wrong_job = 4,
+};
 
 [[nodiscard]] constexpr std::size_t sat_add(std::size_t a, std::size_t b) noexcept {
   return a > SIZE_MAX - b ? SIZE_MAX : a + b;
@@ -155,7 +175,9 @@ inline void finish_frame(std::vector<std::uint8_t>& buf, std::size_t at) {
   return v;
 }
 
-[[nodiscard]] inline std::vector<std::uint8_t> encode_hello(std::string_view token, std::int32_t rank) {
+[[nodiscard]] inline std::vector<std::uint8_t> encode_hello(std::string_view token, std::int32_t rank,
+                                                            std::string_view job_id = {}) {
+  job_id = job_id.substr(0, max_job_id_bytes);
   std::vector<std::uint8_t> b;
   Writer w(b);
   w.u32(magic);
@@ -163,6 +185,8 @@ inline void finish_frame(std::vector<std::uint8_t>& buf, std::size_t at) {
   w.u16(static_cast<std::uint16_t>(token.size()));
   w.i32(rank);
   w.raw(std::span(reinterpret_cast<const std::uint8_t*>(token.data()), token.size()));
+  w.u16(static_cast<std::uint16_t>(job_id.size()));
+  w.raw(std::span(reinterpret_cast<const std::uint8_t*>(job_id.data()), job_id.size()));
   return b;
 }
 

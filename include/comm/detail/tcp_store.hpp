@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <optional>
 #include <thread>
 
 #include <comm/store.hpp>
@@ -42,6 +43,7 @@ inline TcpStore::TcpStore(std::string host, std::uint16_t port, TcpStoreOptions 
   if (opts_.token.empty()) {
     if (const char* t = std::getenv("COMM_STORE_TOKEN")) opts_.token = t;
   }
+  if (opts_.job_id.empty()) opts_.job_id = detail::job_id_from_env();
   if (host_.empty()) throw InvalidArgument("store.connect", rank(), "TcpStore needs a host, got ''");
   if (opts_.timeout.count() < 0)
     throw InvalidArgument("store.connect", rank(), "timeout must not be negative, got " + detail::format_ms(opts_.timeout));
@@ -49,6 +51,10 @@ inline TcpStore::TcpStore(std::string host, std::uint16_t port, TcpStoreOptions 
     throw InvalidArgument("store.connect", rank(),
                           "token of " + std::to_string(opts_.token.size()) + " bytes is longer than " +
                               std::to_string(detail::store_proto::max_token_bytes));
+  if (opts_.job_id.size() > detail::store_proto::max_job_id_bytes)
+    throw InvalidArgument("store.connect", rank(),
+                          "job id of " + std::to_string(opts_.job_id.size()) + " bytes is longer than " +
+                              std::to_string(detail::store_proto::max_job_id_bytes));
   if (opts_.max_connections < 1)
     throw InvalidArgument("store.connect", rank(),
                           "max_connections must be at least 1, got " + std::to_string(opts_.max_connections));
@@ -57,6 +63,7 @@ inline TcpStore::TcpStore(std::string host, std::uint16_t port, TcpStoreOptions 
   if (opts_.is_server) {
     detail::TcpStoreServerConfig cfg;
     cfg.token = opts_.token;
+    cfg.job_id = opts_.job_id;
     cfg.max_connections = static_cast<std::size_t>(opts_.max_connections);
     cfg.max_key_bytes = opts_.max_key_bytes;
     cfg.max_value_bytes = opts_.max_value_bytes;
@@ -88,6 +95,11 @@ inline detail::Fd TcpStore::connect(detail::Clock::time_point deadline) {
   }
   auto step = std::chrono::milliseconds(10);
   std::string last_error = "no attempt made";
+  // A store of another job: maybe an earlier job's, about to close (a world re-initialized on the
+  // same port); retried for a while, then refused for good.
+  std::optional<detail::Clock::time_point> wrong_job_until;
+  std::string wrong_job;
+  bool stale = false;  // the last server that answered (or timed out answering) was another job's
   for (;;) {
     const auto r = detail::resolve(host_, port_);
     if (r.addrs.empty()) {
@@ -100,10 +112,11 @@ inline detail::Fd TcpStore::connect(detail::Clock::time_point deadline) {
       detail::Fd fd = detail::connect_once(a, deadline, err);
       if (!fd) {
         last_error = detail::to_string(a) + ": " + detail::errno_text(err);
+        stale = false;
         continue;
       }
       // Handshake.
-      const auto hello = sp::encode_hello(opts_.token, rank());
+      const auto hello = sp::encode_hello(opts_.token, rank(), opts_.job_id);
       std::uint8_t head[sp::hello_reply_size];
       auto io = detail::send_all(fd.get(), hello, deadline);
       if (io.ok()) io = detail::recv_all(fd.get(), head, deadline);
@@ -137,6 +150,18 @@ inline detail::Fd TcpStore::connect(detail::Clock::time_point deadline) {
           throw InvalidArgument("store.connect", rank(), "rejected: protocol version mismatch (" + msg + ")", address_);
         case sp::HelloStatus::too_many_connections:
           throw RemoteError("store.connect", rank(), "rejected: " + msg, address_);
+        case sp::HelloStatus::wrong_job: {
+          wrong_job = "rejected: the store server at " + address_ + " belongs to " + detail::describe_job(msg) +
+                      ", this process to " + detail::describe_job(opts_.job_id) +
+                      " (an earlier job's store still runs on this port, or the ranks were started with "
+                      "different COMM_JOB_ID)";
+          const auto now = detail::Clock::now();
+          if (!wrong_job_until) wrong_job_until = std::min(deadline, now + std::chrono::seconds(5));
+          if (now >= *wrong_job_until) throw InvalidArgument("store.connect", rank(), wrong_job, address_);
+          last_error = wrong_job;
+          stale = true;
+          continue;
+        }
       }
       throw RemoteError("store.connect", rank(), "rejected with unknown status " + std::to_string(static_cast<int>(status)),
                         address_);
@@ -146,6 +171,8 @@ inline detail::Fd TcpStore::connect(detail::Clock::time_point deadline) {
                         "the store server at " + address_ + " is gone (" + lost + "); reconnecting failed: " + last_error,
                         address_);
     const auto now = detail::Clock::now();
+    if (!stale) wrong_job_until.reset();  // that store is gone; wait for ours
+    if (wrong_job_until && now >= *wrong_job_until) throw InvalidArgument("store.connect", rank(), wrong_job, address_);
     if (now >= deadline)
       throw Timeout("store.connect", rank(),
                     "no store server answered at " + address_ + " within " +
@@ -424,6 +451,46 @@ inline bool TcpStore::check(std::string_view key) {
   const auto v = rd.u8();
   if (!rd.done()) throw RemoteError("store.check", rank(), "malformed reply from the store server", address_);
   return v != 0;
+}
+
+inline int TcpStore::watch(std::string_view key, std::string_view value, std::chrono::milliseconds silence) {
+  namespace sp = detail::store_proto;
+  check_key("store.watch", key);
+  check_value("store.watch", key, value.size());
+  std::size_t at = 0;
+  auto f = detail::start_request(sp::Op::watch, at);
+  sp::Writer w(f);
+  w.str(key);
+  w.str(value);
+  w.u64(static_cast<std::uint64_t>(std::max<std::int64_t>(silence.count(), key.empty() ? 1 : 0)));
+  sp::finish_frame(f, at);
+  const auto t = timeout();
+  const auto d = detail::deadline_after(t);
+  const auto r = call("store.watch", f, d, d);
+  if (r.status != sp::Status::ok) throw_reply_error("store.watch", r, t);
+  auto rd = r.fields();
+  const auto host = rd.i32();
+  if (!rd.done()) throw RemoteError("store.watch", rank(), "malformed reply from the store server", address_);
+  return host;
+}
+
+inline std::optional<Store::Bytes> TcpStore::heartbeat(std::chrono::milliseconds timeout,
+                                                      std::chrono::milliseconds wait) {
+  namespace sp = detail::store_proto;
+  std::size_t at = 0;
+  auto f = detail::start_request(sp::Op::heartbeat, at);
+  sp::Writer w(f);
+  w.u64(static_cast<std::uint64_t>(std::max<std::int64_t>(wait.count(), 0)));
+  sp::finish_frame(f, at);
+  const auto d = detail::deadline_after(timeout + std::max(wait, std::chrono::milliseconds(0)));
+  const auto r = call("store.heartbeat", f, d, d);
+  if (r.status != sp::Status::ok) throw_reply_error("store.heartbeat", r, timeout);
+  auto rd = r.fields();
+  const bool set = rd.u8() != 0;
+  const auto v = rd.bytes();
+  if (!rd.done()) throw RemoteError("store.heartbeat", rank(), "malformed reply from the store server", address_);
+  if (!set) return std::nullopt;
+  return Bytes(v.begin(), v.end());
 }
 
 }  // namespace comm

@@ -9,7 +9,8 @@
 // handshake does not complete within the stall timeout, or when a started request or a pending
 // reply makes no progress for the stall timeout. Memory: stored keys and values, and the keys that
 // parked requests wait on, count against max_total_bytes together. Nothing here throws out of
-// the thread.
+// the thread. A connection with a will (Op::watch: liveness) sets its will's key when it closes,
+// errs or stays silent past its silence bound: how ranks learn that a peer died or stopped.
 
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -42,6 +43,7 @@ namespace comm::detail {
 /// What the server enforces (from TcpStoreOptions).
 struct TcpStoreServerConfig {
   std::string token;
+  std::string job_id;  // a client of another job is refused (HelloStatus::wrong_job)
   std::size_t max_connections = 1024;
   std::size_t max_key_bytes = 4096;
   std::size_t max_value_bytes = std::size_t{64} << 20;
@@ -56,6 +58,7 @@ class TcpStoreServer {
   TcpStoreServer(const std::string& host, std::uint16_t port, TcpStoreServerConfig cfg, int rank)
       : opts_(std::move(cfg)),
         token_(opts_.token),
+        host_rank_(rank),
         frame_cap_(store_proto::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes)),
         max_connections_(std::max<std::size_t>(opts_.max_connections, 1)),
         stall_(std::max(opts_.stall_timeout, std::chrono::milliseconds(1))) {
@@ -155,6 +158,15 @@ class TcpStoreServer {
     return key.size() + parked_key_overhead;
   }
 
+  // Op::watch: set `key` to `value` + the reason when this connection ends or falls silent.
+  struct Will {
+    std::string key;
+    Bytes value;
+    std::chrono::milliseconds silence{};
+    Clock::time_point last;  // the last request
+    std::size_t cost = 0;    // counted in parked_bytes_
+  };
+
   struct Conn {
     Fd fd;
     std::uint64_t id = 0;
@@ -170,6 +182,7 @@ class TcpStoreServer {
     bool dead = false;
     bool counted = true;  // counts against max_connections (false: being rejected)
     int rank = -1;
+    std::optional<Will> will;
 
     [[nodiscard]] std::size_t unread() const noexcept { return in.size() - in_off; }
     [[nodiscard]] bool out_pending() const noexcept { return out_off < out.size(); }
@@ -423,11 +436,31 @@ class TcpStoreServer {
     }
     if (r.left() < token_len) return false;
     const auto token = r.raw(token_len);
-    c.in_off += sp::hello_size + token_len;
-    if (ver != sp::version) {
+    if (ver < sp::min_version || ver > sp::version) {
+      c.in_off += sp::hello_size + token_len;
       send_hello(c, sp::HelloStatus::bad_version,
-                 "server speaks protocol version " + std::to_string(sp::version) + ", client sent " +
-                     std::to_string(ver));
+                 "server speaks protocol versions " + std::to_string(sp::min_version) + " to " +
+                     std::to_string(sp::version) + ", client sent " + std::to_string(ver));
+      close_after_reply(c, now);
+      return false;
+    }
+    std::span<const std::uint8_t> job;
+    if (ver >= 2) {
+      if (r.left() < 2) return false;
+      const std::size_t job_len = r.u16();
+      if (job_len > sp::max_job_id_bytes) {
+        drop(c);
+        return false;
+      }
+      if (r.left() < job_len) return false;
+      job = r.raw(job_len);
+    }
+    c.in_off += in.size() - r.left();
+    // Before the token: a client of a later job on this port has another token too, and "another
+    // job's store" is the useful answer. Job ids are not secret.
+    if (!std::equal(job.begin(), job.end(), opts_.job_id.begin(), opts_.job_id.end(),
+                    [](std::uint8_t a, char b) { return a == static_cast<std::uint8_t>(b); })) {
+      send_hello(c, sp::HelloStatus::wrong_job, opts_.job_id);
       close_after_reply(c, now);
       return false;
     }
@@ -541,6 +574,7 @@ class TcpStoreServer {
 
   void drop(Conn& c) {
     if (c.dead) return;
+    if (c.will) fire_will(c, "its connection to the store closed (the process exited or was killed)");
     if (c.pending) unpark(c);
     c.dead = true;
     c.fd.reset();
@@ -612,7 +646,42 @@ class TcpStoreServer {
   void handle(Conn& c, std::span<const std::uint8_t> payload, Clock::time_point now) {
     store_proto::Reader r(payload);
     const auto op = static_cast<Op>(r.u8());
+    if (c.will) c.will->last = now;
     switch (op) {
+      case Op::watch: {
+        const auto key = r.str();
+        const auto value = r.bytes();
+        const auto ms = clamp_ms(r.u64());
+        if (!r.done()) return malformed(c, now);
+        if (ms == 0 && !key.empty()) {  // release: the will(s) of this key and value, on any connection
+          release_wills(key, value);
+          return reply_ok_with(c, [&](store_proto::Writer& w) { w.i32(host_rank_); });
+        }
+        if (c.will) {
+          parked_bytes_ -= c.will->cost;
+          c.will.reset();
+        }
+        if (!key.empty()) {
+          if (!key_ok(c, key) || !value_ok(c, key, value.size())) return;
+          const std::size_t cost = parked_cost(key) + value.size() + will_reason_bytes;
+          if (!parked_fits(c, 1, cost)) return;
+          parked_bytes_ += cost;
+          c.will = Will{std::string(key), Bytes(value.begin(), value.end()),
+                        std::chrono::milliseconds(std::max<std::uint64_t>(ms, 1)), now, cost};
+        }
+        return reply_ok_with(c, [&](store_proto::Writer& w) { w.i32(host_rank_); });
+      }
+      case Op::heartbeat: {
+        // Parks (as a get of the will's key, for at most wait_ms, below the silence bound) so that
+        // a death reaches every watcher the moment the server sees it.
+        const auto ms = clamp_ms(r.u64());
+        if (!r.done()) return malformed(c, now);
+        const auto it = c.will ? kv_.find(c.will->key) : kv_.end();
+        if (it != kv_.end() || !c.will || ms == 0) return reply_heartbeat(c, it != kv_.end() ? &it->second : nullptr);
+        const auto wait = std::min(std::chrono::milliseconds(ms), c.will->silence / 2);
+        if (!parked_fits(c, 1, parked_cost(c.will->key))) return;
+        return park(c, Op::heartbeat, {c.will->key}, now + wait, parked_cost(c.will->key));
+      }
       case Op::set: {
         const auto key = r.str();
         const auto value = r.bytes();
@@ -725,6 +794,49 @@ class TcpStoreServer {
     close_after_reply(c, now);
   }
 
+  // --- liveness -----------------------------------------------------------------------------------
+
+  static constexpr std::size_t will_reason_bytes = 128;
+
+  void reply_heartbeat(Conn& c, const Bytes* value) {
+    reply_ok_with(c, [&](store_proto::Writer& w) {
+      w.u8(value != nullptr ? 1 : 0);
+      w.bytes(value != nullptr ? std::span<const std::uint8_t>(*value) : std::span<const std::uint8_t>());
+    });
+  }
+
+  // A rank that leaves withdraws its will from another connection (its own is held by a pending
+  // heartbeat): the will goes, and the held heartbeat is answered now.
+  void release_wills(std::string_view key, std::span<const std::uint8_t> value) {
+    for (auto& [id, cp] : conns_) {
+      Conn& o = *cp;
+      if (o.dead || !o.will || o.will->key != key ||
+          !std::equal(o.will->value.begin(), o.will->value.end(), value.begin(), value.end()))
+        continue;
+      parked_bytes_ -= o.will->cost;
+      o.will.reset();
+      if (o.pending && o.pending->op == Op::heartbeat) {
+        reply_heartbeat(o, nullptr);
+        unpark(o);
+        ready_.push_back(o.id);
+      }
+    }
+  }
+
+  // The first will to fire sets its key; later ones (the same death seen twice, or a second
+  // death) leave the first cause in place.
+  void fire_will(Conn& c, const std::string& reason) {
+    Will w = std::move(*c.will);
+    c.will.reset();
+    parked_bytes_ -= w.cost;
+    if (kv_.find(w.key) != kv_.end()) return;
+    Bytes v = std::move(w.value);
+    v.insert(v.end(), reason.begin(), reason.end());
+    total_bytes_ += w.key.size() + v.size();  // bounded: charged as parked while the will was held
+    kv_.emplace(w.key, std::move(v));
+    key_changed(w.key);
+  }
+
   // --- parked get()/wait() ----------------------------------------------------------------------
 
   void park(Conn& c, Op op, std::vector<std::string> keys, Clock::time_point deadline, std::size_t cost) {
@@ -759,6 +871,8 @@ class TcpStoreServer {
       if (p.op == Op::get) {
         const auto& value = kv_.find(p.keys.front())->second;
         reply_ok_with(c, [&](store_proto::Writer& w) { w.bytes(value); });
+      } else if (p.op == Op::heartbeat) {
+        reply_heartbeat(c, &kv_.find(p.keys.front())->second);
       } else {
         reply_ok(c);
       }
@@ -796,6 +910,7 @@ class TcpStoreServer {
     for (const auto& [id, c] : conns_) {
       if (c->dead) continue;
       if (c->pending) t = std::min(t, c->pending->deadline);
+      if (c->will) t = std::min(t, c->will->last + c->will->silence);
       if (auto s = stall_deadline(*c)) t = std::min(t, *s);
     }
     return t;
@@ -809,12 +924,20 @@ class TcpStoreServer {
         drop(c);
         continue;
       }
+      if (c.will && c.will->last + c.will->silence <= now) {
+        fire_will(c, "it sent no heartbeat for " + std::to_string(c.will->silence.count()) +
+                         " ms (stopped, hung or cut off)");
+        drop(c);
+        continue;
+      }
       if (c.pending && c.pending->deadline <= now) {
         guarded(c, [&] {
           std::vector<std::string> missing;
           for (const auto& k : c.pending->keys)
             if (kv_.find(k) == kv_.end()) missing.push_back(k);
-          if (missing.empty() && c.pending->op == Op::get) {
+          if (c.pending->op == Op::heartbeat) {
+            reply_heartbeat(c, missing.empty() ? &kv_.find(c.pending->keys.front())->second : nullptr);
+          } else if (missing.empty() && c.pending->op == Op::get) {
             const auto& value = kv_.find(c.pending->keys.front())->second;
             reply_ok_with(c, [&](store_proto::Writer& w) { w.bytes(value); });
           } else if (missing.empty()) {
@@ -832,6 +955,7 @@ class TcpStoreServer {
 
   TcpStoreServerConfig opts_;
   std::string token_;
+  int host_rank_;  // the rank of the process hosting this server (-1: unknown)
   std::size_t frame_cap_;
   std::size_t max_connections_;
   std::chrono::milliseconds stall_;

@@ -3,7 +3,10 @@
 // the engine that moves the bytes. Gloo, Shm and the next host backends derive from it (CRTP, no
 // virtual call on the hot path) and supply the engine calls only:
 //
-//   void perform(Op& op, std::uint64_t seq);                 // this rank's part of the operation
+//   void perform(Op& op, std::uint64_t seq);                 // this rank's part of a collective;
+//                                                            //   kinds it lacks: this->compose(op, seq)
+//   void perform_p2p(const Op& op, std::span<P2PItem> items); // sends and receives, progressing
+//                                                            //   together, headers checked (p2p.hpp)
 //   void exchange_fingerprints(std::uint64_t seq);           // fill fingerprints() from every rank
 //   [[noreturn]] void rethrow_translated(const char* op);    // optional: in a catch block -> comm::Error
 //   void close_transport() noexcept;                         // wake pending waits, fail peers fast
@@ -21,6 +24,7 @@
 //     closed at the first failure so that peers fail at once instead of waiting for their timeout.
 
 #include <array>
+#include <cstring>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -37,12 +41,15 @@
 #include <vector>
 
 #include <comm/concepts.hpp>
+#include <comm/detail/comms_log.hpp>
 #include <comm/detail/cuda_driver.hpp>
 #include <comm/detail/desync.hpp>
 #include <comm/detail/engine/failure.hpp>
 #include <comm/detail/engine/op.hpp>
 #include <comm/detail/engine/op_queue.hpp>
+#include <comm/detail/engine/p2p.hpp>
 #include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/liveness.hpp>
 #include <comm/detail/logging.hpp>
 #include <comm/detail/membership.hpp>
 #include <comm/detail/monitored_barrier.hpp>
@@ -155,6 +162,7 @@ class EngineCore {
     const auto seq = store_->add(base + "seq/" + std::to_string(rank), 1);
     key_prefix_ = base + std::to_string(seq) + "/";
     if (cfg.file_rank < 0) {
+      liveness_wanted_ = true;
       file_rank_ = rank;
       name_ = seq == 1 ? std::string() : "c" + std::to_string(seq);
     } else {
@@ -164,6 +172,7 @@ class EngineCore {
     if (size > 1)
       check_membership(*store_, key_prefix_, static_cast<std::uint64_t>(seq), rank, size, timeout_,
                        std::string(backend) + ".init");
+    log_.attach(backend, file_rank_, rank, size, name_);  // COMM_COMMS_LOG / COMM_TRACE (comms_log.hpp)
   }
 
   /// A communicator over an engine group made elsewhere (no store: no subgroups, no
@@ -178,7 +187,9 @@ class EngineCore {
         desync_(cfg.desync_check),
         fingerprints_(static_cast<std::size_t>(size)),
         recorder_(cfg.flight_recorder_size),
-        dump_path_(flight_recorder_path()) {}
+        dump_path_(flight_recorder_path()) {
+    log_.attach(backend, file_rank_, rank, size, name_);
+  }
 
   EngineCore(const EngineCore&) = delete;
   EngineCore& operator=(const EngineCore&) = delete;
@@ -206,11 +217,13 @@ class EngineCore {
 
   void launch(Op& op, blocking_t) {
     check_host_buffers(op);
+    start_liveness_once();
     queue_.run_inline(op);
   }
 
   Work launch(Op& op, async_t) {
     check_host_buffers(op);
+    start_liveness_once();
     auto state = std::make_shared<EngineWorkState>(op_name(op.desc.kind), rank_, timeout_, abort_);
     queue_.submit(std::move(op), state);
     return Work(std::move(state));
@@ -264,6 +277,82 @@ class EngineCore {
     return launch(op, l);
   }
 
+  template <class T, class Red, class Launch>
+  auto reduce(std::span<const T> in, std::span<T> out, int root, Red red, Launch l) {
+    // Off the root `out` may be empty: the engine (or compose) gives it scratch.
+    Op op = make_op<T>(OpKind::reduce, in.data(), out.data(), in.size(), out.size());
+    op.desc.reduce = reduce_code(red);
+    op.desc.root = root;
+    op.desc.count = in.size();
+    return with_reduction<T>(op, red, l);
+  }
+
+  template <class T, class Launch>
+  auto scatter(std::span<const T> in, std::span<T> out, int root, Launch l) {
+    Op op = make_op<T>(OpKind::scatter, in.data(), out.data(), in.size(), out.size());
+    op.desc.root = root;
+    op.desc.count = out.size();
+    return launch(op, l);
+  }
+
+  template <class T, class Launch>
+  auto all_to_all(std::span<const T> in, std::span<T> out, Launch l) {
+    Op op = make_op<T>(OpKind::all_to_all, in.data(), out.data(), in.size(), out.size());
+    op.desc.count = in.size();
+    return launch(op, l);
+  }
+
+  /// The counts are copied: an async call's caller need not keep them.
+  template <class T, class Launch>
+  auto all_to_all_v(std::span<const T> in, std::span<const std::size_t> in_counts, std::span<T> out,
+                    std::span<const std::size_t> out_counts, Launch l) {
+    Op op = make_op<T>(OpKind::all_to_all_v, in.data(), out.data(), in.size(), out.size());
+    op.counts.reserve(in_counts.size() + out_counts.size());
+    op.counts.insert(op.counts.end(), in_counts.begin(), in_counts.end());
+    op.counts.insert(op.counts.end(), out_counts.begin(), out_counts.end());
+    op.desc.count = 0;  // differs by rank: the message headers check the counts of each pair
+    return launch(op, l);
+  }
+
+  template <class T, class Launch>
+  auto send(std::span<const T> data, int peer, int tag, Launch l) {
+    Op op = make_op<T>(OpKind::send, data.data(), nullptr, data.size(), 0);
+    op.desc.root = peer;
+    op.desc.count = data.size();
+    op.p2p.push_back(P2PItem{true, const_cast<T*>(data.data()), data.size(), peer, tag});
+    return launch(op, l);
+  }
+
+  template <class T, class Launch>
+  auto recv(std::span<T> data, int peer, int tag, Launch l) {
+    Op op = make_op<T>(OpKind::recv, nullptr, data.data(), 0, data.size());
+    op.desc.root = peer;
+    op.desc.count = data.size();
+    op.p2p.push_back(P2PItem{false, data.data(), data.size(), peer, tag});
+    return launch(op, l);
+  }
+
+  /// One operation whose sends and receives progress together (so that a batch that sends to and
+  /// receives from the same peers cannot deadlock); every returned Work completes with it.
+  template <class T>
+  std::vector<Work> batch_isend_irecv(std::span<const P2POp<T>> ops) {
+    std::vector<Work> works;
+    if (ops.empty()) return works;
+    Op op = make_op<T>(OpKind::p2p_batch, nullptr, nullptr, 0, 0);
+    op.p2p.reserve(ops.size());
+    for (const auto& o : ops)
+      op.p2p.push_back(P2PItem{o.op == P2PKind::isend, o.buffer.data(), o.buffer.size(), o.peer, o.tag});
+    op.desc.root = ops.front().peer;
+    op.desc.count = ops.size();
+    check_host_buffers(op);
+    start_liveness_once();
+    auto state = std::make_shared<EngineWorkState>(op_name(op.desc.kind), rank_, timeout_, abort_);
+    queue_.submit(std::move(op), state);
+    works.reserve(ops.size());
+    for (std::size_t i = 0; i < ops.size(); ++i) works.emplace_back(state);
+    return works;
+  }
+
   template <class Launch>
   auto barrier(Launch l, OpHooks hooks = {}) {
     Op op;
@@ -307,6 +396,33 @@ class EngineCore {
     (void)queue_.wait_idle_until(std::chrono::steady_clock::now() + grace);
   }
 
+  // ---- liveness (detail/liveness.hpp) ----
+
+  /// Rank `peer` died or went silent (the liveness watch saw it): fails the communicator with
+  /// RemoteError naming `peer` and the operation running here, and closes the transport so that
+  /// the running operation ends now. Any thread.
+  void peer_failed(int peer, const std::string& why) {
+    std::string running;
+    for (const auto& r : recorder_.snapshot(backend_, rank_, size_, name_).ops)
+      if (r.state == OpState::started) running = "op #" + std::to_string(r.seq) + " (" + r.op + ")";
+    const std::string what = "rank " + std::to_string(peer) + " is dead: " + why + "; seen by rank " +
+                             std::to_string(rank_) + "'s liveness watch " +
+                             (running.empty() ? std::string("between operations") : "during " + running);
+    if (record_failure(FailureKind::remote, what, "rank " + std::to_string(peer))) {
+      failure_to_dump_ = true;
+      derived().close_transport();
+    }
+  }
+
+  /// The engine's error `e` (a peer closed, or a wait timed out) may be the echo of a death the
+  /// liveness watch knows of: ask it now, and let that death be the recorded cause.
+  void consult_liveness(const Error& e) {
+    if (!liveness_ || has_failed()) return;
+    if (dynamic_cast<const RemoteError*>(&e) == nullptr && dynamic_cast<const Timeout*>(&e) == nullptr) return;
+    if (auto v = liveness_->verdict_now(std::chrono::milliseconds(500)); v && v->rank != rank_)
+      peer_failed(v->rank, v->why);
+  }
+
   /// The first failure's text, or "" while the communicator is healthy.
   [[nodiscard]] std::string failure_text() const {
     std::lock_guard lock(failure_mu_);
@@ -317,9 +433,11 @@ class EngineCore {
   /// Derived destructors call this first, so that no operation runs on a half-destroyed engine.
   void shutdown() noexcept {
     if (shut_down_) return;
+    if (liveness_) liveness_->stop();  // first: it may call peer_failed()
     shut_down_ = true;
     queue_.shutdown();
     abort_->detach();
+    log_.finish();  // the comms log's summary
     if (!dump_path_.empty()) {
       try {
         write_text_file(dump_file(), to_string(flight_record()), rank_);
@@ -353,6 +471,7 @@ class EngineCore {
       try {
         derived().rethrow_translated(op);
       } catch (const Error& e) {
+        consult_liveness(e);  // a peer the store saw die is the cause, not the rank that told us
         if (record_failure(kind_of(e), e.what(), e.peer())) {
           // Close the transport now, so that peers blocked on this rank fail at once with
           // RemoteError instead of waiting for their own timeout.
@@ -365,6 +484,57 @@ class EngineCore {
         std::lock_guard lock(failure_mu_);
         throw_as(failure_->kind, op, rank_, failure_->what, failure_->peer);
       }
+    }
+  }
+
+  /// The collectives an engine does not run itself, from the ones it does: reduce as an
+  /// all_reduce (into scratch off the root), scatter and all_to_all(_v) as point-to-point batches
+  /// (perform_p2p), whose headers carry the collective's kind. Engines call it for kinds they lack.
+  void compose(Op& op, std::uint64_t seq) {
+    switch (op.desc.kind) {
+      case OpKind::reduce: {
+        Op sub;
+        sub.desc = op.desc;
+        sub.desc.kind = OpKind::all_reduce;  // root stays set: a plain all_reduce's fingerprint differs
+        sub.in = op.in;
+        sub.in_count = op.in_count;
+        sub.out_count = op.in_count;
+        sub.elem_size = op.elem_size;
+        sub.kernel = op.kernel;
+        sub.many = op.many;
+        sub.custom = op.custom;
+        sub.custom_arg = op.custom_arg;
+        sub.finish = op.finish;
+        if (rank_ == op.desc.root) {
+          sub.out = op.out;
+        } else {
+          compose_scratch_.resize(op.in_count * op.elem_size);
+          sub.out = compose_scratch_.data();
+        }
+        derived().perform(sub, seq);
+        release_scratch(compose_scratch_);
+        return;
+      }
+      case OpKind::scatter: {
+        compose_scatter(op, rank_, size_, compose_items_);
+        if (rank_ == op.desc.root) {
+          const auto* mine = static_cast<const std::byte*>(op.in) +
+                             static_cast<std::size_t>(rank_) * op.out_count * op.elem_size;
+          if (mine != op.out && op.out_count != 0) std::memcpy(op.out, mine, op.out_count * op.elem_size);
+        }
+        derived().perform_p2p(op, std::span<P2PItem>(compose_items_));
+        return;
+      }
+      case OpKind::all_to_all:
+      case OpKind::all_to_all_v: {
+        compose_all_to_all(op, rank_, size_, compose_items_);
+        all_to_all_self_copy(op, rank_, size_);
+        derived().perform_p2p(op, std::span<P2PItem>(compose_items_));
+        return;
+      }
+      default:
+        throw BackendError(op_name(op.desc.kind), rank_, std::string("not an operation the ") + backend_ +
+                                                             " engine runs");
     }
   }
 
@@ -389,6 +559,12 @@ class EngineCore {
   /// comm::InvalidArgument before anything is sent, not a crash (one branch per operation where no
   /// CUDA driver is usable).
   void host_buffers_only(const char* hint) noexcept { host_only_hint_ = hint; }
+  /// The same for the operations a policy does not stage itself (Gloo stages the five
+  /// collectives: their buffers reach the engine as host copies, or unused, or empty).
+  void host_buffers_unless_staged(const char* hint) noexcept {
+    host_only_hint_ = hint;
+    staged_exempt_ = true;
+  }
 
   /// True when the communicator has failed (cheap; for engines' wait loops).
   [[nodiscard]] bool has_failed() const noexcept { return failed_.load(std::memory_order_acquire); }
@@ -415,11 +591,25 @@ class EngineCore {
 
   void check_host_buffers(const Op& op) const {
     if (host_only_hint_ == nullptr || !cuda::driver_usable()) return;
-    for (const void* p : {op.in, static_cast<const void*>(op.out)})
+    if (staged_exempt_) {
+      switch (op.desc.kind) {
+        case OpKind::all_reduce:
+        case OpKind::reduce_scatter:
+        case OpKind::all_gather:
+        case OpKind::broadcast:
+        case OpKind::gather: return;
+        default: break;
+      }
+    }
+    auto reject = [&](const void* p) {
       if (cuda::is_device_pointer(p))
         throw InvalidArgument(op_name(op.desc.kind), rank_,
                               std::string("a buffer is CUDA device memory, which the ") + backend_ +
-                                  " backend cannot read: " + host_only_hint_);
+                                  " backend cannot read here: " + host_only_hint_);
+    };
+    reject(op.in);
+    reject(op.out);
+    for (const P2PItem& it : op.p2p) reject(it.buf);
   }
 
   template <class T>
@@ -441,6 +631,11 @@ class EngineCore {
     if constexpr (std::is_same_v<Red, ReduceOp>) {
       op.kernel = reduce_kernel_for<T>(red);
       op.many = reduce_many_for<T>(red);
+    } else if constexpr (std::is_same_v<Red, op::premul_sum_t>) {
+      op.kernel = &reduce_kernel<ReduceOp::sum, T>;
+      op.many = &reduce_many_kernel<ReduceOp::sum, T>;
+      op.prescale = &prescale_erased<T>;
+      op.factor = red.factor;
     } else if constexpr (builtin_reduction<Red>) {
       constexpr ReduceOp r = reduce_op_of<Red> == ReduceOp::avg ? ReduceOp::sum : reduce_op_of<Red>;
       op.kernel = &reduce_kernel<r, T>;
@@ -460,11 +655,11 @@ class EngineCore {
     return launch(op, l);
   }
 
-  static void execute_thunk(void* self, Op& op, std::uint64_t seq) {
-    static_cast<EngineCore*>(self)->execute(op, seq);
+  static void execute_thunk(void* self, Op& op, std::uint64_t id, std::uint64_t seq) {
+    static_cast<EngineCore*>(self)->execute(op, id, seq);
   }
-  static void issue_thunk(void* self, const Op& op, std::uint64_t seq) {
-    static_cast<EngineCore*>(self)->recorder_.issued(seq, op.desc);
+  static void issue_thunk(void* self, const Op& op, std::uint64_t id, std::uint64_t /*seq*/) {
+    static_cast<EngineCore*>(self)->recorder_.issued(id, op.desc);
   }
   static void abort_thunk(void* self, const std::string& why, std::chrono::milliseconds grace) {
     static_cast<EngineCore*>(self)->abort(why, grace);
@@ -472,28 +667,37 @@ class EngineCore {
 
   /// One operation: flight-recorder transitions, the desync check when on, the hooks and the
   /// engine's part.
-  void execute(Op& op, std::uint64_t seq) {
+  void execute(Op& op, std::uint64_t id, std::uint64_t seq) {
     const char* name = op_name(op.desc.kind);
-    recorder_.started(seq);
+    recorder_.started(id);
+    const auto log_start = log_.start();  // one branch when the comms log is off
     try {
       if (op.desc.kind == OpKind::monitored_barrier) {
         // Store-based: its failure is a verdict about peers, not a broken transport.
         detail::monitored_barrier(*store_, key_prefix_ + "mb", monitored_barriers_++, rank_, size_,
                                   op.barrier_timeout, op.wait_all_ranks);
       } else {
-        if (desync_ && size_ > 1) check_desync(op.desc, seq);
+        // Point-to-point operations involve two ranks: their check is the message header's.
+        const bool p2p = is_p2p(op.desc.kind);
+        if (desync_ && size_ > 1 && !p2p) check_desync(op.desc, seq);
         // `before` runs inside run(): when it fails (a device copy-in), this rank's part of the
         // operation never happens, so the communicator fails and closes its transport, and the
         // peers get RemoteError at once instead of waiting for their timeout.
         run(name, [&] {
           if (op.hooks.before) run_hook(name, op.hooks.before);
-          derived().perform(op, seq);
+          if (op.prescale != nullptr) apply_prescale(op);
+          if (p2p)
+            derived().perform_p2p(op, std::span<P2PItem>(op.p2p));
+          else
+            derived().perform(op, seq);
         });
+        if (op.prescale != nullptr) release_scratch(prescale_scratch_);
         if (op.hooks.after) run_hook(name, op.hooks.after);
       }
-      recorder_.completed(seq);
+      recorder_.completed(id);
+      if (log_.on()) log_.record(op, seq, log_start);
     } catch (const std::exception& e) {
-      recorder_.failed(seq, e.what());
+      recorder_.failed(id, e.what());
       // A desync (every rank throws it, the communicator stays usable) and the first failure are
       // dumped; operations failing at once after that are not.
       if (op.desc.kind == OpKind::monitored_barrier || dynamic_cast<const DesyncError*>(&e) != nullptr ||
@@ -501,6 +705,20 @@ class EngineCore {
         dump_after_error();
       throw;
     }
+  }
+
+  /// premul_sum: the input, scaled by the factor, becomes the operation's input (a copy: the
+  /// caller's input is const, and an in-place buffer is overwritten by the result anyway).
+  void apply_prescale(Op& op) {
+    const void* src = op.in != nullptr ? op.in : op.out;
+    prescale_scratch_.resize(op.in_count * op.elem_size);
+    if (op.in_count != 0) op.prescale(prescale_scratch_.data(), src, op.in_count, op.factor);
+    op.in = prescale_scratch_.data();
+  }
+
+  /// Large scratch is not kept between operations.
+  static void release_scratch(std::vector<std::byte>& v) {
+    if (v.capacity() > (std::size_t{8} << 20)) std::vector<std::byte>().swap(v);
   }
 
   void run_hook(const char* name, const std::function<void()>& hook) {
@@ -548,6 +766,7 @@ class EngineCore {
 
   const char* backend_;
   const char* host_only_hint_ = nullptr;  // see host_buffers_only()
+  bool staged_exempt_ = false;            // see host_buffers_unless_staged()
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
@@ -558,14 +777,34 @@ class EngineCore {
   bool desync_;
   bool shut_down_ = false;
   std::vector<Fingerprint> fingerprints_;  // one per rank; operations run one at a time
+  std::vector<std::byte> prescale_scratch_;  // premul_sum's scaled input
+  std::vector<std::byte> compose_scratch_;   // compose(): a reduce's result off the root
+  std::vector<P2PItem> compose_items_;       // compose(): a collective's sends and receives
   std::atomic<std::uint64_t> groups_{0};
   std::uint64_t monitored_barriers_ = 0;  // only touched by the executing operation
   FlightRecorder recorder_;
+  CommsLog log_;           // COMM_COMMS_LOG, COMM_TRACE
   std::string dump_path_;  // COMM_FLIGHT_RECORDER
   std::atomic<bool> failure_to_dump_{false};
   std::atomic<bool> failed_{false};
   mutable std::mutex failure_mu_;
   std::optional<Failure> failure_;
+  // Liveness: started at the first operation (the engine is fully constructed by then), for root
+  // communicators on a TcpStore.
+  void start_liveness_once() {
+    if (liveness_started_) return;
+    liveness_started_ = true;
+    if (!store_ || !liveness_wanted_) return;
+    try {
+      liveness_ = Liveness::start(store_, key_prefix_, rank_, size_,
+                                  [this](int peer, const std::string& why) { peer_failed(peer, why); });
+    } catch (const std::exception& e) {
+      log(LogLevel::warn, std::string("comm: liveness watch not started: ") + e.what());
+    }
+  }
+  bool liveness_wanted_ = false;
+  bool liveness_started_ = false;
+  std::unique_ptr<Liveness> liveness_;
   std::shared_ptr<AbortHandle> abort_ = std::make_shared<AbortHandle>(this, &EngineCore::abort_thunk);
   OpQueue queue_{this, &EngineCore::execute_thunk, &EngineCore::issue_thunk};  // last: drained first
 };

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <type_traits>
+#include <vector>
 
 #include <comm/detail/flight_recorder.hpp>
 #include <comm/detail/reduce.hpp>
@@ -39,6 +41,18 @@ struct OpHooks {
 using custom_reduce_fn = void (*)(const void* fn, void* out, const void* a, const void* b, std::size_t n);
 /// Turns a sum over `size` ranks into the average, in place.
 using finish_fn = void (*)(void* data, std::size_t n, int size);
+/// dst = factor * src over n elements (premul_sum; half-like types through float).
+using prescale_fn = void (*)(void* dst, const void* src, std::size_t n, double factor);
+
+/// One send or receive of a point-to-point operation: send, recv, batch_isend_irecv, and the
+/// collectives the engine core composes from them (scatter, all_to_all, all_to_all_v).
+struct P2PItem {
+  bool send = false;
+  void* buf = nullptr;    // read only for a send
+  std::size_t count = 0;  // elements
+  int peer = -1;
+  int tag = 0;
+};
 
 struct Op {
   OpDesc desc;                  // kind, dtype / reduction codes, root, count: recorder + desync check
@@ -54,6 +68,10 @@ struct Op {
   finish_fn finish = nullptr;   // avg: runs after a successful reduction
   std::shared_ptr<const void> keep;  // owns the callable of an async custom reduction
   OpHooks hooks;
+  prescale_fn prescale = nullptr;  // premul_sum: the input is scaled by `factor` first
+  double factor = 1.0;
+  std::vector<P2PItem> p2p;          // send, recv, p2p_batch (one item for send / recv)
+  std::vector<std::size_t> counts;   // all_to_all_v: size() send counts, then size() receive counts
   std::chrono::milliseconds barrier_timeout{};  // monitored_barrier
   bool wait_all_ranks = false;                  // monitored_barrier
 };
@@ -62,6 +80,19 @@ template <class T, class F>
 void apply_custom(const void* fn, void* out, const void* a, const void* b, std::size_t n) {
   reduce_custom<T>(*static_cast<const F*>(fn), static_cast<T*>(out), static_cast<const T*>(a),
                    static_cast<const T*>(b), n);
+}
+
+template <class T>
+void prescale_erased(void* dst, const void* src, std::size_t n, double factor) {
+  auto* d = static_cast<T*>(dst);
+  const auto* x = static_cast<const T*>(src);
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    const auto f = static_cast<T>(factor);
+    for (std::size_t i = 0; i < n; ++i) d[i] = x[i] * f;
+  } else {  // half, bfloat16, fp8: in float, rounded once
+    const auto f = static_cast<float>(factor);
+    for (std::size_t i = 0; i < n; ++i) d[i] = T(static_cast<float>(x[i]) * f);
+  }
 }
 
 template <class T>

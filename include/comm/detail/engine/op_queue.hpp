@@ -5,10 +5,13 @@
 // retired after kIdleExit without work.
 // A blocking operation runs on the caller's thread: at once when nothing is queued or running
 // (the common case: no thread hop, lowest latency), otherwise after the queue has drained.
-// Every operation gets the next sequence number when it is issued, under the same lock that fixes
-// its place in the order, so numbers follow execution order and match across ranks that issue the
-// same ops; the owner's `issue(op, seq)` runs under that lock too (the flight recorder's "queued").
-// Engines derive their message tags from the sequence number.
+// Every operation gets two numbers when it is issued, under the same lock that fixes its place in
+// the order: `id`, counting every operation of this rank (the flight recorder's), and `seq`, the
+// collective sequence number, which counts collectives only, so that it matches across ranks
+// that issue the same collectives whatever point-to-point operations some of them run in between.
+// Point-to-point operations get kP2PSeq | (their own count) instead. The owner's
+// `issue(op, id, seq)` runs under that lock too (the flight recorder's "queued"). Engines derive
+// their collective message tags from `seq`.
 // shutdown() lets the worker finish everything already queued, then joins it.
 //
 // Nothing here is a template: the queue holds one task type (an Op record and its Work state) and
@@ -31,8 +34,10 @@ namespace comm::detail {
 
 class OpQueue {
  public:
-  using ExecuteFn = void (*)(void* owner, Op& op, std::uint64_t seq);
-  using IssueFn = void (*)(void* owner, const Op& op, std::uint64_t seq);
+  using ExecuteFn = void (*)(void* owner, Op& op, std::uint64_t id, std::uint64_t seq);
+  using IssueFn = void (*)(void* owner, const Op& op, std::uint64_t id, std::uint64_t seq);
+  /// The bit that marks a point-to-point operation's `seq`.
+  static constexpr std::uint64_t kP2PSeq = std::uint64_t{1} << 63;
 
   OpQueue(void* owner, ExecuteFn execute, IssueFn issue) noexcept : owner_(owner), execute_(execute), issue_(issue) {}
   OpQueue(const OpQueue&) = delete;
@@ -41,13 +46,14 @@ class OpQueue {
 
   /// Runs `op` on this thread once every earlier operation finished; rethrows what it threw.
   void run_inline(Op& op) {
-    std::uint64_t seq = 0;
+    std::uint64_t id = 0, seq = 0;
     {
       std::unique_lock lock(mu_);
       if (!queue_.empty() || running_) cv_.wait(lock, [&] { return queue_.empty() && !running_; });
       running_ = true;
-      seq = next_seq_++;
-      issue_(owner_, op, seq);
+      id = next_id_++;
+      seq = next_seq(op);
+      issue_(owner_, op, id, seq);
     }
     struct Release {
       OpQueue* q;
@@ -59,16 +65,17 @@ class OpQueue {
         q->cv_.notify_all();
       }
     } release{this};
-    execute_(owner_, op, seq);
+    execute_(owner_, op, id, seq);
   }
 
   /// Queues `op`; `state` is completed with its outcome (failed with what it threw).
   void submit(Op&& op, std::shared_ptr<WorkState> state) {
     {
       std::lock_guard lock(mu_);
-      const std::uint64_t seq = next_seq_++;
-      issue_(owner_, op, seq);
-      queue_.push_back(Task{std::move(op), std::move(state), seq});
+      const std::uint64_t id = next_id_++;
+      const std::uint64_t seq = next_seq(op);
+      issue_(owner_, op, id, seq);
+      queue_.push_back(Task{std::move(op), std::move(state), id, seq});
       if (!worker_alive_) {
         // A worker that retired after idling has left serve() and needs no lock: join is immediate.
         if (worker_.joinable()) worker_.join();
@@ -103,8 +110,13 @@ class OpQueue {
   struct Task {
     Op op;
     std::shared_ptr<WorkState> state;
+    std::uint64_t id = 0;
     std::uint64_t seq = 0;
   };
+
+  [[nodiscard]] std::uint64_t next_seq(const Op& op) noexcept {
+    return is_p2p(op.desc.kind) ? (kP2PSeq | next_p2p_++) : next_seq_++;
+  }
 
   void serve() {
     std::unique_lock lock(mu_);
@@ -124,7 +136,7 @@ class OpQueue {
       lock.unlock();
       std::exception_ptr error;
       try {
-        execute_(owner_, task.op, task.seq);
+        execute_(owner_, task.op, task.id, task.seq);
       } catch (...) {
         error = std::current_exception();
       }
@@ -150,7 +162,9 @@ class OpQueue {
   std::deque<Task> queue_;
   bool running_ = false;
   bool stopping_ = false;
+  std::uint64_t next_id_ = 0;
   std::uint64_t next_seq_ = 0;
+  std::uint64_t next_p2p_ = 0;
   bool worker_alive_ = false;
   std::thread worker_;
 };

@@ -86,9 +86,15 @@ class Engine : public EngineCore<Engine> {
   static constexpr std::uint32_t kDesyncTag = 0x80000000u;
   /// Slot prefix of the direct fingerprint exchange (comm's own algorithms use 0x21 and up).
   static constexpr std::uint8_t kDesyncSlotPrefix = 0x22;
+  /// Slot prefix of point-to-point messages: headers in slot 0, payloads in slot 1 (p2p.hpp).
+  static constexpr std::uint8_t kP2PSlotPrefix = 0x26;
   static constexpr int kDirectExchangeMax = 64;
   /// Scratch kept between operations; more is freed after the operation that needed it.
   static constexpr std::size_t kScratchKeep = std::size_t{8} << 20;
+
+  static constexpr const char* kUnstagedHint =
+      "Gloo stages device buffers for all_reduce, reduce_scatter, all_gather, broadcast and gather only; use "
+      "Communicator<backends::Nccl> for the other operations";
 
   [[nodiscard]] static constexpr std::uint32_t tag_of(std::uint64_t seq) noexcept {
     return static_cast<std::uint32_t>(seq & 0x7fffffffu);
@@ -97,13 +103,16 @@ class Engine : public EngineCore<Engine> {
  public:
   /// Connects `size` ranks through `store`: one gloo context per device (see device.hpp).
   Engine(std::shared_ptr<comm::Store> store, int rank, int size, const EngineConfig& cfg)
-      : Core(std::move(store), rank, size, cfg, "gloo"), algorithms_(cfg.algorithms) {
+      : Core(std::move(store), rank, size, cfg, "gloo"), algorithms_(cfg.algorithms), p2p_numbers_(size) {
+    // Device buffers reach the engine only for operations the policy does not stage (see
+    // backends/gloo.hpp): a clear error instead of a CPU read of device memory.
+    host_buffers_unless_staged(kUnstagedHint);
     const auto specs = device_specs(cfg.interfaces, cfg.hostname);
     for (std::size_t i = 0; i < specs.size(); ++i) {
       auto dev = shared_device(specs[i], rank, cfg.loop_nice);
       auto ctx = std::make_shared<::gloo::rendezvous::Context>(rank, size);
       ctx->setTimeout(timeout());
-      StoreAdapter adapter(Core::store(), key_prefix() + std::to_string(i) + "/", timeout());
+      StoreAdapter adapter(Core::store(), key_prefix() + std::to_string(i) + "/", timeout(), &peer_names_);
       try {
         ctx->connectFullMesh(adapter, dev);
         // Once every rank has passed this barrier, every rank has finished reading the store, so
@@ -112,8 +121,9 @@ class Engine : public EngineCore<Engine> {
         b.setTag(kConnectTag);
         b.setTimeout(timeout());
         ::gloo::barrier(b);
+        peer_names_.learn_accepted();
       } catch (...) {
-        gloo::rethrow_translated("gloo.connect", rank);
+        gloo::rethrow_translated("gloo.connect", rank, &peer_names_);
       }
       contexts_.push_back(std::move(ctx));
     }
@@ -121,7 +131,8 @@ class Engine : public EngineCore<Engine> {
 
   /// Uses an already connected context (no store: no subgroups, no monitored_barrier).
   Engine(std::shared_ptr<::gloo::Context> ctx, const EngineConfig& cfg)
-      : Core(ctx->rank, ctx->size, cfg, "gloo", "adopted"), algorithms_(cfg.algorithms) {
+      : Core(ctx->rank, ctx->size, cfg, "gloo", "adopted"), algorithms_(cfg.algorithms), p2p_numbers_(ctx->size) {
+    host_buffers_unless_staged(kUnstagedHint);
     contexts_.push_back(std::move(ctx));
   }
 
@@ -208,7 +219,70 @@ class Engine : public EngineCore<Engine> {
         ::gloo::barrier(o);
         return;
       }
-      default: throw BackendError(op_name(op.desc.kind), rank(), "not an operation the gloo engine runs");
+      default: return Core::compose(op, seq);  // reduce, scatter, all_to_all(_v)
+    }
+  }
+
+  /// Sends and receives on device 0: every header receive is posted first, then every send
+  /// (header, then payload: gloo keeps a slot's messages of one pair in order), then each receive's
+  /// payload once its header checked out. Nothing waits before everything is posted, so a batch
+  /// that exchanges in both directions cannot deadlock.
+  void perform_p2p(const Op& op, std::span<P2PItem> items) {
+    const auto& ctx = contexts_[0];
+    const Deadline deadline(timeout());
+    const auto hslot = static_cast<std::uint64_t>(::gloo::Slot::build(kP2PSlotPrefix, 0));
+    const auto dslot = static_cast<std::uint64_t>(::gloo::Slot::build(kP2PSlotPrefix, 1));
+    const std::size_t n = items.size();
+    std::vector<P2PHeader> headers(n);
+    std::vector<std::uint64_t> numbers(n);
+    std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> hbuf(n), dbuf(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (items[i].send) continue;
+      numbers[i] = p2p_numbers_.next_recv(items[i].peer);
+      hbuf[i] = ctx->createUnboundBuffer(&headers[i], sizeof(P2PHeader));
+      hbuf[i]->recv(items[i].peer, hslot);
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      const P2PItem& it = items[i];
+      if (!it.send) continue;
+      headers[i] = p2p_header(op, it, p2p_numbers_.next_send(it.peer));
+      hbuf[i] = ctx->createUnboundBuffer(&headers[i], sizeof(P2PHeader));
+      hbuf[i]->send(it.peer, hslot);
+      if (it.count != 0) {
+        dbuf[i] = ctx->createUnboundBuffer(it.buf, it.count * op.elem_size);
+        dbuf[i]->send(it.peer, dslot);
+      }
+    }
+    // gloo's waits name neither the peer nor the message: add them (the text keeps gloo's, which
+    // says whether it timed out or the connection closed).
+    auto wait = [&](::gloo::transport::UnboundBuffer& b, const P2PItem& it, const char* what) {
+      try {
+        if (it.send)
+          wait_send(b, deadline);
+        else
+          wait_recv(b, deadline);
+      } catch (const ::gloo::IoException& e) {
+        throw ::gloo::IoException(std::string(e.what()) + " [" + (it.send ? "sending " : "receiving ") + what +
+                                  (it.send ? " to rank " : " from rank ") + std::to_string(it.peer) + ", " +
+                                  std::to_string(it.count) + " elements, tag " + std::to_string(it.tag) + "]");
+      }
+    };
+    for (std::size_t i = 0; i < n; ++i) {
+      const P2PItem& it = items[i];
+      if (it.send) continue;
+      wait(*hbuf[i], it, "the header of a message");
+      check_p2p_header(op, it, headers[i], numbers[i], rank());
+      if (it.count != 0) {
+        dbuf[i] = ctx->createUnboundBuffer(it.buf, it.count * op.elem_size);
+        dbuf[i]->recv(it.peer, dslot);
+      }
+    }
+    for (std::size_t i = 0; i < n; ++i)
+      if (!items[i].send && dbuf[i]) wait(*dbuf[i], items[i], "a message");
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!items[i].send) continue;
+      wait(*hbuf[i], items[i], "the header of a message");
+      if (dbuf[i]) wait(*dbuf[i], items[i], "a message");
     }
   }
 
@@ -242,7 +316,7 @@ class Engine : public EngineCore<Engine> {
     for (int i = 1; i < size(); ++i) wait_send(*fp_send_, deadline);
   }
 
-  [[noreturn]] void rethrow_translated(const char* op) { gloo::rethrow_translated(op, rank()); }
+  [[noreturn]] void rethrow_translated(const char* op) { gloo::rethrow_translated(op, rank(), &peer_names_); }
 
   /// Wakes every pending gloo wait and closes the connections (peers fail with RemoteError).
   void close_transport() noexcept {
@@ -251,10 +325,12 @@ class Engine : public EngineCore<Engine> {
 
   AlgorithmConfig algorithms_;
   std::vector<std::shared_ptr<::gloo::Context>> contexts_;
+  gloo::PeerNames peer_names_;  // peers' addresses -> ranks, learnt at connect (errors name ranks)
   // The direct exchange's buffers over the core's fingerprint table (made at the first check;
   // destroyed before the contexts).
   std::unique_ptr<::gloo::transport::UnboundBuffer> fp_send_, fp_recv_;
   Scratch scratch_;  // comm's algorithms' buffers; ops run one at a time
+  P2PCounters p2p_numbers_;
 };
 
 }  // namespace comm::detail::gloo

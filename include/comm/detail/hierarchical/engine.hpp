@@ -23,8 +23,21 @@
 // intra all_reduce, leaders' all_reduce, intra broadcast; all_gather/gather/reduce_scatter go
 // through an all_reduce (bitwise or over a zeroed buffer for the gathers: exact for every type).
 //
+// The rest of the surface (when Inter has it, comm::supports_full_surface<Inter>):
+//   reduce: the core's composition (an all_reduce as above, into scratch off the root).
+//   scatter, all_to_all, all_to_all_v, send, recv, batch_isend_irecv: on a communicator of every
+//     rank (ranks as here): these move different data between every pair of ranks, so two levels
+//     would only add copies. They run as that communicator's operations of the same element type
+//     (its messages' headers check type, count and tag); a batch is its batch_isend_irecv, waited
+//     for before the operation returns. Which communicator ("flat", the same on every rank):
+//       one node, and Intra has the surface: the intra member (its ranks are the ranks here);
+//       one rank per node: the inter member (likewise);
+//       otherwise a third member, an Inter communicator of every rank created with the others. It
+//       costs one more Inter rendezvous at creation (Gloo: a connection between every pair of
+//       ranks; 4 ranks on one host: about +50 ms).
+//
 // Failure: the first error of a step fails the communicator (the core's failure state); this rank
-// then destroys both members, so that their peers see this rank leave (Shm: at once; Gloo: closed
+// then destroys every member, so that their peers see this rank leave (Shm: at once; Gloo: closed
 // connections) instead of waiting for their deadline.
 
 #include <algorithm>
@@ -177,7 +190,13 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
  private:
   friend Core;
 
-  enum class Level : std::uint8_t { intra, inter };
+  enum class Level : std::uint8_t { intra, inter, flat };
+
+  /// Whether scatter, all_to_all(_v) and point-to-point run here (on a communicator of every rank).
+  static constexpr bool kFlat = comm::supports_full_surface<Inter>;
+  static constexpr bool kFlatIntra = comm::supports_full_surface<Intra>;
+  /// Which member is the communicator of every rank (see the file comment).
+  enum class FlatVia : std::uint8_t { none, intra, inter, own };
 
   // ---- construction ----
 
@@ -239,24 +258,47 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
                        "]",
                    map_peer(e.peer(), topo_.nodes[static_cast<std::size_t>(node_)]));
     }
-    if (!topo_.uniform && local_ != 0) return;  // leaders-only: the others never cross nodes
-    auto xo = cfg.inter;
-    prepare_member(xo, cfg, "inter");
-    const int index = topo_.uniform ? local_ : 0;
-    try {
-      inter_.emplace(Inter::create(std::make_shared<PrefixStore>(kp + "inter/" + std::to_string(index), base), node_,
-                                   topo_.num_nodes(), xo));
-    } catch (const Error& e) {
-      rethrow_like(e, "hierarchical.init", this->rank(),
-                   e.detail() + " [creating the inter-node " + std::string(Inter::name) + " communicator of ranks " +
-                       list_ranks(inter_group_) + "]",
-                   map_peer(e.peer(), inter_group_));
+    if (topo_.uniform || local_ == 0) {  // leaders-only: the others never cross nodes
+      auto xo = cfg.inter;
+      prepare_member(xo, cfg, "inter");
+      const int index = topo_.uniform ? local_ : 0;
+      try {
+        inter_.emplace(Inter::create(std::make_shared<PrefixStore>(kp + "inter/" + std::to_string(index), base),
+                                     node_, topo_.num_nodes(), xo));
+      } catch (const Error& e) {
+        rethrow_like(e, "hierarchical.init", this->rank(),
+                     e.detail() + " [creating the inter-node " + std::string(Inter::name) + " communicator of ranks " +
+                         list_ranks(inter_group_) + "]",
+                     map_peer(e.peer(), inter_group_));
+      }
+    }
+    if constexpr (kFlat) {
+      if (this->size() == 1) return;  // nothing to send anywhere: copies only
+      if (kFlatIntra && topo_.num_nodes() == 1) {
+        flat_via_ = FlatVia::intra;
+        return;
+      }
+      if (topo_.uniform && local_size_ == 1) {
+        flat_via_ = FlatVia::inter;
+        return;
+      }
+      flat_via_ = FlatVia::own;
+      auto fo = cfg.inter;
+      prepare_member(fo, cfg, "flat");
+      try {
+        flat_.emplace(Inter::create(std::make_shared<PrefixStore>(kp + "flat", base), this->rank(), this->size(), fo));
+      } catch (const Error& e) {
+        rethrow_like(e, "hierarchical.init", this->rank(),
+                     e.detail() + " [creating the " + std::string(Inter::name) +
+                         " communicator of every rank (scatter, all_to_all, point-to-point)]",
+                     e.peer());
+      }
     }
   }
 
   // ---- the engine calls the core makes ----
 
-  void perform(Op& op, std::uint64_t /*seq*/) {
+  void perform(Op& op, std::uint64_t seq) {
     guarded([&] {
       switch (op.desc.kind) {
         case OpKind::all_reduce:
@@ -273,8 +315,43 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
                         op.desc.root);
         case OpKind::barrier:
           return do_barrier();
+        case OpKind::reduce:
+          return this->compose(op, seq);  // the all_reduce above, into scratch off the root
+        case OpKind::scatter:
+        case OpKind::all_to_all:
+        case OpKind::all_to_all_v:
+          if constexpr (kFlat) return with_type(op.desc.dtype, [&]<class T>() { this->template do_flat<T>(op); });
+          [[fallthrough]];
         default:
           throw BackendError(op_name(op.desc.kind), this->rank(), "not an operation the hierarchical engine runs");
+      }
+    });
+  }
+
+  /// send, recv, batch_isend_irecv: the flat communicator's batch of the same element type,
+  /// waited for.
+  void perform_p2p(const Op& op, std::span<P2PItem> items) {
+    guarded([&] {
+      if constexpr (kFlat) {
+        with_type(op.desc.dtype, [&]<class T>() {
+          std::vector<P2POp<T>> ops;
+          ops.reserve(items.size());
+          for (const P2PItem& it : items)
+            ops.push_back(P2POp<T>{it.send ? P2PKind::isend : P2PKind::irecv,
+                                   std::span<T>(static_cast<T*>(it.buf), it.count), it.peer, it.tag});
+          flat_step("batch_isend_irecv", [&](auto& x) {
+            auto works = x.batch_isend_irecv(std::span<const P2POp<T>>(ops));
+            // Every Work shares the batch's state: waiting for one is waiting for the batch. The
+            // member's own deadline (same timeout, started when the batch runs) ends it first, with
+            // the error that names the peer; Work::wait's abort is the backstop.
+            if (!works.front().wait_for(this->timeout() + std::chrono::seconds(2))) works.front().wait();
+            for (auto& w : works) w.wait();
+          });
+        });
+      } else {
+        throw BackendError(op_name(op.desc.kind), this->rank(),
+                           std::string("point-to-point needs an inter-node backend with it; ") +
+                               std::string(Inter::name) + " has none");
       }
     });
   }
@@ -293,6 +370,11 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     } catch (const Error& e) {
       if (!in_step_) throw;
       in_step_ = false;
+      if (step_level_ == Level::flat)  // ranks there are ranks here
+        rethrow_like(e, op, this->rank(),
+                     e.detail() + " [in the " + step_op_ + " of this " + op + " on the " + std::string(Inter::name) +
+                         " communicator of every rank]",
+                     e.peer());
       const bool intra = step_level_ == Level::intra;
       const std::vector<int>& group = intra ? topo_.nodes[static_cast<std::size_t>(node_)] : inter_group_;
       const std::string where =
@@ -318,6 +400,7 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     std::lock_guard lock(members_mu_);
     abort_member(intra_);
     abort_member(inter_);
+    abort_member(flat_);
   }
 
   template <class M>
@@ -342,15 +425,17 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
       std::forward<F>(f)();
     } catch (...) {
       std::optional<Intra> a;
-      std::optional<Inter> b;
+      std::optional<Inter> b, c;
       {
         std::lock_guard lock(members_mu_);
         if (intra_) a.emplace(std::move(*intra_));
         if (inter_) b.emplace(std::move(*inter_));
+        if (flat_) c.emplace(std::move(*flat_));
         intra_.reset();
         inter_.reset();
+        flat_.reset();
       }
-      throw;  // a and b are destroyed on the way out, outside the lock
+      throw;  // a, b and c are destroyed on the way out, outside the lock
     }
   }
 
@@ -359,7 +444,7 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   void begin_step(Level level, const char* op) {
     if (this->has_failed())  // an abort from another thread: stop between steps
       throw BackendError(op, this->rank(), "stopped: the communicator was aborted");
-    if ((level == Level::intra && !intra_) || (level == Level::inter && !inter_))
+    if ((level == Level::intra && !intra_) || (level == Level::inter && !inter_) || (level == Level::flat && !flat_))
       throw BackendError(op, this->rank(), "the communicator is unusable after an earlier failure");
     step_level_ = level;
     step_op_ = op;
@@ -378,6 +463,22 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     begin_step(Level::inter, op);
     std::forward<F>(f)(*inter_);
     end_step();
+  }
+  /// A step on the communicator of every rank (`f` takes it as `auto&`).
+  template <class F>
+  void flat_step(const char* op, F&& f) {
+    switch (flat_via_) {
+      case FlatVia::intra:
+        if constexpr (kFlatIntra) return intra_step(op, std::forward<F>(f));
+        break;
+      case FlatVia::inter: return inter_step(op, std::forward<F>(f));
+      case FlatVia::own:
+        begin_step(Level::flat, op);
+        std::forward<F>(f)(*flat_);
+        return end_step();
+      case FlatVia::none: break;
+    }
+    throw BackendError(op, this->rank(), "no communicator of every rank for this operation");
   }
 
   [[nodiscard]] bool leader() const noexcept { return local_ == 0; }
@@ -722,6 +823,35 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
                out + static_cast<std::size_t>(topo_.rank_at(k, j)) * b, b);
   }
 
+  /// scatter, all_to_all, all_to_all_v as the flat member's (one rank: a copy).
+  template <class T>
+  void do_flat(const Op& op) {
+    const auto* in = static_cast<const T*>(op.in);
+    T* out = static_cast<T*>(op.out);
+    const std::size_t n = ranks();
+    if (n == 1) {  // every block is this rank's own
+      if (op.desc.kind == OpKind::scatter) return copy(in, out, op.out_count);
+      return copy(in, out, op.in_count);
+    }
+    switch (op.desc.kind) {
+      case OpKind::scatter:
+        return flat_step("scatter", [&](auto& x) {
+          x.scatter(std::span<const T>(in, op.in_count), std::span<T>(out, op.out_count), op.desc.root, blocking);
+        });
+      case OpKind::all_to_all:
+        return flat_step("all_to_all", [&](auto& x) {
+          x.all_to_all(std::span<const T>(in, op.in_count), std::span<T>(out, op.out_count), blocking);
+        });
+      default: {
+        const std::span<const std::size_t> counts(op.counts);
+        return flat_step("all_to_all_v", [&](auto& x) {
+          x.all_to_all_v(std::span<const T>(in, op.in_count), counts.first(n), std::span<T>(out, op.out_count),
+                         counts.subspan(n, n), blocking);
+        });
+      }
+    }
+  }
+
   void do_barrier() {
     auto intra = [&] {
       if (local_size_ > 1) intra_step("barrier", [&](Intra& x) { x.barrier(blocking); });
@@ -758,6 +888,8 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   std::mutex members_mu_;  // close_transport (any thread) against guarded()'s teardown
   std::optional<Intra> intra_;
   std::optional<Inter> inter_;  // absent off the leaders when nodes differ in size
+  std::optional<Inter> flat_;   // every rank (FlatVia::own): scatter, all_to_all(_v), point-to-point
+  FlatVia flat_via_ = FlatVia::none;
 };
 
 }  // namespace comm::detail::hierarchical

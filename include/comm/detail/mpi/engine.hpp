@@ -1,11 +1,13 @@
 #pragma once
-// The MPI engine behind comm::backends::Mpi: two MPI communicators of its own (a data one for the
-// collectives, a control one for subgroup creation and failure notices) and the MPI calls.
+// The MPI engine behind comm::backends::Mpi: three MPI communicators of its own (a data one for the
+// collectives, a control one for subgroup creation and failure notices, and one for
+// point-to-point messages, so that they never match a collective's) and the MPI calls.
 // Everything else — issue order, async Work, the flight recorder, the desync check,
 // monitored_barrier, failure state — is the engine core's (detail/engine/core.hpp).
 //
 // Every collective is MPI's non-blocking one (MPI_Iallreduce, MPI_Ireduce_scatter_block,
-// MPI_Iallgather, MPI_Ibcast, MPI_Igather, MPI_Ibarrier) polled with MPI_Test until it completes or
+// MPI_Iallgather, MPI_Ibcast, MPI_Igather, MPI_Ireduce, MPI_Iscatter, MPI_Ialltoall,
+// MPI_Ialltoallv, MPI_Ibarrier) polled with MPI_Test until it completes or
 // the operation's deadline passes: spinning for the first kSpinFor (as MPI's own blocking calls
 // do; OpenMPI's progress yields by itself when mpirun oversubscribes the cores), then sched_yield
 // between tests, then short sleeps once the operation is clearly waiting for a late peer. MPI cannot cancel a collective: after a Timeout the request stays pending — MPI may
@@ -20,6 +22,17 @@
 // Tags on the control communicator: MPI_Comm_create_group's (1 .. kTagSpan), the store-less
 // new_group gate's (kGateTagBase ..), the notices' (kNoticeTag); the data communicator carries only
 // collectives.
+//
+// Point-to-point (send, recv, batch_isend_irecv): each message is a 32-byte header (p2p.hpp: kind,
+// element type, count, the user's tag, the message number of the pair) on tag kHeaderTag of the
+// point-to-point communicator, then, for a non-empty message, the payload on kPayloadTag (in
+// pieces of at most INT_MAX elements). The user's tag travels in the header, never as an MPI tag
+// (so any tag >= 0 works, and MPI's ordering of one (source, tag) keeps the pair's messages in the
+// order they were sent). Every receive's header and every send are posted before anything is
+// waited for (a batch that exchanges in both directions cannot deadlock); a payload receive is
+// posted only once its header checked out (check_p2p_header: a mismatch is comm::DesyncError,
+// never a payload written past a buffer), the headers of one operation in the order posted. Like a
+// collective, a point-to-point operation that times out leaves its requests pending (leaked).
 
 #include <mpi.h>
 
@@ -99,19 +112,22 @@ class Engine : public EngineCore<Engine> {
   static constexpr int kTagSpan = 9999;
   static constexpr int kGateTagBase = 10000;
   static constexpr int kNoticeTag = 32000;  // MPI guarantees tags up to 32767
+  /// Tags on the point-to-point communicator (see the file comment).
+  static constexpr int kHeaderTag = 1;
+  static constexpr int kPayloadTag = 2;
 
   /// MPI_Comm_create_group's tag of subgroup number `k`.
   [[nodiscard]] static int group_tag(std::uint64_t k) noexcept { return 1 + static_cast<int>(k % kTagSpan); }
 
   /// A communicator over `store` (membership check first, then the MPI communicators).
   Engine(std::shared_ptr<comm::Store> store, int rank, int size, const CoreConfig& cfg, const CommSource& src)
-      : Core(std::move(store), rank, size, cfg, "mpi") {
+      : Core(std::move(store), rank, size, cfg, "mpi"), p2p_numbers_(size) {
     connect(src);
   }
 
   /// A communicator without a store (adopted, or a subgroup of an adopted one).
   Engine(int rank, int size, const CoreConfig& cfg, std::string name, const CommSource& src)
-      : Core(rank, size, cfg, "mpi", std::move(name)) {
+      : Core(rank, size, cfg, "mpi", std::move(name)), p2p_numbers_(size) {
     connect(src);
   }
 
@@ -119,20 +135,30 @@ class Engine : public EngineCore<Engine> {
     shutdown();
     if (!initialized() || finalized()) return;  // MPI is gone: so are its objects
     if (has_failed() || leaked_) {
-      // A pending request may still use the communicators, the datatypes and the slot.
+      // A pending request may still use the communicators, the datatypes, the slot and the
+      // point-to-point headers / all_to_all_v counts.
       (void)slot_.release();
+      (void)pending_.release();
       return;
     }
     for (auto& t : types_)
       if (t != MPI_DATATYPE_NULL) MPI_Type_free(&t);
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
-    if (ctl_ != MPI_COMM_NULL) MPI_Comm_free(&ctl_);
+    if (p2p_ != MPI_COMM_NULL) MPI_Comm_free(&p2p_);
+    // The control communicator is never freed: a peer that fails after this rank is done (a
+    // receiver whose header check fails once this rank's send returned, a peer that times out
+    // later) still sends its failure notice here, and OpenMPI hands a message for a freed
+    // communicator to the next communicator that reuses its context id (a spurious RemoteError
+    // there, or a crash when that one is smaller). One communicator handle per destroyed
+    // communicator; MPI_Finalize releases them.
   }
 
   /// The data communicator (collectives only).
   [[nodiscard]] MPI_Comm comm() const noexcept { return comm_; }
   /// The control communicator (subgroup creation, notices).
   [[nodiscard]] MPI_Comm control() const noexcept { return ctl_; }
+  /// The point-to-point communicator (send, recv, batch_isend_irecv).
+  [[nodiscard]] MPI_Comm point_to_point() const noexcept { return p2p_; }
   /// Whether MPI runs at MPI_THREAD_MULTIPLE (needed for async operations).
   [[nodiscard]] bool multi_threaded() const noexcept { return thread_level_ >= MPI_THREAD_MULTIPLE; }
   [[nodiscard]] int thread_level() const noexcept { return thread_level_; }
@@ -323,6 +349,80 @@ class Engine : public EngineCore<Engine> {
         await(req, name, seq, deadline);
         return;
       }
+      case OpKind::reduce: {
+        if (op.in_count == 0) return;
+        const Reduction red = reduction(op);
+        const int root = op.desc.root;
+        const bool is_root = rank() == root;
+        // In place on the root only; off the root the output is not used (and may be empty).
+        const bool in_place = is_root && op.in == op.out;
+        for (std::size_t done = 0; done < op.in_count;) {
+          const std::size_t n = std::min(op.in_count - done, kMaxCount);
+          const std::size_t off = done * es;
+          MPI_Request req = MPI_REQUEST_NULL;
+          COMM_MPI_CHECK(MPI_Ireduce(in_place ? MPI_IN_PLACE : static_cast<const std::byte*>(op.in) + off,
+                                     is_root ? static_cast<std::byte*>(op.out) + off : nullptr, static_cast<int>(n),
+                                     red.type, red.op, root, comm_, &req),
+                         name, rank());
+          await(req, name, seq, deadline);
+          done += n;
+        }
+        if (is_root && op.finish != nullptr) op.finish(op.out, op.in_count, size());
+        return;
+      }
+      case OpKind::scatter: {
+        if (op.out_count == 0) return;
+        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+        const int root = op.desc.root;
+        const bool is_root = rank() == root;
+        // On the root the output may be its own slice of the input.
+        const bool in_place =
+            is_root &&
+            op.out == static_cast<const std::byte*>(op.in) + static_cast<std::size_t>(root) * op.out_count * es;
+        const int n = static_cast<int>(op.out_count);  // the backend refuses larger blocks
+        MPI_Request req = MPI_REQUEST_NULL;
+        COMM_MPI_CHECK(MPI_Iscatter(is_root ? op.in : nullptr, n, type, in_place ? MPI_IN_PLACE : op.out, n, type,
+                                    root, comm_, &req),
+                       name, rank());
+        await(req, name, seq, deadline);
+        return;
+      }
+      case OpKind::all_to_all: {
+        const std::size_t block = op.in_count / static_cast<std::size_t>(size());
+        if (block == 0) return;
+        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+        const int n = static_cast<int>(block);  // the backend refuses larger blocks
+        MPI_Request req = MPI_REQUEST_NULL;
+        COMM_MPI_CHECK(MPI_Ialltoall(op.in, n, type, op.out, n, type, comm_, &req), name, rank());
+        await(req, name, seq, deadline);
+        return;
+      }
+      case OpKind::all_to_all_v: {
+        // int counts and packed displacements (the backend refused any beyond INT_MAX). They live
+        // in pending_, which a request left pending after a failure keeps alive.
+        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+        const auto p = static_cast<std::size_t>(size());
+        auto& c = pending_->counts;
+        c.assign(4 * p, 0);
+        int* scounts = c.data();
+        int* sdispls = scounts + p;
+        int* rcounts = sdispls + p;
+        int* rdispls = rcounts + p;
+        std::size_t soff = 0, roff = 0;
+        for (std::size_t i = 0; i < p; ++i) {
+          scounts[i] = static_cast<int>(op.counts[i]);
+          rcounts[i] = static_cast<int>(op.counts[p + i]);
+          sdispls[i] = static_cast<int>(soff);
+          rdispls[i] = static_cast<int>(roff);
+          soff += op.counts[i];
+          roff += op.counts[p + i];
+        }
+        MPI_Request req = MPI_REQUEST_NULL;
+        COMM_MPI_CHECK(MPI_Ialltoallv(op.in, scounts, sdispls, type, op.out, rcounts, rdispls, type, comm_, &req),
+                       name, rank());
+        await(req, name, seq, deadline);
+        return;
+      }
       case OpKind::barrier: {
         MPI_Request req = MPI_REQUEST_NULL;
         COMM_MPI_CHECK(MPI_Ibarrier(comm_, &req), name, rank());
@@ -330,6 +430,103 @@ class Engine : public EngineCore<Engine> {
         return;
       }
       default: throw BackendError(name, rank(), "not an operation the MPI engine runs");
+    }
+  }
+
+  /// Sends and receives of one operation on the point-to-point communicator (see the file
+  /// comment): every receive's header and every send (header, then payload) posted first, then the
+  /// headers checked in the order posted, each one's payload receive posted once it checked out,
+  /// and everything waited for by the deadline.
+  void perform_p2p(const Op& op, std::span<P2PItem> items) {
+    const char* name = op_name(op.desc.kind);
+    const std::size_t n = items.size();
+    if (n == 0) return;
+    Deadline deadline(timeout());
+    const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+    const std::size_t es = op.elem_size;
+    auto& headers = pending_->headers;
+    auto& numbers = pending_->numbers;
+    headers.assign(n, P2PHeader{});
+    numbers.assign(n, 0);
+    // The receives' header requests (by item), then everything else: sends and payload receives.
+    std::vector<MPI_Request> hreqs(n, MPI_REQUEST_NULL);
+    std::vector<MPI_Request> reqs;
+    reqs.reserve(3 * n);
+    std::vector<std::size_t> recvs;  // items that receive, in order
+    auto payload = [&](const P2PItem& it, bool send) {
+      auto* buf = static_cast<std::byte*>(it.buf);
+      for (std::size_t done = 0; done < it.count;) {
+        const std::size_t c = std::min(it.count - done, kMaxCount);
+        MPI_Request r = MPI_REQUEST_NULL;
+        if (send)
+          COMM_MPI_CHECK(MPI_Isend(buf + done * es, static_cast<int>(c), type, it.peer, kPayloadTag, p2p_, &r), name,
+                         rank());
+        else
+          COMM_MPI_CHECK(MPI_Irecv(buf + done * es, static_cast<int>(c), type, it.peer, kPayloadTag, p2p_, &r), name,
+                         rank());
+        reqs.push_back(r);
+        done += c;
+      }
+    };
+    try {
+      for (std::size_t i = 0; i < n; ++i) {
+        const P2PItem& it = items[i];
+        if (it.send) continue;
+        recvs.push_back(i);
+        numbers[i] = p2p_numbers_.next_recv(it.peer);
+        COMM_MPI_CHECK(MPI_Irecv(&headers[i], static_cast<int>(sizeof(P2PHeader)), MPI_BYTE, it.peer, kHeaderTag, p2p_,
+                                 &hreqs[i]),
+                       name, rank());
+      }
+      for (std::size_t i = 0; i < n; ++i) {
+        const P2PItem& it = items[i];
+        if (!it.send) continue;
+        headers[i] = p2p_header(op, it, p2p_numbers_.next_send(it.peer));
+        MPI_Request r = MPI_REQUEST_NULL;
+        COMM_MPI_CHECK(MPI_Isend(&headers[i], static_cast<int>(sizeof(P2PHeader)), MPI_BYTE, it.peer, kHeaderTag, p2p_,
+                                 &r),
+                       name, rank());
+        reqs.push_back(r);
+        payload(it, true);
+      }
+      std::size_t checked = 0;  // receives whose header checked out (in order)
+      const bool done = poll([&] {
+        while (checked < recvs.size()) {
+          const std::size_t i = recvs[checked];
+          int flag = 0;
+          COMM_MPI_CHECK(MPI_Test(&hreqs[i], &flag, MPI_STATUS_IGNORE), name, rank());
+          if (flag == 0) return false;
+          check_p2p_header(op, items[i], headers[i], numbers[i], rank());
+          payload(items[i], false);
+          ++checked;
+        }
+        int all = 0;
+        COMM_MPI_CHECK(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &all, MPI_STATUSES_IGNORE), name,
+                       rank());
+        return all != 0;
+      }, [&] { look_out(name); }, deadline);
+      if (done) return;
+      // Name a peer: the first whose message has not arrived, else the first not yet received.
+      std::string peer, what;
+      if (checked < recvs.size()) {
+        const P2PItem& it = items[recvs[checked]];
+        peer = std::to_string(it.peer);
+        what = "no message from rank " + peer + " arrived (this rank posted a receive of " +
+               std::to_string(it.count) + " elements with tag " + std::to_string(it.tag) + ")";
+      } else {
+        for (std::size_t i = 0; i < n && peer.empty(); ++i)
+          if (items[i].send) peer = std::to_string(items[i].peer);
+        what = "this operation's messages did not all complete" +
+               (peer.empty() ? std::string() : " (rank " + peer + " did not receive)");
+      }
+      throw Timeout(name, rank(),
+                    what + " within " + std::to_string(timeout().count()) +
+                        " ms (a rank is late, hung, or did not post the matching call). Its MPI requests stay pending "
+                        "(MPI may still read and write this operation's buffers) and this communicator is unusable",
+                    peer);
+    } catch (...) {
+      leaked_ = true;  // requests may be pending: nothing they use is freed
+      throw;
     }
   }
 
@@ -382,7 +579,11 @@ class Engine : public EngineCore<Engine> {
   Reduction reduction(const Op& op) {
     const auto d = static_cast<Dtype>(op.desc.dtype);
     // desc.reduce is the ReduceOp's code for a built-in reduction (avg maps to MPI_SUM).
-    if (op.custom == nullptr && mpi_reduces(d)) return {datatype_of(d), op_of(static_cast<ReduceOp>(op.desc.reduce))};
+    if (op.custom == nullptr && mpi_reduces(d)) {
+      // premul_sum sums its scaled input (its code in desc.reduce is not a ReduceOp's).
+      const auto r = op.prescale != nullptr ? ReduceOp::sum : static_cast<ReduceOp>(op.desc.reduce);
+      return {datatype_of(d), op_of(r)};
+    }
     slot_->kernel = op.kernel;
     slot_->custom = op.custom;
     slot_->arg = op.custom_arg;
@@ -482,7 +683,7 @@ class Engine : public EngineCore<Engine> {
     auto deadline = Deadline::from_now(timeout());
     // MPI writes the new handles when the requests complete, which after a Timeout may be later:
     // they live on the heap and are leaked with the requests.
-    auto handles = std::make_unique<std::array<MPI_Comm, 2>>();
+    auto handles = std::make_unique<std::array<MPI_Comm, 3>>();
     handles->fill(MPI_COMM_NULL);
     auto await_made = [&](MPI_Request* reqs, int n, const char* what) {
       int all = 0;
@@ -498,10 +699,10 @@ class Engine : public EngineCore<Engine> {
                         "order); the pending MPI request is leaked");
     };
     if (src.members.empty()) {
-      std::array<MPI_Request, 2> reqs{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-      COMM_MPI_CHECK(MPI_Comm_idup(src.parent, &(*handles)[0], &reqs[0]), op, rank());
-      COMM_MPI_CHECK(MPI_Comm_idup(src.parent, &(*handles)[1], &reqs[1]), op, rank());
-      await_made(reqs.data(), 2, "MPI_Comm_idup");
+      std::array<MPI_Request, 3> reqs{MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+      for (std::size_t i = 0; i < reqs.size(); ++i)
+        COMM_MPI_CHECK(MPI_Comm_idup(src.parent, &(*handles)[i], &reqs[i]), op, rank());
+      await_made(reqs.data(), static_cast<int>(reqs.size()), "MPI_Comm_idup");
     } else {
       MPI_Group parent_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
       COMM_MPI_CHECK(MPI_Comm_group(src.parent, &parent_group), op, rank());
@@ -513,28 +714,42 @@ class Engine : public EngineCore<Engine> {
       const int rc2 = MPI_Comm_create_group(src.parent, group, src.tag, &(*handles)[0]);
       MPI_Group_free(&group);
       if (rc2 != MPI_SUCCESS) throw_mpi_error(rc2, "MPI_Comm_create_group", op, rank());
-      MPI_Request req = MPI_REQUEST_NULL;
-      COMM_MPI_CHECK(MPI_Comm_idup((*handles)[0], &(*handles)[1], &req), op, rank());
-      await_made(&req, 1, "MPI_Comm_idup");
+      std::array<MPI_Request, 2> reqs{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+      COMM_MPI_CHECK(MPI_Comm_idup((*handles)[0], &(*handles)[1], &reqs[0]), op, rank());
+      COMM_MPI_CHECK(MPI_Comm_idup((*handles)[0], &(*handles)[2], &reqs[1]), op, rank());
+      await_made(reqs.data(), static_cast<int>(reqs.size()), "MPI_Comm_idup");
     }
     comm_ = (*handles)[0];
     ctl_ = (*handles)[1];
+    p2p_ = (*handles)[2];
     // Failures come back as error codes (COMM_MPI_CHECK) instead of aborting the job.
     COMM_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), op, rank());
     COMM_MPI_CHECK(MPI_Comm_set_errhandler(ctl_, MPI_ERRORS_RETURN), op, rank());
+    COMM_MPI_CHECK(MPI_Comm_set_errhandler(p2p_, MPI_ERRORS_RETURN), op, rank());
     const std::string label = "comm" + (name().empty() ? std::string() : "." + name());
     MPI_Comm_set_name(comm_, label.c_str());
     MPI_Comm_set_name(ctl_, (label + ".control").c_str());
+    MPI_Comm_set_name(p2p_, (label + ".p2p").c_str());
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Comm ctl_ = MPI_COMM_NULL;
+  MPI_Comm p2p_ = MPI_COMM_NULL;
   int thread_level_ = MPI_THREAD_SINGLE;
   bool leaked_ = false;  // a request was left pending (only the executing thread writes it)
   std::atomic<bool> notified_{false};
   std::unique_ptr<ReduceSlot> slot_ = std::make_unique<ReduceSlot>();
   std::array<MPI_Datatype, 4> types_{MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL};
   std::vector<std::byte> scratch_;  // in-place reduce_scatter's result; ops run one at a time
+  /// What pending requests of the operation in flight point to: point-to-point headers and
+  /// all_to_all_v's int counts (leaked with the requests after a failure; see the destructor).
+  struct Pending {
+    std::vector<P2PHeader> headers;
+    std::vector<std::uint64_t> numbers;  // each receive's expected message number
+    std::vector<int> counts;             // all_to_all_v: send counts, displs, receive counts, displs
+  };
+  std::unique_ptr<Pending> pending_ = std::make_unique<Pending>();
+  P2PCounters p2p_numbers_;
 };
 
 }  // namespace comm::detail::mpi

@@ -14,6 +14,9 @@
 // With the desync check on, step 1 is preceded by an ncclAllGather of every rank's 32-byte
 // fingerprint of the operation on the communicator's stream, which the host waits for (so the
 // operation waits for the earlier ones) before it compares them (detail/desync.hpp).
+// Point-to-point operations (send, recv, batch_isend_irecv) involve two ranks, not the group: they
+// skip the desync check and take no collective sequence number (the fingerprint's), so that it
+// matches across ranks whatever point-to-point operations some of them run in between.
 //
 // Every operation (and split, monitored_barrier) gets the next sequence number under the lock and
 // goes into the flight recorder: queued when issued, started when it reaches the head of the
@@ -26,6 +29,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -34,6 +38,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <comm/concepts.hpp>
 #include <comm/detail/desync.hpp>
@@ -41,6 +46,7 @@
 #include <comm/detail/logging.hpp>
 #include <comm/detail/monitored_barrier.hpp>
 #include <comm/detail/nccl/bootstrap.hpp>
+#include <comm/detail/nccl/comms_timing.hpp>
 #include <comm/detail/nccl/device.hpp>
 #include <comm/detail/nccl/errors.hpp>
 #include <comm/detail/nccl/types.hpp>
@@ -147,6 +153,7 @@ class Engine final : public WatchTarget {
         COMM_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&fp_host_), bytes, cudaHostAllocDefault), op, rank_);
         COMM_CUDA_CHECK(cudaEventCreateWithFlags(&fp_done_, cudaEventDisableTiming), op, rank_);
       }
+      comms_.attach(origin_.file_rank, rank_, size_, origin_.name);  // COMM_COMMS_LOG / COMM_TRACE
     } catch (...) {
       release(/*healthy=*/false);
       throw;
@@ -162,6 +169,7 @@ class Engine final : public WatchTarget {
   ~Engine() override {
     (void)watchdog_.wait_idle(Clock::now() + settings_.timeout + std::chrono::seconds(5));
     watchdog_.stop();
+    comms_.finish(device_);  // the comms log's last operations and summary
     if (!dump_path_.empty()) {
       try {
         write_text_file(dump_file(), to_string(flight_record()), rank_);
@@ -226,11 +234,12 @@ class Engine final : public WatchTarget {
     if (comm_ == nullptr) throw BackendError(op, rank_, "the NCCL communicator is no longer usable");
     DeviceGuard guard(device_, op, rank_);
     const std::uint64_t seq = seq_++;
+    const std::uint64_t coll = coll_seq_++;
     const nvtx::ScopedRange range(op, 0, OpDesc::none, seq);  // COMM_NVTX=1 (detail/nvtx.hpp)
     recorder_.issued(seq, d);
     op_deadline_ = Clock::now() + settings_.timeout;
     try {
-      if (settings_.desync_check) check_desync(d, seq);
+      if (settings_.desync_check) check_desync(d, seq, coll);
       recorder_.started(seq);
       ncclComm_t child = split_comm(color, key, config, seq);
       recorder_.completed(seq);
@@ -271,30 +280,55 @@ class Engine final : public WatchTarget {
 
   // ---- collectives (arguments already checked by the facade, except device pointers) ----
 
+  // `red`: a ReduceOp value, a comm::op::builtin<R> object or comm::op::premul_sum_t (see
+  // reduction_arg).
+
   template <class T, class Red, class Launch>
   auto all_reduce(std::span<const T> in, std::span<T> out, const Red& red, Launch l) {
     constexpr const char* op = "all_reduce";
-    const ReduceOp r = checked_op<T>(op, red);
+    RedArg a = reduction_arg<T>(op, red);
     check_buffer(op, in.data(), in.size_bytes(), "input");
     check_buffer(op, out.data(), out.size_bytes(), "output");
     const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
-    const OpDesc d{OpKind::all_reduce, dtype_code<T>(), static_cast<std::uint8_t>(r), -1, in.size()};
+    const OpDesc d{OpKind::all_reduce, dtype_code<T>(), a.code, -1, in.size()};
     return issue(d, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
-      return COMM_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), out.size(), dt, nccl_op(r), c, s), op, rank_, c);
+      return with_red_op(op, a, dt, c, [&](ncclRedOp_t o) {
+        return COMM_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), out.size(), dt, o, c, s), op, rank_, c);
+      });
     });
   }
 
   template <class T, class Red, class Launch>
   auto reduce_scatter(std::span<const T> in, std::span<T> out, const Red& red, Launch l) {
     constexpr const char* op = "reduce_scatter";
-    const ReduceOp r = checked_op<T>(op, red);
+    RedArg a = reduction_arg<T>(op, red);
     check_buffer(op, in.data(), in.size_bytes(), "input");
     check_buffer(op, out.data(), out.size_bytes(), "output");
     const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
-    const OpDesc d{OpKind::reduce_scatter, dtype_code<T>(), static_cast<std::uint8_t>(r), -1, out.size()};
+    const OpDesc d{OpKind::reduce_scatter, dtype_code<T>(), a.code, -1, out.size()};
     return issue(d, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
-      return COMM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), out.size(), dt, nccl_op(r), c, s), op, rank_,
-                             c);
+      return with_red_op(op, a, dt, c, [&](ncclRedOp_t o) {
+        return COMM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), out.size(), dt, o, c, s), op, rank_, c);
+      });
+    });
+  }
+
+  /// ncclReduce: `out` is used on the root only (in place when it is `in`); elsewhere NCCL gets a
+  /// null receive buffer (its rule: recvbuff is only used on the root), so an empty `out` is fine
+  /// and an in-place call leaves the non-root ranks' data as it was.
+  template <class T, class Red, class Launch>
+  auto reduce(std::span<const T> in, std::span<T> out, int root, const Red& red, Launch l) {
+    constexpr const char* op = "reduce";
+    RedArg a = reduction_arg<T>(op, red);
+    check_buffer(op, in.data(), in.size_bytes(), "input");
+    if (rank_ == root) check_buffer(op, out.data(), out.size_bytes(), "output");
+    const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
+    void* recv = rank_ == root ? static_cast<void*>(out.data()) : nullptr;
+    const OpDesc d{OpKind::reduce, dtype_code<T>(), a.code, root, in.size()};
+    return issue(d, l, in.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      return with_red_op(op, a, dt, c, [&](ncclRedOp_t o) {
+        return COMM_NCCL_CHECK(ncclReduce(in.data(), recv, in.size(), dt, o, root, c, s), op, rank_, c);
+      });
     });
   }
 
@@ -318,24 +352,17 @@ class Engine final : public WatchTarget {
     check_buffer(op, in.data(), in.size_bytes(), "input");
     check_buffer(op, out.data(), out.size_bytes(), "output");
     const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
-    const OpDesc d{scatter ? OpKind::reduce_scatter : OpKind::all_reduce, dtype_code<T>(),
-                   static_cast<std::uint8_t>(ReduceOp::sum), -1, out.size()};
+    RedArg a;
+    a.premul = true;
+    std::memcpy(a.scalar, &scalar, sizeof(T));
+    a.code = static_cast<std::uint8_t>(ReduceOp::sum);
+    const OpDesc d{scatter ? OpKind::reduce_scatter : OpKind::all_reduce, dtype_code<T>(), a.code, -1, out.size()};
     return issue(d, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
-      ncclRedOp_t pm{};
-      if (COMM_NCCL_CHECK(ncclRedOpCreatePreMulSum(&pm, &scalar, dt, ncclScalarHostImmediate, c), op, rank_, c) ==
-          ncclInProgress)
-        wait_enqueued(op);
-      struct Destroy {
-        ncclRedOp_t op;
-        ncclComm_t comm;
-        ~Destroy() { (void)ncclRedOpDestroy(op, comm); }
-      } destroy{pm, c};
-      const ncclResult_t r =
-          scatter ? COMM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), out.size(), dt, pm, c, s), op, rank_, c)
-                  : COMM_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), out.size(), dt, pm, c, s), op, rank_, c);
-      // The operator may be destroyed once the call that uses it has returned, i.e. is enqueued.
-      if (r == ncclInProgress) wait_enqueued(op);
-      return ncclSuccess;
+      return with_red_op(op, a, dt, c, [&](ncclRedOp_t o) {
+        return scatter
+                   ? COMM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), out.size(), dt, o, c, s), op, rank_, c)
+                   : COMM_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), out.size(), dt, o, c, s), op, rank_, c);
+      });
     });
   }
 
@@ -394,6 +421,171 @@ class Engine final : public WatchTarget {
         /*host_wait=*/true);
   }
 
+  // ---- the rest of the surface (concepts.hpp, capability 11) ----
+  // scatter, all_to_all(_v), send, recv and batch_isend_irecv are ncclSend/ncclRecv in one group
+  // call (ncclGroupStart/End), as torch.distributed does, on every NCCL; a rank's own block is a
+  // device copy on the communicator's stream. Data moves in the element's NCCL datatype (fp8 as
+  // bytes: transfer_dtype), so counts are elements. Zero-element transfers are left out (on both
+  // sides, since the counts of a pair agree).
+
+  /// On `root`, `in` holds size() blocks of out.size() elements; block r goes to rank r. `out` may
+  /// be the root's own block of `in`.
+  template <class T, class Launch>
+  auto scatter(std::span<const T> in, std::span<T> out, int root, Launch l) {
+    constexpr const char* op = "scatter";
+    if (rank_ == root) check_buffer(op, in.data(), in.size_bytes(), "input");
+    check_buffer(op, out.data(), out.size_bytes(), "output");
+    const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
+    const std::size_t count = out.size();
+    const OpDesc d{OpKind::scatter, dtype_code<T>(), OpDesc::none, root, count};
+    return issue(d, l, count == 0, [&](ncclComm_t c, cudaStream_t s) {
+      if (rank_ == root) {
+        const T* mine = in.data() + static_cast<std::size_t>(root) * count;
+        if (mine != out.data())
+          COMM_CUDA_CHECK(cudaMemcpyAsync(out.data(), mine, count * sizeof(T), cudaMemcpyDefault, s), op, rank_);
+      }
+      return in_group(op, c, [&] {
+        if (rank_ == root) {
+          for (int r = 0; r < size_; ++r)
+            if (r != root)
+              COMM_NCCL_CHECK(ncclSend(in.data() + static_cast<std::size_t>(r) * count, count, dt, r, c, s), op,
+                              rank_, c);
+        } else {
+          COMM_NCCL_CHECK(ncclRecv(out.data(), count, dt, root, c, s), op, rank_, c);
+        }
+      });
+    });
+  }
+
+  /// `in` and `out` hold size() equal blocks (the facade checked it, and that they do not
+  /// overlap): block p of `in` goes to rank p, block q of `out` comes from rank q.
+  template <class T, class Launch>
+  auto all_to_all(std::span<const T> in, std::span<T> out, Launch l) {
+    constexpr const char* op = "all_to_all";
+    check_buffer(op, in.data(), in.size_bytes(), "input");
+    check_buffer(op, out.data(), out.size_bytes(), "output");
+    const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
+    const std::size_t block = in.size() / static_cast<std::size_t>(size_);
+    const OpDesc d{OpKind::all_to_all, dtype_code<T>(), OpDesc::none, -1, in.size()};
+    return issue(d, l, block == 0, [&](ncclComm_t c, cudaStream_t s) {
+      const auto me = static_cast<std::size_t>(rank_);
+      COMM_CUDA_CHECK(cudaMemcpyAsync(out.data() + me * block, in.data() + me * block, block * sizeof(T),
+                                      cudaMemcpyDefault, s),
+                      op, rank_);
+      return in_group(op, c, [&] {
+        for (int r = 0; r < size_; ++r) {
+          if (r == rank_) continue;
+          const std::size_t at = static_cast<std::size_t>(r) * block;
+          COMM_NCCL_CHECK(ncclSend(in.data() + at, block, dt, r, c, s), op, rank_, c);
+          COMM_NCCL_CHECK(ncclRecv(out.data() + at, block, dt, r, c, s), op, rank_, c);
+        }
+      });
+    });
+  }
+
+  /// in_counts[p] elements to rank p, out_counts[q] from rank q, blocks at the prefix sums (the
+  /// facade checked the sums, the sizes and in_counts[rank] == out_counts[rank]). A count that
+  /// differs from the peer's is not detected by NCCL (see nccl.hpp).
+  template <class T, class Launch>
+  auto all_to_all_v(std::span<const T> in, std::span<const std::size_t> in_counts, std::span<T> out,
+                    std::span<const std::size_t> out_counts, Launch l) {
+    constexpr const char* op = "all_to_all_v";
+    check_buffer(op, in.data(), in.size_bytes(), "input");
+    check_buffer(op, out.data(), out.size_bytes(), "output");
+    const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
+    // The count differs by rank: the fingerprint compares the operation and element type only.
+    const OpDesc d{OpKind::all_to_all_v, dtype_code<T>(), OpDesc::none, -1, 0};
+    return issue(d, l, in.empty() && out.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      std::size_t in_at = 0, out_at = 0;
+      for (int r = 0; r < rank_; ++r) {
+        in_at += in_counts[static_cast<std::size_t>(r)];
+        out_at += out_counts[static_cast<std::size_t>(r)];
+      }
+      const std::size_t own = in_counts[static_cast<std::size_t>(rank_)];
+      if (own != 0)
+        COMM_CUDA_CHECK(cudaMemcpyAsync(out.data() + out_at, in.data() + in_at, own * sizeof(T), cudaMemcpyDefault, s),
+                        op, rank_);
+      return in_group(op, c, [&] {
+        std::size_t si = 0, ro = 0;
+        for (int r = 0; r < size_; ++r) {
+          const auto ur = static_cast<std::size_t>(r);
+          if (r != rank_) {
+            if (in_counts[ur] != 0) COMM_NCCL_CHECK(ncclSend(in.data() + si, in_counts[ur], dt, r, c, s), op, rank_, c);
+            if (out_counts[ur] != 0)
+              COMM_NCCL_CHECK(ncclRecv(out.data() + ro, out_counts[ur], dt, r, c, s), op, rank_, c);
+          }
+          si += in_counts[ur];
+          ro += out_counts[ur];
+        }
+      });
+    });
+  }
+
+  /// ncclSend in a group call. NCCL has no message tags: `tag` must be 0.
+  template <class T, class Launch>
+  auto send(std::span<const T> data, int peer, int tag, Launch l) {
+    constexpr const char* op = "send";
+    check_tag(op, tag, "");
+    check_buffer(op, data.data(), data.size_bytes(), "data");
+    const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
+    const OpDesc d{OpKind::send, dtype_code<T>(), OpDesc::none, peer, data.size()};
+    return issue(d, l, data.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      return in_group(op, c,
+                      [&] { COMM_NCCL_CHECK(ncclSend(data.data(), data.size(), dt, peer, c, s), op, rank_, c); });
+    });
+  }
+
+  /// ncclRecv in a group call. NCCL has no message tags: `tag` must be 0.
+  template <class T, class Launch>
+  auto recv(std::span<T> data, int peer, int tag, Launch l) {
+    constexpr const char* op = "recv";
+    check_tag(op, tag, "");
+    check_buffer(op, data.data(), data.size_bytes(), "data");
+    const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
+    const OpDesc d{OpKind::recv, dtype_code<T>(), OpDesc::none, peer, data.size()};
+    return issue(d, l, data.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      return in_group(op, c,
+                      [&] { COMM_NCCL_CHECK(ncclRecv(data.data(), data.size(), dt, peer, c, s), op, rank_, c); });
+    });
+  }
+
+  /// Every entry's ncclSend / ncclRecv in one group call: one operation (one flight-recorder
+  /// entry, one completion event), and one Work per entry, all on that completion (each behaves
+  /// as an async operation's Work). Tags must be 0. No entries: no operation, no Work.
+  template <class T>
+  std::vector<Work> batch_isend_irecv(std::span<const P2POp<T>> ops) {
+    constexpr const char* op = "batch_isend_irecv";
+    std::vector<Work> works;
+    if (ops.empty()) return works;
+    bool empty = true;
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const auto& o = ops[i];
+      const std::string entry = " (entry " + std::to_string(i) + ")";
+      check_tag(op, o.tag, entry.c_str());
+      check_buffer(op, o.buffer.data(), o.buffer.size_bytes(),
+                   o.op == P2PKind::isend ? "a send buffer" : "a receive buffer");
+      empty = empty && o.buffer.empty();
+    }
+    const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
+    const OpDesc d{OpKind::p2p_batch, dtype_code<T>(), OpDesc::none, ops.front().peer, ops.size()};
+    auto enqueue = [&](ncclComm_t c, cudaStream_t s) {
+      return in_group(op, c, [&] {
+        for (const auto& o : ops) {
+          if (o.buffer.empty()) continue;
+          if (o.op == P2PKind::isend)
+            COMM_NCCL_CHECK(ncclSend(o.buffer.data(), o.buffer.size(), dt, o.peer, c, s), op, rank_, c);
+          else
+            COMM_NCCL_CHECK(ncclRecv(o.buffer.data(), o.buffer.size(), dt, o.peer, c, s), op, rank_, c);
+        }
+      });
+    };
+    nvtx::ScopedRange range;  // COMM_NVTX=1 (detail/nvtx.hpp)
+    const std::shared_ptr<NcclOp> state = issue_state(d, /*is_async=*/true, empty, enqueue, range);
+    works.reserve(ops.size());
+    for (std::size_t i = 0; i < ops.size(); ++i) works.emplace_back(std::shared_ptr<WorkState>(state));
+    return works;
+  }
+
   // ---- WatchTarget ----
 
   void on_watchdog_start() noexcept override { (void)cudaSetDevice(device_); }
@@ -442,51 +634,65 @@ class Engine final : public WatchTarget {
   template <class Launch, class Enqueue>
   auto issue(const OpDesc& d, Launch, bool empty, Enqueue&& enqueue, bool host_wait = false) {
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
-    const char* op = op_name(d.kind);
-    std::shared_ptr<NcclOp> state;
     // COMM_NVTX=1: "comm.<op> count=<n> type=<t> seq=<s>" around the host side, up to the return
     // (a blocking barrier's host wait included); off, one branch (detail/nvtx.hpp).
     nvtx::ScopedRange range;
-    {
-      std::lock_guard lock(nccl_mu_);
-      throw_if_failed(op);
-      if (comm_ == nullptr)  // adopted and failed, or aborted: failure() says why
-        throw BackendError(op, rank_, "the NCCL communicator is no longer usable");
-      DeviceGuard guard(device_, op, rank_);
-      const std::uint64_t seq = seq_++;
-      range.push(op, d.count, d.dtype, seq);
-      recorder_.issued(seq, d);
-      op_deadline_ = Clock::now() + settings_.timeout;
-      const cudaStream_t caller = comm::nccl::current_stream();
-      const bool same_stream = caller == stream_;
-      try {
-        if (settings_.desync_check) check_desync(d, seq);
-        if (!same_stream) {
-          COMM_CUDA_CHECK(cudaEventRecord(ready_, caller), op, rank_);
-          COMM_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0), op, rank_);
-        }
-        state = std::make_shared<NcclOp>(op, rank_, settings_.timeout, seq, events_, stream_);
-        if (!empty) enqueue_checked(op, seq, enqueue);
-        try {
-          COMM_CUDA_CHECK(cudaEventRecord(state->event(), stream_), op, rank_);
-          watchdog_.track(state, op_deadline_);
-        } catch (...) {
-          // Issued but no longer followed: nothing could tell when it ends, so the communicator
-          // cannot be trusted any more.
-          fail_comm(seq, std::current_exception());
-          throw;
-        }
-      } catch (...) {
-        op_error(seq, std::current_exception());
-        throw;
-      }
-      if (!is_async && !same_stream) COMM_CUDA_CHECK(cudaStreamWaitEvent(caller, state->event(), 0), op, rank_);
-    }
+    std::shared_ptr<NcclOp> state = issue_state(d, is_async, empty, enqueue, range);
     if constexpr (is_async) {
       return Work(std::move(state));
     } else {
       if (host_wait) wait_host(*state);
     }
+  }
+
+  /// Steps 1-3 of every operation (see the top of this file), and step 4 of the blocking form
+  /// (`is_async` false: the caller's current stream waits for the operation): the issued
+  /// operation's state, followed by the watchdog. Point-to-point operations (send, recv,
+  /// batch_isend_irecv) take no collective sequence number and skip the desync check.
+  template <class Enqueue>
+  std::shared_ptr<NcclOp> issue_state(const OpDesc& d, bool is_async, bool empty, Enqueue& enqueue,
+                                      nvtx::ScopedRange& range) {
+    const char* op = op_name(d.kind);
+    std::shared_ptr<NcclOp> state;
+    std::lock_guard lock(nccl_mu_);
+    throw_if_failed(op);
+    if (comm_ == nullptr)  // adopted and failed, or aborted: failure() says why
+      throw BackendError(op, rank_, "the NCCL communicator is no longer usable");
+    DeviceGuard guard(device_, op, rank_);
+    const std::uint64_t seq = seq_++;
+    const bool p2p = is_p2p(d.kind);
+    const std::uint64_t coll = p2p ? 0 : coll_seq_++;
+    range.push(op, d.count, d.dtype, seq);
+    recorder_.issued(seq, d);
+    op_deadline_ = Clock::now() + settings_.timeout;
+    const cudaStream_t caller = comm::nccl::current_stream();
+    const bool same_stream = caller == stream_;
+    try {
+      if (settings_.desync_check && !p2p) check_desync(d, seq, coll);
+      if (!same_stream) {
+        COMM_CUDA_CHECK(cudaEventRecord(ready_, caller), op, rank_);
+        COMM_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0), op, rank_);
+      }
+      state = std::make_shared<NcclOp>(op, rank_, settings_.timeout, seq, events_, stream_);
+      // COMM_COMMS_LOG / COMM_TRACE: timing events around the NCCL call, read later (comms_timing.hpp).
+      const cudaEvent_t log_start = comms_.on() ? comms_.begin(stream_) : nullptr;
+      if (!empty) enqueue_checked(op, seq, enqueue);
+      if (log_start != nullptr) comms_.end(log_start, stream_, d, p2p ? seq : coll);
+      try {
+        COMM_CUDA_CHECK(cudaEventRecord(state->event(), stream_), op, rank_);
+        watchdog_.track(state, op_deadline_);
+      } catch (...) {
+        // Issued but no longer followed: nothing could tell when it ends, so the communicator
+        // cannot be trusted any more.
+        fail_comm(seq, std::current_exception());
+        throw;
+      }
+    } catch (...) {
+      op_error(seq, std::current_exception());
+      throw;
+    }
+    if (!is_async && !same_stream) COMM_CUDA_CHECK(cudaStreamWaitEvent(caller, state->event(), 0), op, rank_);
+    return state;
   }
 
   /// Runs the NCCL call(s); InvalidArgument leaves the communicator usable (NCCL did nothing),
@@ -555,16 +761,18 @@ class Engine final : public WatchTarget {
   }
 
   /// The desync check (under nccl_mu_, on the device): an ncclAllGather of every rank's
-  /// fingerprint of operation `seq`, waited for on the host, then the comparison. A mismatch
-  /// throws DesyncError on every rank and leaves the communicator usable (nothing of the operation
-  /// was sent); a failed or late exchange is the communicator's failure.
-  void check_desync(const OpDesc& d, std::uint64_t seq) {
+  /// fingerprint of operation `seq` (the flight recorder's number; the fingerprint carries `coll`,
+  /// the collective sequence number, which matches across ranks whatever point-to-point operations
+  /// some of them ran), waited for on the host, then the comparison. A mismatch throws DesyncError
+  /// on every rank and leaves the communicator usable (nothing of the operation was sent); a failed
+  /// or late exchange is the communicator's failure. Never called for point-to-point operations.
+  void check_desync(const OpDesc& d, std::uint64_t seq, std::uint64_t coll) {
     const char* op = op_name(d.kind);
     constexpr std::size_t fp = sizeof(Fingerprint);
     const std::size_t n = static_cast<std::size_t>(size_);
     try {
       Fingerprint* mine = fp_host_ + n;
-      *mine = fingerprint(seq, d);
+      *mine = fingerprint(coll, d);
       std::byte* dev_mine = fp_dev_ + n * fp;
       COMM_CUDA_CHECK(cudaMemcpyAsync(dev_mine, mine, fp, cudaMemcpyHostToDevice, stream_), op, rank_);
       if (COMM_NCCL_CHECK(ncclAllGather(dev_mine, fp_dev_, fp, ncclUint8, comm_, stream_), op, rank_, comm_) ==
@@ -729,6 +937,97 @@ class Engine final : public WatchTarget {
     return r;
   }
 
+  /// A reduction as the enqueue step needs it: a built-in NCCL op, or the scalar of a
+  /// pre-multiplied sum (in the element type, as ncclRedOpCreatePreMulSum reads it) from which
+  /// with_red_op makes an NCCL op around the call. `code`: the OpDesc reduction code (premul_sum is
+  /// OpDesc::custom, as in the engine core: the factor may differ by rank, the kind may not).
+  struct RedArg {
+    ncclRedOp_t op = ncclSum;
+    bool premul = false;
+    alignas(8) unsigned char scalar[8] = {};
+    std::uint8_t code = OpDesc::none;
+  };
+
+  /// The RedArg of a reduction argument: what checked_op accepts, or comm::op::premul_sum_t on a
+  /// floating type whose sum NCCL runs (fp8: NCCL >= 2.24 and compute capability >= 9.0, as for
+  /// its other reductions; NCCL itself computes fp8 avg as a PreMulSum).
+  template <class T, class Red>
+  RedArg reduction_arg(const char* op, const Red& red) const {
+    RedArg a;
+    if constexpr (std::is_same_v<Red, op::premul_sum_t>) {
+      static_assert(floating_element<T>, "comm: premul_sum needs a floating element type");
+      static_assert(reduction_supported(ReduceOp::sum, dtype_of<T>),
+                    "comm: the nccl backend does not support this reduction on this element type");
+      static_assert(sizeof(T) <= sizeof(a.scalar));
+      check_reduction_runtime<T>(op);
+      const T scalar = premul_scalar<T>(red.factor);
+      std::memcpy(a.scalar, &scalar, sizeof(T));
+      a.premul = true;
+      a.code = OpDesc::custom;
+    } else {
+      const ReduceOp r = checked_op<T>(op, red);
+      a.op = nccl_op(r);
+      a.code = static_cast<std::uint8_t>(r);
+    }
+    return a;
+  }
+
+  /// The premul_sum factor in the element type: double as is, float rounded once, half, bfloat16
+  /// and fp8 through float (round to nearest even, fp8 saturating: what CUDA's __float2half,
+  /// __float2bfloat16 and __nv_cvt_float_to_fp8(..., __NV_SATFINITE, ...) give).
+  template <class T>
+  [[nodiscard]] static T premul_scalar(double factor) noexcept {
+    if constexpr (std::is_same_v<T, double>)
+      return factor;
+    else if constexpr (std::is_same_v<T, float>)
+      return static_cast<float>(factor);
+    else
+      return T(static_cast<float>(factor));
+  }
+
+  /// Runs `call(nccl op)`, which returns the NCCL call's result. A premul_sum's operator is made
+  /// just before (ncclRedOpCreatePreMulSum, ncclScalarHostImmediate: the scalar is read at once) and
+  /// destroyed once the call is enqueued (NCCL allows it as soon as the call has returned).
+  template <class Call>
+  ncclResult_t with_red_op(const char* op, RedArg& a, ncclDataType_t dt, ncclComm_t c, Call&& call) {
+    if (!a.premul) return call(a.op);
+    ncclRedOp_t pm{};
+    if (COMM_NCCL_CHECK(ncclRedOpCreatePreMulSum(&pm, a.scalar, dt, ncclScalarHostImmediate, c), op, rank_, c) ==
+        ncclInProgress)
+      wait_enqueued(op);
+    struct Destroy {
+      ncclRedOp_t op;
+      ncclComm_t comm;
+      ~Destroy() { (void)ncclRedOpDestroy(op, comm); }
+    } destroy{pm, c};
+    if (call(pm) == ncclInProgress) wait_enqueued(op);
+    return ncclSuccess;
+  }
+
+  /// ncclGroupStart, `body` (ncclSend / ncclRecv calls), ncclGroupEnd; the group is closed when
+  /// `body` throws. Returns ncclGroupEnd's result (ncclInProgress on a non-blocking communicator
+  /// that is still enqueuing).
+  template <class Body>
+  ncclResult_t in_group(const char* op, ncclComm_t c, Body&& body) {
+    COMM_NCCL_CHECK(ncclGroupStart(), op, rank_, c);
+    try {
+      body();
+    } catch (...) {
+      (void)ncclGroupEnd();  // a group must always be closed
+      throw;
+    }
+    return COMM_NCCL_CHECK(ncclGroupEnd(), op, rank_, c);
+  }
+
+  /// NCCL matches messages between two ranks in issue order and has no tags.
+  void check_tag(const char* op, int tag, const char* where) const {
+    if (tag != 0)
+      throw InvalidArgument(op, rank_,
+                            "tag " + std::to_string(tag) + std::string(where) +
+                                ": NCCL has no message tags; use tag 0 (messages between two ranks are matched in "
+                                "the order they are issued)");
+  }
+
   /// fp8 reductions need NCCL >= 2.24 at run time and a device of compute capability >= 9.0.
   template <class T>
   void check_reduction_runtime([[maybe_unused]] const char* op) const {
@@ -846,6 +1145,9 @@ class Engine final : public WatchTarget {
   int cc_major_ = 0;
   int cc_minor_ = 0;
   std::uint64_t seq_ = 0;  // the next operation's number (0, 1, ...), under nccl_mu_
+  // The next collective's number (point-to-point operations take none: they involve two ranks, so
+  // their count differs by rank), the desync fingerprint's sequence number; under nccl_mu_.
+  std::uint64_t coll_seq_ = 0;
   Clock::time_point op_deadline_{};
   Origin origin_;
   std::atomic<std::uint64_t> groups_{0};
@@ -854,6 +1156,7 @@ class Engine final : public WatchTarget {
   Fingerprint* fp_host_ = nullptr;        // and in pinned host memory
   cudaEvent_t fp_done_ = nullptr;
   FlightRecorder recorder_;
+  CommsTimer comms_;       // COMM_COMMS_LOG, COMM_TRACE; under nccl_mu_
   std::string dump_path_;  // COMM_FLIGHT_RECORDER
   std::shared_ptr<EventPool> events_;
   Watchdog watchdog_;  // last: stopped explicitly in the destructor, before the rest goes

@@ -183,7 +183,141 @@ class Engine : public EngineCore<Engine> {
         wait_all(s);
         return;
       }
-      default: throw BackendError(op_name_, rank(), "not an operation the shm engine runs");
+      case OpKind::scatter: return do_scatter(op);
+      case OpKind::all_to_all: return do_all_to_all(op);
+      default: return Core::compose(op, seq);  // reduce, all_to_all_v
+    }
+  }
+
+  /// Point-to-point through the channels of the segment (segment.hpp): each (sender, receiver)
+  /// pair has two slots; a message is one or more chunks, the first carrying its P2PHeader, checked
+  /// before a byte is copied out. Every item of the batch progresses in one loop (those of one
+  /// peer and direction in order), so a batch that exchanges in both directions cannot deadlock.
+  void perform_p2p(const Op& op, std::span<P2PItem> items) {
+    op_name_ = op_name(op.desc.kind);
+    const std::size_t n = items.size();
+    const std::size_t e = op.elem_size;
+    const auto deadline = Clock::now() + timeout();
+    // Per item: bytes moved, chunks moved, and (receives) its message number.
+    std::vector<std::size_t> done(n, 0);
+    std::vector<std::uint64_t> number(n, 0);
+    std::vector<char> started(n, 0), finished(n, 0);
+    std::size_t left = n;
+    // The item each (peer, direction) works on: the first unfinished one in batch order.
+    auto first_of = [&](std::size_t i) {
+      for (std::size_t j = 0; j < i; ++j)
+        if (!finished[j] && items[j].peer == items[i].peer && items[j].send == items[i].send) return false;
+      return true;
+    };
+    auto step = [&](std::size_t i) -> bool {  // true when it moved a chunk
+      const P2PItem& it = items[i];
+      const std::size_t bytes = it.count * e;
+      if (it.send) {
+        ChannelCtl& c = channel(rank(), it.peer);
+        const std::uint64_t posted = c.posted.load(std::memory_order_relaxed);
+        if (posted - c.taken.load(std::memory_order_acquire) >= 2) return false;
+        if (!started[i]) {
+          started[i] = 1;
+          number[i] = p2p_numbers_.next_send(it.peer);
+        }
+        std::byte* slot = channel_slot(rank(), it.peer, posted);
+        const std::size_t m = std::min(layout_.p2p_chunk, bytes - done[i]);
+        if (done[i] == 0) {
+          const P2PHeader h = p2p_header(op, it, number[i]);
+          std::memcpy(slot, &h, sizeof h);
+        }
+        std::memcpy(slot + sizeof(P2PHeader), &m, sizeof m);
+        copy(slot + kLine, static_cast<const std::byte*>(it.buf) + done[i], m);
+        c.posted.store(posted + 1, std::memory_order_seq_cst);
+        if (ctl(rank()).sleepers.load(std::memory_order_seq_cst) != 0) ring(rank());
+        done[i] += m;
+        if (done[i] == bytes) finished[i] = 1;
+        return true;
+      }
+      ChannelCtl& c = channel(it.peer, rank());
+      const std::uint64_t taken = c.taken.load(std::memory_order_relaxed);
+      if (c.posted.load(std::memory_order_acquire) <= taken) return false;
+      const std::byte* slot = channel_slot(it.peer, rank(), taken);
+      if (!started[i]) {
+        started[i] = 1;
+        number[i] = p2p_numbers_.next_recv(it.peer);
+        P2PHeader h;
+        std::memcpy(&h, slot, sizeof h);
+        check_p2p_header(op, it, h, number[i], rank());
+      }
+      std::size_t m = 0;
+      std::memcpy(&m, slot + sizeof(P2PHeader), sizeof m);
+      if (m > bytes - done[i] || (m == 0 && bytes != 0))
+        throw DesyncError(op_name_, rank(), "rank " + std::to_string(it.peer) + " sent a chunk of " +
+                                                std::to_string(m) + " bytes where " + std::to_string(bytes - done[i]) +
+                                                " were left of the message", "rank " + std::to_string(it.peer));
+      copy(static_cast<std::byte*>(it.buf) + done[i], slot + kLine, m);
+      c.taken.store(taken + 1, std::memory_order_seq_cst);
+      if (ctl(rank()).sleepers.load(std::memory_order_seq_cst) != 0) ring(rank());
+      done[i] += m;
+      if (done[i] == bytes) finished[i] = 1;
+      return true;
+    };
+    int idle = 0;
+    const auto yield_until_reset = [&] { return Clock::now() + kYieldPhase; };
+    auto yield_until = yield_until_reset();
+    while (left != 0) {
+      bool moved = false;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (finished[i] || !first_of(i)) continue;
+        while (!finished[i] && step(i)) moved = true;
+        if (finished[i]) --left;
+      }
+      if (left == 0) break;
+      if (moved) {
+        idle = 0;
+        yield_until = yield_until_reset();
+        continue;
+      }
+      // Nothing could move: spin, then yield, then sleep on the bell of a peer this rank waits
+      // for (bounded slices), checking that the peers are alive and the deadline.
+      if (idle < spin_) {
+        ++idle;
+        cpu_relax();
+        continue;
+      }
+      int peer = -1;
+      for (std::size_t i = 0; i < n; ++i)
+        if (!finished[i] && first_of(i)) peer = items[i].peer;
+      const bool sleep = Clock::now() >= yield_until;
+      if (!sleep) {
+        std::this_thread::yield();
+        if (++idle % 64 != 0) continue;
+      } else {
+        RankCtl& b = ctl(peer);
+        b.sleepers.fetch_add(1, std::memory_order_seq_cst);
+        const std::uint32_t bell = b.bell.load(std::memory_order_seq_cst);
+        bool ready = false;
+        for (std::size_t i = 0; i < n && !ready; ++i) {
+          if (finished[i] || !first_of(i)) continue;
+          const P2PItem& it = items[i];
+          ready = it.send ? channel(rank(), it.peer).posted.load() - channel(rank(), it.peer).taken.load() < 2
+                          : channel(it.peer, rank()).posted.load() > channel(it.peer, rank()).taken.load();
+        }
+        // Several peers: short slices, since only `peer`'s bell wakes this rank early.
+        const auto slice = std::chrono::duration_cast<std::chrono::nanoseconds>(
+            left == 1 ? std::chrono::nanoseconds(kSlice) : std::chrono::nanoseconds(std::chrono::microseconds(200)));
+        if (!ready) futex_wait(&b.bell, bell, std::min<std::chrono::nanoseconds>(slice, std::max<Clock::duration>(deadline - Clock::now(), {})));
+        b.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      }
+      for (std::size_t i = 0; i < n; ++i) {
+        if (finished[i] || !first_of(i)) continue;
+        const P2PItem& it = items[i];
+        auto ready = [&] {
+          return it.send ? channel(rank(), it.peer).posted.load() - channel(rank(), it.peer).taken.load() < 2
+                         : channel(it.peer, rank()).posted.load() > channel(it.peer, rank()).taken.load();
+        };
+        (void)check_peer(it.peer, deadline, sleep, ready, [&] {
+          return std::string(" (") + (it.send ? "sending " : "receiving ") + std::to_string(it.count) +
+                 " elements with tag " + std::to_string(it.tag) + (it.send ? " to" : " from") + " rank " +
+                 std::to_string(it.peer) + ")";
+        });
+      }
     }
   }
 
@@ -219,6 +353,15 @@ class Engine : public EngineCore<Engine> {
   [[nodiscard]] HalfHeader* half(int p, std::uint64_t s) const noexcept {
     return reinterpret_cast<HalfHeader*>(map_.base() + layout_.halves +
                                          (static_cast<std::size_t>(p) * 2 + (s & 1)) * layout_.half_bytes);
+  }
+  [[nodiscard]] ChannelCtl& channel(int from, int to) const noexcept {
+    return reinterpret_cast<ChannelCtl*>(map_.base() + layout_.channels)[static_cast<std::size_t>(from) *
+                                                                             static_cast<std::size_t>(size()) +
+                                                                         static_cast<std::size_t>(to)];
+  }
+  [[nodiscard]] std::byte* channel_slot(int from, int to, std::uint64_t chunk) const noexcept {
+    const std::size_t c = static_cast<std::size_t>(from) * static_cast<std::size_t>(size()) + static_cast<std::size_t>(to);
+    return map_.base() + layout_.slots + (c * 2 + (chunk & 1)) * layout_.slot_bytes;
   }
   [[nodiscard]] std::byte* payload(int p, std::uint64_t s) const noexcept {
     return reinterpret_cast<std::byte*>(half(p, s)) + sizeof(std::uint64_t) + sizeof(Fingerprint);
@@ -347,13 +490,21 @@ class Engine : public EngineCore<Engine> {
   /// may publish its last step and then exit or destroy its communicator at once.
   bool check_peers(int p, std::uint64_t s, Clock::time_point deadline, bool probe,
                    const std::atomic<std::uint64_t>& w) {
+    return check_peer(
+        p, deadline, probe, [&] { return w.load(std::memory_order_acquire) >= s; },
+        [&] { return " (op #" + std::to_string(op_seq_) + ", step " + std::to_string(s) + ")"; });
+  }
+
+  /// check_peers for any wait on peer `p`: `ready()` re-checks the awaited condition, `at()` says
+  /// where this rank waited.
+  template <class Ready, class At>
+  bool check_peer(int p, Clock::time_point deadline, bool probe, Ready ready, At at) {
     const bool gone = header_->dead.load(std::memory_order_acquire) != 0 ||
                       header_->abort.load(std::memory_order_acquire) != 0 ||
                       ctl(p).left.load(std::memory_order_acquire) != 0 ||
                       (probe && watch_[static_cast<std::size_t>(p)].exited()) || Clock::now() >= deadline;
     if (!gone) return true;
-    if (w.load(std::memory_order_acquire) >= s) return false;
-    auto at = [&] { return " (op #" + std::to_string(op_seq_) + ", step " + std::to_string(s) + ")"; };
+    if (ready()) return false;
     if (const auto d = header_->dead.load(std::memory_order_acquire); d != 0) {
       const int r = static_cast<int>(d) - 1;
       throw RemoteError(op_name_, rank(),
@@ -533,6 +684,72 @@ class Engine : public EngineCore<Engine> {
     } while (off < m);
   }
 
+  /// Publishes step `s` of an operation whose data comes from `root`: the first step is symmetric
+  /// (every rank sees every fingerprint); after it only the other ranks wait, for the root.
+  void rooted_step(std::uint64_t s, int root, bool& first) {
+    publish(s);
+    if (first) {
+      wait_all(s);
+      first = false;
+    } else if (rank() != root) {
+      wait_step(root, s);
+    }
+  }
+
+  /// One step per chunk: piece p of this rank's payload is its block for rank p; every rank reads
+  /// its piece of every peer's payload.
+  void do_all_to_all(Op& op) {
+    const std::size_t e = op.elem_size;
+    const auto un = static_cast<std::size_t>(size());
+    const std::size_t m = op.in_count / un;  // per block
+    const auto* in = static_cast<const std::byte*>(op.in);
+    auto* out = static_cast<std::byte*>(op.out);
+    const auto me = static_cast<std::size_t>(rank());
+    const std::size_t k = per_step(e, un);
+    std::size_t off = 0;
+    do {
+      const std::size_t c = std::min(k, m - off);
+      const std::uint64_t s = next_step();
+      std::byte* mine = begin(s);
+      for (std::size_t r = 0; r < un; ++r)
+        if (r != me) copy(mine + r * c * e, in + (r * m + off) * e, c * e);
+      publish(s);
+      wait_all(s);
+      for (std::size_t p = 0; p < un; ++p) {
+        const std::byte* src = p == me ? in + (me * m + off) * e : payload(static_cast<int>(p), s) + me * c * e;
+        copy(out + (p * m + off) * e, src, c * e);
+      }
+      off += c;
+    } while (off < m);
+  }
+
+  /// broadcast's pattern with pieces: the root's payload holds a piece for every rank.
+  void do_scatter(Op& op) {
+    const std::size_t e = op.elem_size;
+    const auto un = static_cast<std::size_t>(size());
+    const std::size_t m = op.out_count;
+    const int root = op.desc.root;
+    const auto me = static_cast<std::size_t>(rank());
+    const auto* in = static_cast<const std::byte*>(op.in);
+    auto* out = static_cast<std::byte*>(op.out);
+    const std::size_t k = per_step(e, un);
+    std::size_t off = 0;
+    bool first = true;
+    do {
+      const std::size_t c = std::min(k, m - off);
+      const std::uint64_t s = next_step();
+      if (rank() == root) {
+        std::byte* mine = begin(s);
+        for (std::size_t r = 0; r < un; ++r)
+          if (r != me) copy(mine + r * c * e, in + (r * m + off) * e, c * e);
+      }
+      rooted_step(s, root, first);
+      const std::byte* src = rank() == root ? in + (me * m + off) * e : payload(root, s) + me * c * e;
+      if (src != out + off * e) move(out + off * e, src, c * e);
+      off += c;
+    } while (off < m);
+  }
+
   void do_broadcast(Op& op) {
     const std::size_t e = op.elem_size;
     const std::size_t m = op.out_count;
@@ -545,13 +762,7 @@ class Engine : public EngineCore<Engine> {
       const std::size_t c = std::min(k, m - off);
       const std::uint64_t s = next_step();
       if (rank() == root) copy(begin(s), data + off * e, c * e);
-      publish(s);
-      if (first) {
-        wait_all(s);
-        first = false;
-      } else if (rank() != root) {
-        wait_step(root, s);
-      }
+      rooted_step(s, root, first);
       if (rank() != root) copy(data + off * e, payload(root, s), c * e);
       off += c;
     } while (off < m);
@@ -607,6 +818,7 @@ class Engine : public EngineCore<Engine> {
   Fingerprint fp_;                   // the current operation's
   std::uint64_t op_seq_ = 0;
   const char* op_name_ = "shm";
+  P2PCounters p2p_numbers_{size()};
 };
 
 }  // namespace comm::detail::shm

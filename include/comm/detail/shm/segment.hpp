@@ -8,6 +8,9 @@
 //   RankCtl[size]          per rank: pid, the futex bell and its sleeper count, "left" flag
 //   Half[size][2]          per rank, two halves (by step parity): a header line {step, fp} that
 //                          the rank publishes, then `chunk` bytes of payload
+//   ChannelCtl[size][size] point-to-point, per (sender, receiver): chunks posted, chunks taken
+//   Slot[size][size][2]    per channel two slots: a header line (the message's P2PHeader on its
+//                          first chunk, the chunk's bytes) and `p2p_chunk` bytes of payload
 //
 // Rendezvous: rank 0 creates the segment under a fresh name (shm_open O_CREAT|O_EXCL, mode 0600),
 // sizes and initializes it, and publishes the name in the store; every rank maps it and adds
@@ -25,6 +28,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -65,6 +69,13 @@ struct alignas(kLine) RankCtl {
 
 /// The header line of a half: the step it holds and the fingerprint of that step's operation.
 /// Small payloads continue in the same line, so a peer reading a small step moves one line.
+/// A point-to-point channel's counters: the sender bumps `posted` after filling slot posted%2,
+/// the receiver bumps `taken` after reading slot taken%2 (at most two chunks in flight).
+struct alignas(kLine) ChannelCtl {
+  std::atomic<std::uint64_t> posted;
+  alignas(kLine) std::atomic<std::uint64_t> taken;
+};
+
 struct alignas(kLine) HalfHeader {
   std::atomic<std::uint64_t> step;
   std::uint64_t fp;
@@ -78,14 +89,23 @@ static_assert(std::atomic<std::uint64_t>::is_always_lock_free && std::atomic<std
 struct Layout {
   int size = 0;
   std::size_t chunk = 0;  // payload bytes per half (a multiple of kLine)
-  std::size_t ctl = 0, halves = 0, half_bytes = 0, total = 0;
+  std::size_t ctl = 0, halves = 0, half_bytes = 0;
+  std::size_t p2p_chunk = 0;  // payload bytes per channel slot
+  std::size_t channels = 0, slots = 0, slot_bytes = 0, total = 0;
 
   Layout(int n, std::size_t chunk_bytes) : size(n), chunk(chunk_bytes) {
+    const auto un = static_cast<std::size_t>(n);
     ctl = sizeof(Header);
-    halves = ctl + static_cast<std::size_t>(n) * sizeof(RankCtl);
+    halves = ctl + un * sizeof(RankCtl);
     // The payload starts inside the header line (after step and fp).
     half_bytes = (16 + chunk + kLine - 1) / kLine * kLine;
-    total = halves + static_cast<std::size_t>(n) * 2 * half_bytes;
+    channels = halves + un * 2 * half_bytes;
+    // Channels grow with size^2: at most ~8 MiB of slots in all, 1-64 KiB per slot.
+    p2p_chunk = std::clamp<std::size_t>((std::size_t{8} << 20) / (2 * un * un), std::size_t{1} << 10,
+                                        std::size_t{64} << 10) / kLine * kLine;
+    slots = channels + un * un * sizeof(ChannelCtl);
+    slot_bytes = kLine + p2p_chunk;
+    total = slots + un * un * 2 * slot_bytes;
   }
 };
 

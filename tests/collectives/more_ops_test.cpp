@@ -1,0 +1,374 @@
+// The rest of the surface: reduce, scatter, all_to_all, all_to_all_v, send/recv,
+// batch_isend_irecv and premul_sum — every element type x sizes x roots x in/out of place x
+// sync/async against references computed here, bad input, mismatched point-to-point messages, and
+// point-to-point traffic between collectives (with the desync check on).
+#include "backend_test_util.hpp"
+
+#include <chrono>
+#include <numeric>
+#include <span>
+
+using namespace suite;
+
+namespace {
+
+const std::size_t kCounts[] = {0, 1, 7, 1003};
+
+/// A value that says who sent it and where: block `(from -> to)`, element i.
+template <class T>
+T tagged(int from, int to, std::size_t i) {
+  // Small integers: exact in every type, fp8 included (|v| <= 8).
+  const long long v = (static_cast<long long>(from) * 5 + to * 3 + static_cast<long long>(i % 7)) % 17 - 8;
+  if constexpr (std::is_unsigned_v<T>) return static_cast<T>(v < 0 ? -v : v);
+  if constexpr (is_int<T>) return static_cast<T>(v);
+  return T(static_cast<float>(v));
+}
+
+template <class T>
+void run_reduce(Comm& c, ReduceOp op, std::size_t count, int root, bool in_place, bool use_async) {
+  const int n = c.size();
+  INFO("reduce ", type_name(comm::dtype_of<T>), " ", comm::to_string(op), " count=", count, " root=", root,
+       in_place ? " in-place" : " out-of-place", use_async ? " async" : " blocking");
+  std::vector<T> in(count);
+  for (std::size_t i = 0; i < count; ++i) in[i] = input_value<T>(c.rank(), i, op);
+  const auto before = in;
+  if (in_place) {
+    if (use_async)
+      c.reduce(in, root, op, comm::async).wait();
+    else
+      c.reduce(in, root, op);
+    if (c.rank() == root)
+      CHECK(first_mismatch(in, [&](std::size_t i) { return reference<T>(op, n, i); }) == -1);
+    else
+      CHECK(first_mismatch(in, [&](std::size_t i) { return before[i]; }) == -1);  // left as it was
+  } else {
+    // Off the root the output is not used: pass an empty one.
+    std::vector<T> out(c.rank() == root ? count : 0);
+    if (use_async)
+      c.reduce(std::span<const T>(in), std::span<T>(out), root, op, comm::async).wait();
+    else
+      c.reduce(std::span<const T>(in), std::span<T>(out), root, op);
+    if (c.rank() == root) CHECK(first_mismatch(out, [&](std::size_t i) { return reference<T>(op, n, i); }) == -1);
+    CHECK(first_mismatch(in, [&](std::size_t i) { return before[i]; }) == -1);
+  }
+}
+
+template <class T>
+void run_scatter(Comm& c, std::size_t count, int root, bool in_place, bool use_async) {
+  const auto n = static_cast<std::size_t>(c.size());
+  INFO("scatter ", type_name(comm::dtype_of<T>), " count=", count, " root=", root, in_place ? " in-place" : "",
+       use_async ? " async" : " blocking");
+  const bool is_root = c.rank() == root;
+  std::vector<T> in(is_root ? n * count : 0);
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = tagged<T>(root, static_cast<int>(i / count), i % count);
+  std::vector<T> own(count);
+  std::span<T> out(own);
+  if (in_place && is_root) out = std::span<T>(in).subspan(static_cast<std::size_t>(root) * count, count);
+  if (use_async)
+    c.scatter(std::span<const T>(in), out, root, comm::async).wait();
+  else
+    c.scatter(std::span<const T>(in), out, root);
+  const std::vector<T> got(out.begin(), out.end());
+  CHECK(first_mismatch(got, [&](std::size_t i) { return tagged<T>(root, c.rank(), i); }) == -1);
+}
+
+template <class T>
+void run_all_to_all(Comm& c, std::size_t count, bool use_async) {
+  const auto n = static_cast<std::size_t>(c.size());
+  INFO("all_to_all ", type_name(comm::dtype_of<T>), " count=", count, use_async ? " async" : " blocking");
+  std::vector<T> in(n * count), out(n * count);
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = tagged<T>(c.rank(), static_cast<int>(i / count), i % count);
+  if (use_async)
+    c.all_to_all(in, out, comm::async).wait();
+  else
+    c.all_to_all(in, out);
+  CHECK(first_mismatch(out, [&](std::size_t i) { return tagged<T>(static_cast<int>(i / count), c.rank(), i % count); }) ==
+        -1);
+}
+
+/// all_to_all_v with counts (from -> to) = ((from + 2 to + k) % 4) * scale: zeros included.
+std::size_t v_count(int from, int to, std::size_t scale, int k) {
+  return static_cast<std::size_t>((from + 2 * to + k) % 4) * scale;
+}
+
+template <class T>
+void run_all_to_all_v(Comm& c, std::size_t scale, int k, bool use_async) {
+  const int n = c.size();
+  const int me = c.rank();
+  INFO("all_to_all_v ", type_name(comm::dtype_of<T>), " scale=", scale, " k=", k, use_async ? " async" : " blocking");
+  std::vector<std::size_t> sc(static_cast<std::size_t>(n)), rc(static_cast<std::size_t>(n));
+  for (int p = 0; p < n; ++p) {
+    sc[static_cast<std::size_t>(p)] = v_count(me, p, scale, k);
+    rc[static_cast<std::size_t>(p)] = v_count(p, me, scale, k);
+  }
+  std::vector<T> in(std::accumulate(sc.begin(), sc.end(), std::size_t{0}));
+  std::vector<T> out(std::accumulate(rc.begin(), rc.end(), std::size_t{0}));
+  std::vector<T> want(out.size());
+  for (std::size_t p = 0, off = 0; p < sc.size(); off += sc[p], ++p)
+    for (std::size_t i = 0; i < sc[p]; ++i) in[off + i] = tagged<T>(me, static_cast<int>(p), i);
+  for (std::size_t p = 0, off = 0; p < rc.size(); off += rc[p], ++p)
+    for (std::size_t i = 0; i < rc[p]; ++i) want[off + i] = tagged<T>(static_cast<int>(p), me, i);
+  if (use_async)
+    c.all_to_all_v(in, sc, out, rc, comm::async).wait();
+  else
+    c.all_to_all_v(in, sc, out, rc);
+  CHECK(first_mismatch(out, [&](std::size_t i) { return want[i]; }) == -1);
+}
+
+/// Every rank sends to the next and receives from the previous (a ring), as one batch, then
+/// with separate async send/recv where the order makes it safe (even ranks send first).
+template <class T>
+void run_p2p(Comm& c, std::size_t count) {
+  const int n = c.size();
+  if (n < 2) return;
+  const int me = c.rank();
+  const int next = (me + 1) % n, prev = (me + n - 1) % n;
+  INFO("p2p ", type_name(comm::dtype_of<T>), " count=", count);
+  std::vector<T> a(count), b(count, T{});
+  for (std::size_t i = 0; i < count; ++i) a[i] = tagged<T>(me, next, i);
+  auto works = c.batch_isend_irecv({comm::isend(a, next, 5), comm::irecv(b, prev, 5)});
+  REQUIRE(works.size() == 2);
+  for (auto& w : works) w.wait();
+  CHECK(first_mismatch(b, [&](std::size_t i) { return tagged<T>(prev, me, i); }) == -1);
+  if (n % 2 == 0) {
+    std::fill(b.begin(), b.end(), T{});
+    if (me % 2 == 0) {
+      c.send(a, next, 1);
+      c.recv(b, prev, 1);
+    } else {
+      auto r = c.recv(b, prev, 1, comm::async);
+      auto s = c.send(a, next, 1, comm::async);
+      r.wait();
+      s.wait();
+    }
+    CHECK(first_mismatch(b, [&](std::size_t i) { return tagged<T>(prev, me, i); }) == -1);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("reduce: every op, size, root, placement and launch", T, COMM_TEST_ALL_TYPES) {
+  auto c = make_comm();
+  const int n = c.size();
+  for (ReduceOp op : ops_for<T>())
+    for (std::size_t count : kCounts)
+      for (int root : {0, n - 1})
+        for (bool in_place : {true, false})
+          for (bool use_async : {false, true}) run_reduce<T>(c, op, count, root, in_place, use_async);
+}
+
+TEST_CASE_TEMPLATE("scatter: every size, root, placement and launch", T, COMM_TEST_ALL_TYPES) {
+  auto c = make_comm();
+  for (std::size_t count : kCounts)
+    for (int root = 0; root < c.size(); ++root)
+      for (bool in_place : {false, true})
+        for (bool use_async : {false, true}) run_scatter<T>(c, count, root, in_place, use_async);
+}
+
+TEST_CASE_TEMPLATE("all_to_all and all_to_all_v: every size and launch", T, COMM_TEST_ALL_TYPES) {
+  auto c = make_comm();
+  for (std::size_t count : kCounts)
+    for (bool use_async : {false, true}) run_all_to_all<T>(c, count, use_async);
+  for (std::size_t scale : {std::size_t{1}, std::size_t{301}})
+    for (int k : {0, 1})
+      for (bool use_async : {false, true}) run_all_to_all_v<T>(c, scale, k, use_async);
+}
+
+TEST_CASE_TEMPLATE("send, recv and batch_isend_irecv: every size", T, COMM_TEST_ALL_TYPES) {
+  auto c = make_comm();
+  for (std::size_t count : kCounts) run_p2p<T>(c, count);
+}
+
+TEST_CASE("large messages: more than a million elements, several chunks everywhere") {
+  auto c = make_comm();
+  const std::size_t count = (std::size_t{1} << 20) + 7;
+  run_p2p<float>(c, count);
+  run_all_to_all<std::int32_t>(c, count / static_cast<std::size_t>(c.size()), false);
+  run_scatter<double>(c, count / 8, c.size() - 1, false, false);
+  run_reduce<float>(c, ReduceOp::sum, count, 0, false, false);
+}
+
+TEST_CASE("batch_isend_irecv: every pair both ways, several messages per pair in order") {
+  auto c = make_comm();
+  const int n = c.size();
+  const int me = c.rank();
+  const std::size_t m = 40000;  // several Shm chunks: both directions must progress together
+  std::vector<std::vector<double>> send_a(static_cast<std::size_t>(n)), send_b(static_cast<std::size_t>(n)),
+      recv_a(static_cast<std::size_t>(n)), recv_b(static_cast<std::size_t>(n));
+  std::vector<comm::P2POp<double>> ops;
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    const auto up = static_cast<std::size_t>(p);
+    send_a[up].assign(m, me * 100.0 + p);
+    send_b[up].assign(3, me * 1000.0 + p);
+    recv_a[up].assign(m, -1.0);
+    recv_b[up].assign(3, -1.0);
+    // Receives first on purpose: a batch must not run its entries one after the other.
+    ops.push_back(comm::irecv(recv_a[up], p, 7));
+    ops.push_back(comm::irecv(recv_b[up], p, 8));
+    ops.push_back(comm::isend(send_a[up], p, 7));
+    ops.push_back(comm::isend(send_b[up], p, 8));
+  }
+  auto works = c.batch_isend_irecv(ops);
+  CHECK(works.size() == ops.size());
+  for (auto& w : works) w.wait();
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    const auto up = static_cast<std::size_t>(p);
+    CHECK(recv_a[up] == std::vector<double>(m, p * 100.0 + me));
+    CHECK(recv_b[up] == std::vector<double>(3, p * 1000.0 + me));
+  }
+  CHECK(c.batch_isend_irecv(std::vector<comm::P2POp<double>>{}).empty());
+}
+
+TEST_CASE("point-to-point between collectives leaves the collectives' order intact (desync check on)") {
+  Options o;
+  o.desync_check = true;
+  auto c = make_comm(o);
+  const int n = c.size();
+  std::vector<int> v{c.rank() + 1};
+  for (int round = 0; round < 3; ++round) {
+    if (n >= 2 && c.rank() == 0) c.send(std::vector<int>{round}, 1, round);
+    if (n >= 2 && c.rank() == 1) {
+      std::vector<int> got{-1};
+      c.recv(got, 0, round);
+      CHECK(got[0] == round);
+    }
+    c.all_reduce(v);
+  }
+  // Each all_reduce sums v over the ranks: s, n*s, n*n*s.
+  const int s = n * (n + 1) / 2;
+  CHECK(v[0] == s * n * n);
+  if (n >= 2) {
+    const auto rec = c.flight_record();
+    bool saw = false;
+    for (const auto& r : rec.ops) saw = saw || r.op == (c.rank() == 0 ? "send" : c.rank() == 1 ? "recv" : "all_reduce");
+    CHECK(saw);
+  }
+}
+
+TEST_CASE("premul_sum: all_reduce, reduce_scatter and reduce scale every input") {
+  auto c = make_comm();
+  const int n = c.size();
+  const auto un = static_cast<std::size_t>(n);
+  auto check = [&](auto tag) {
+    using T = decltype(tag);
+    INFO("premul_sum ", type_name(comm::dtype_of<T>));
+    const std::size_t count = 37;
+    auto in_of = [&](int r, std::size_t i) { return T(static_cast<float>((r + static_cast<int>(i)) % 5)); };
+    auto want = [&](std::size_t i) {
+      float s = 0;  // factor 0.5 and small integers: exact in every floating type here
+      for (int r = 0; r < n; ++r) s += 0.5f * static_cast<float>(in_of(r, i));
+      return T(s);
+    };
+    std::vector<T> v(count);
+    for (std::size_t i = 0; i < count; ++i) v[i] = in_of(c.rank(), i);
+    const auto in = v;
+    c.all_reduce(v, comm::op::premul_sum(0.5));
+    CHECK(first_mismatch(v, want) == -1);
+    std::vector<T> out(count);
+    c.all_reduce(std::span<const T>(in), std::span<T>(out), comm::op::premul_sum(0.5), comm::async).wait();
+    CHECK(first_mismatch(out, want) == -1);
+    std::vector<T> rs_in(count * un), rs_out(count);
+    for (std::size_t i = 0; i < rs_in.size(); ++i) rs_in[i] = in_of(c.rank(), i);
+    c.reduce_scatter(rs_in, rs_out, comm::op::premul_sum(0.5));
+    CHECK(first_mismatch(rs_out, [&](std::size_t i) { return want(static_cast<std::size_t>(c.rank()) * count + i); }) ==
+          -1);
+    std::vector<T> r = in;
+    c.reduce(r, 0, comm::op::premul_sum(0.5));
+    if (c.rank() == 0) CHECK(first_mismatch(r, want) == -1);
+  };
+  check(float{});
+  check(double{});
+  check(comm::half{});
+  check(comm::bfloat16{});
+}
+
+TEST_CASE("bad arguments are comm::InvalidArgument before anything is sent") {
+  auto c = make_comm();
+  const int n = c.size();
+  const auto un = static_cast<std::size_t>(n);
+  std::vector<float> a(4 * un), b(4 * un);
+  CHECK_THROWS_AS(c.reduce(a, n), comm::InvalidArgument);
+  CHECK_THROWS_AS(c.reduce(a, -1), comm::InvalidArgument);
+  if (c.rank() == 0) CHECK_THROWS_AS(c.reduce(std::span<const float>(a), std::span<float>(b).first(3), 0), comm::InvalidArgument);
+  CHECK_THROWS_AS(c.scatter(a, std::span<float>(b).first(2), n), comm::InvalidArgument);
+  if (c.rank() == 0) CHECK_THROWS_AS(c.scatter(std::span<const float>(a).first(3), std::span<float>(b).first(2), 0), comm::InvalidArgument);
+  CHECK_THROWS_AS(c.all_to_all(a, std::span<float>(b).first(4 * un - 1)), comm::InvalidArgument);
+  if (n > 1) CHECK_THROWS_AS(c.all_to_all(std::span<const float>(a).first(un + 1), std::span<float>(b).first(un + 1)), comm::InvalidArgument);
+  CHECK_THROWS_AS(c.all_to_all(a, a), comm::InvalidArgument);
+  std::vector<std::size_t> counts(un, 4), short_counts(un + 1, 1), bad(un, 4);
+  CHECK_THROWS_AS(c.all_to_all_v(a, short_counts, b, counts), comm::InvalidArgument);
+  bad[0] = 5;  // sums to 4n + 1
+  CHECK_THROWS_AS(c.all_to_all_v(a, bad, b, counts), comm::InvalidArgument);
+  CHECK_THROWS_AS(c.send(a, n), comm::InvalidArgument);
+  CHECK_THROWS_AS(c.send(a, c.rank()), comm::InvalidArgument);
+  CHECK_THROWS_AS(c.recv(a, -1), comm::InvalidArgument);
+  if (n > 1) CHECK_THROWS_AS(c.send(a, (c.rank() + 1) % n, -3), comm::InvalidArgument);
+  CHECK_THROWS_AS((void)c.batch_isend_irecv({comm::isend(a, c.rank())}), comm::InvalidArgument);
+  // The communicator is still usable: nothing was sent.
+  std::vector<int> v{1};
+  c.all_reduce(v);
+  CHECK(v[0] == n);
+}
+
+TEST_CASE("mismatched point-to-point messages are comm::DesyncError on the receiver") {
+  const auto& w = comm::test::world();
+  if (w.size < 2) return;
+  struct Case {
+    const char* what;
+    int send_tag, recv_tag;
+    std::size_t send_count, recv_count;
+    const char* sent;    // what the error must say rank 0 sent
+    const char* posted;  // and what this rank posted
+  };
+  for (const Case k : {Case{"tag", 1, 2, 4, 4, "with tag 1", "with tag 2"},
+                       Case{"count", 3, 3, 4, 5, "of 4 float ", "of 5 float "}}) {
+    INFO("mismatched ", k.what);
+    auto c = make_comm();
+    std::vector<float> buf(8, 1.0f);
+    if (c.rank() == 0) {
+      // The send may complete (buffered) or fail once rank 1 gave up; it must not hang.
+      try {
+        c.send(std::span<const float>(buf).first(k.send_count), 1, k.send_tag);
+      } catch (const comm::Error& e) {
+        MESSAGE("rank 0's send ended with: ", std::string(e.what()));
+      }
+    } else if (c.rank() == 1) {
+      try {
+        c.recv(std::span<float>(buf).first(k.recv_count), 0, k.recv_tag);
+        FAIL("the mismatched receive succeeded");
+      } catch (const comm::DesyncError& e) {
+        const std::string text = e.what();
+        CHECK(text.find("rank 0") != std::string::npos);
+        CHECK(text.find(k.sent) != std::string::npos);
+        CHECK(text.find(k.posted) != std::string::npos);
+      }
+    }
+    // Other ranks did nothing; every rank leaves the communicator.
+  }
+}
+
+TEST_CASE("a receive from a rank that never sends ends at the deadline, naming that rank") {
+  const auto& w = comm::test::world();
+  if (w.size < 2) return;
+  Options o;
+  o.timeout = std::chrono::milliseconds(1500);
+  auto c = make_comm(o);
+  if (c.rank() == 1) {
+    std::vector<float> buf(4);
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      c.recv(buf, 0, 9);
+      FAIL("the receive returned");
+    } catch (const comm::Timeout& e) {
+      const std::string text = e.what();
+      INFO(text);
+      CHECK(text.find("rank 0") != std::string::npos);
+      CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+    }
+  }
+  // Rank 0 keeps its communicator (leaving it would be a RemoteError, not the deadline) until rank
+  // 1 is done, through the harness's own barrier.
+  comm::test::barrier();
+}
