@@ -699,10 +699,13 @@ class Engine : public EngineCore<Engine> {
                         "order); the pending MPI request is leaked");
     };
     if (src.members.empty()) {
-      std::array<MPI_Request, 3> reqs{MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-      for (std::size_t i = 0; i < reqs.size(); ++i)
-        COMM_MPI_CHECK(MPI_Comm_idup(src.parent, &(*handles)[i], &reqs[i]), op, rank());
-      await_made(reqs.data(), static_cast<int>(reqs.size()), "MPI_Comm_idup");
+      // One at a time: OpenMPI 4.1 mixed up the context ids of three duplicates in flight at once
+      // on one parent (MPI_ERR_TRUNCATE in a later split's libnbc schedule).
+      for (std::size_t i = 0; i < handles->size(); ++i) {
+        MPI_Request req = MPI_REQUEST_NULL;
+        COMM_MPI_CHECK(MPI_Comm_idup(src.parent, &(*handles)[i], &req), op, rank());
+        await_made(&req, 1, "MPI_Comm_idup");
+      }
     } else {
       MPI_Group parent_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
       COMM_MPI_CHECK(MPI_Comm_group(src.parent, &parent_group), op, rank());
@@ -714,10 +717,11 @@ class Engine : public EngineCore<Engine> {
       const int rc2 = MPI_Comm_create_group(src.parent, group, src.tag, &(*handles)[0]);
       MPI_Group_free(&group);
       if (rc2 != MPI_SUCCESS) throw_mpi_error(rc2, "MPI_Comm_create_group", op, rank());
-      std::array<MPI_Request, 2> reqs{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-      COMM_MPI_CHECK(MPI_Comm_idup((*handles)[0], &(*handles)[1], &reqs[0]), op, rank());
-      COMM_MPI_CHECK(MPI_Comm_idup((*handles)[0], &(*handles)[2], &reqs[1]), op, rank());
-      await_made(reqs.data(), static_cast<int>(reqs.size()), "MPI_Comm_idup");
+      for (std::size_t i = 1; i < handles->size(); ++i) {
+        MPI_Request req = MPI_REQUEST_NULL;
+        COMM_MPI_CHECK(MPI_Comm_idup((*handles)[0], &(*handles)[i], &req), op, rank());
+        await_made(&req, 1, "MPI_Comm_idup");
+      }
     }
     comm_ = (*handles)[0];
     ctl_ = (*handles)[1];
