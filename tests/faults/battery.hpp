@@ -1,7 +1,8 @@
 #pragma once
 // Shared pieces of the fault battery: where the helper programs are, a hard per-scenario
 // deadline (a hang kills the test process with a message naming the scenario), the report lines
-// the docs quote, and starting a world of fault_peer ranks with an explicit environment.
+// the docs quote, starting a world of fault_peer ranks with an explicit environment, and the
+// proxies between Gloo ranks started with fault_peer --proxy-store (ProxyBroker).
 
 #include <doctest/doctest.h>
 
@@ -19,8 +20,10 @@
 #include <vector>
 
 #include <comm/detail/socket.hpp>
+#include <comm/store.hpp>
 
 #include "process.hpp"
+#include "tcp_proxy.hpp"
 
 #ifndef COMM_FAULT_PEER_EXE
 #error "COMM_FAULT_PEER_EXE must name the fault_peer program"
@@ -170,5 +173,96 @@ inline std::map<std::string, std::string> result_of(Process& p, milliseconds wit
 
 /// A loopback port nobody listens on right now.
 inline std::uint16_t free_port() { return detail::free_port("127.0.0.1"); }
+
+/// The proxies between the Gloo ranks of a world started with fault_peer --proxy-store, whose
+/// store `store` this process hosts: one TcpProxy per pair of ranks (a < b), made when rank a asks
+/// for it while it connects (keys proxy/req/a/b -> proxy/port/a/b, see ProxiedStore in
+/// fault_peer.cpp). One thread per pair serves its request; every pair's traffic then goes through
+/// its proxy, so a test can cut, stall or corrupt any link.
+class ProxyBroker {
+ public:
+  /// Serves the pairs of `size` ranks; a request not made within `within` is given up.
+  ProxyBroker(TcpStore& store, int size, milliseconds within = 30s) : size_(size) {
+    for (int a = 0; a < size; ++a)
+      for (int b = a + 1; b < size; ++b) pairs_.push_back(std::make_unique<Pair>());
+    for (int a = 0; a < size; ++a)
+      for (int b = a + 1; b < size; ++b) {
+        Pair& p = *pairs_[index(a, b)];
+        p.thread = std::thread([&store, &p, a, b, within] {
+          const std::string pair = std::to_string(a) + "/" + std::to_string(b);
+          try {
+            store.wait({"proxy/req/" + pair}, within);
+            const auto req = store.get("proxy/req/" + pair);
+            const std::string target(req.begin(), req.end());
+            const auto colon = target.rfind(':');
+            auto proxy = std::make_unique<TcpProxy>(target.substr(0, colon),
+                                                    static_cast<std::uint16_t>(std::stoi(target.substr(colon + 1))));
+            const auto port = proxy->port();
+            {
+              std::lock_guard g(p.mu);
+              p.proxy = std::move(proxy);
+            }
+            store.set("proxy/port/" + pair, std::to_string(port));
+          } catch (const std::exception& e) {
+            std::lock_guard g(p.mu);
+            p.error = e.what();
+          }
+        });
+      }
+  }
+  ~ProxyBroker() {
+    for (auto& p : pairs_)
+      if (p->thread.joinable()) p->thread.join();
+  }
+  ProxyBroker(const ProxyBroker&) = delete;
+  ProxyBroker& operator=(const ProxyBroker&) = delete;
+
+  /// Waits until every pair has its proxy; false (see error()) when one could not be made.
+  bool ready() {
+    for (auto& p : pairs_)
+      if (p->thread.joinable()) p->thread.join();
+    return error().empty();
+  }
+  /// Why a proxy is missing (empty: none is).
+  std::string error() {
+    std::string e;
+    for (auto& p : pairs_) {
+      std::lock_guard g(p->mu);
+      if (!p->error.empty()) e += (e.empty() ? "" : "; ") + p->error;
+    }
+    return e;
+  }
+  /// The proxy between ranks a and b (either order), once ready().
+  TcpProxy& between(int a, int b) {
+    auto& p = *pairs_.at(index(std::min(a, b), std::max(a, b)));
+    std::lock_guard g(p.mu);
+    if (!p.proxy) throw std::logic_error("ProxyBroker: no proxy between ranks " + std::to_string(a) + " and " +
+                                         std::to_string(b));
+    return *p.proxy;
+  }
+
+  /// Cuts every link of rank `victim` (TcpProxy::cut: resets its connections, refuses new ones),
+  /// all at once: one thread per link, so no survivor learns of another's cut first.
+  void cut_links_of(int victim) {
+    std::vector<std::thread> t;
+    for (int r = 0; r < size_; ++r)
+      if (r != victim) t.emplace_back([this, r, victim] { between(r, victim).cut(); });
+    for (auto& th : t) th.join();
+  }
+
+ private:
+  struct Pair {
+    std::mutex mu;
+    std::unique_ptr<TcpProxy> proxy;
+    std::string error;
+    std::thread thread;
+  };
+  // Pairs (a, b), a < b, in order (0,1), (0,2), ... (1,2), ...
+  [[nodiscard]] std::size_t index(int a, int b) const {
+    return static_cast<std::size_t>(a * size_ - a * (a + 1) / 2 + (b - a - 1));
+  }
+  int size_;
+  std::vector<std::unique_ptr<Pair>> pairs_;
+};
 
 }  // namespace comm::faults

@@ -14,7 +14,8 @@
 // Exit codes: 0 finished, 10 a comm::Error (RESULT says which), 11 another exception,
 // 12 a wrong result, 2 bad arguments. Modes:
 //
-//   store-server                  host the TcpStore (as rank 0) and serve until killed
+//   store-server [external]       host the TcpStore (as rank 0; `external`: as no rank, like a
+//                                 launcher's agent) and serve until killed
 //   store-get KEY                 connect as a client and block in get(KEY)
 //   init                          env:// rendezvous only (init_env)
 //   gloo|shm [options]            Communicator<Gloo|Shm>::from_env, then a loop of one collective:
@@ -26,6 +27,10 @@
 //       --exit-rank R                        only rank R leaves (default: every rank)
 //       --bad-buffers                        call every collective with wrong buffers first
 //       --proxy-store                        connect the ranks through the battery's proxies
+//                                            (Gloo; implies --client-store)
+//       --client-store                       every rank, rank 0 too, is a client of a store
+//                                            hosted elsewhere (the battery, a store-server)
+//       --pace-ms M                          sleep M ms before each operation
 //   cdb double-init | after-destroy          init_distributed() lifecycle checks (after-destroy
 //                                            re-initializes on FAULT_REINIT_PORT when set)
 // The gloo and cdb modes exist when comm::gloo is available.
@@ -108,20 +113,20 @@ int report_other(const std::exception& e) {
 
 // ---- store modes --------------------------------------------------------------------------------
 
-comm::TcpStoreOptions store_options(bool server) {
+comm::TcpStoreOptions store_options(bool server, bool external = false) {
   comm::TcpStoreOptions o;
   o.is_server = server;
-  o.rank = server ? 0 : comm::detail::env_nonneg_int("RANK").value_or(1);
+  o.rank = server ? (external ? -1 : 0) : comm::detail::env_nonneg_int("RANK").value_or(1);
   o.timeout = comm::timeout_from_env();
   return o;
 }
 
-int store_server() {
+int store_server(bool external) {
   const auto addr = comm::detail::getenv_str("MASTER_ADDR").value_or("127.0.0.1");
   const auto port = comm::detail::parse_port("MASTER_PORT", comm::detail::getenv_str("MASTER_PORT").value_or(""));
   const long long t0 = mono_ns();
   try {
-    comm::TcpStore s(addr, port, store_options(true));
+    comm::TcpStore s(addr, port, store_options(true, external));
     say("READY port=" + std::to_string(s.port()));
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
   } catch (const comm::Error& e) {
@@ -175,6 +180,8 @@ struct Plan {
   int exit_code = 0;
   int exit_rank = -1;  // -1: every rank
   bool proxy_store = false;
+  bool client_store = false;
+  int pace_ms = 0;
   bool bad_buffers = false;
 };
 
@@ -299,6 +306,7 @@ int collective_loop(C& c, const Plan& p) {
       say("EXITING code=" + std::to_string(p.exit_code) + " t_ns=" + std::to_string(mono_ns()));
       std::exit(p.exit_code);
     }
+    if (p.pace_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(p.pace_ms));
     const long long t0 = mono_ns();
     try {
       if (!run_once<T>(c, p, i, a, b)) {
@@ -328,7 +336,7 @@ int collective_loop(C& c, const Plan& p) {
       return report(e, t0, p.iters);
     }
   }
-  say("RESULT status=ok iters=" + std::to_string(p.iters));
+  say("RESULT status=ok iters=" + std::to_string(p.iters) + " t_ns=" + std::to_string(mono_ns()));
   return 0;
 }
 
@@ -397,17 +405,30 @@ class ProxiedStore final : public comm::Store {
   int rank_, size_;
 };
 
-Comm create_via_proxies(comm::backends::Gloo::Options o) {
-  const int rank = comm::detail::required_env_int("RANK", "fault_peer");
-  const int size = comm::detail::required_env_int("WORLD_SIZE", "fault_peer");
+// --client-store: this rank's store is a client of the server at MASTER_ADDR:MASTER_PORT, which
+// some other process hosts (env:// would host it in rank 0).
+struct ClientStore {
+  int rank, size;
+  std::shared_ptr<comm::TcpStore> store;
+};
+ClientStore connect_client_store(std::chrono::milliseconds timeout) {
+  ClientStore c;
+  c.rank = comm::detail::required_env_int("RANK", "fault_peer");
+  c.size = comm::detail::required_env_int("WORLD_SIZE", "fault_peer");
   const auto addr = comm::detail::getenv_str("MASTER_ADDR").value_or("127.0.0.1");
   const auto port = comm::detail::parse_port("MASTER_PORT", comm::detail::getenv_str("MASTER_PORT").value_or(""));
   comm::TcpStoreOptions so;
-  so.rank = rank;
-  so.timeout = o.timeout;
-  auto base = std::make_shared<comm::TcpStore>(addr, port, so);  // the battery hosts the server
+  so.rank = c.rank;
+  so.timeout = timeout;
+  c.store = std::make_shared<comm::TcpStore>(addr, port, so);
+  c.store->set_rank(c.rank);
+  return c;
+}
+
+Comm create_via_proxies(comm::backends::Gloo::Options o) {
+  auto c = connect_client_store(o.timeout);  // the battery hosts the server
   o.hostname = "127.0.0.2";
-  return Comm::create(std::make_shared<ProxiedStore>(base, rank, size), rank, size, o);
+  return Comm::create(std::make_shared<ProxiedStore>(c.store, c.rank, c.size), c.rank, c.size, o);
 }
 
 // The plan on a communicator made by `make` (one backend's).
@@ -530,7 +551,7 @@ int main(int argc, char** argv) {
   if (argc < 2) usage("no mode");
   const std::string mode = argv[1];
   try {
-    if (mode == "store-server") return store_server();
+    if (mode == "store-server") return store_server(argc > 2 && std::string(argv[2]) == "external");
     if (mode == "store-get") return store_get(argc > 2 ? argv[2] : "never-set");
     if (mode == "init") return init_only();
 #if defined(COMM_HAS_GLOO)
@@ -556,13 +577,24 @@ int main(int argc, char** argv) {
         else if (a == "--exit-code") p.exit_code = std::stoi(next());
         else if (a == "--exit-rank") p.exit_rank = std::stoi(next());
         else if (a == "--proxy-store") p.proxy_store = true;
+        else if (a == "--client-store") p.client_store = true;
+        else if (a == "--pace-ms") p.pace_ms = std::stoi(next());
         else if (a == "--bad-buffers") p.bad_buffers = true;
         else usage("unknown option " + a);
       }
-      if (mode == "shm") return backend_mode(p, [] { return ShmComm::from_env(); });
+      if (mode == "shm")
+        return backend_mode(p, [&] {
+          if (!p.client_store) return ShmComm::from_env();
+          comm::backends::Shm::Options o;  // timeout: COMM_TIMEOUT
+          auto c = connect_client_store(o.timeout);
+          return ShmComm::create(c.store, c.rank, c.size, o);
+        });
       return backend_mode(p, [&] {
         comm::backends::Gloo::Options o;  // timeout: COMM_TIMEOUT
-        return p.proxy_store ? create_via_proxies(o) : Comm::from_env(o);
+        if (p.proxy_store) return create_via_proxies(o);
+        if (!p.client_store) return Comm::from_env(o);
+        auto c = connect_client_store(o.timeout);
+        return Comm::create(c.store, c.rank, c.size, o);
       });
     }
 #endif

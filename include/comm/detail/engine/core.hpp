@@ -10,6 +10,8 @@
 //   void exchange_fingerprints(std::uint64_t seq);           // fill fingerprints() from every rank
 //   [[noreturn]] void rethrow_translated(const char* op);    // optional: in a catch block -> comm::Error
 //   void close_transport() noexcept;                         // wake pending waits, fail peers fast
+//   bool exchange_before(const Op& op) const;                 // optional: exchange fingerprints before
+//                                                            //   `op` even without the desync check
 //
 // What the core owns:
 //   - the typed entry points (all_reduce<T>...): they fill one Op record (op.hpp), so everything
@@ -679,7 +681,7 @@ class EngineCore {
       } else {
         // Point-to-point operations involve two ranks: their check is the message header's.
         const bool p2p = is_p2p(op.desc.kind);
-        if (desync_ && size_ > 1 && !p2p) check_desync(op.desc, seq);
+        if (size_ > 1 && !p2p && (desync_ || wants_exchange(op))) check_desync(op.desc, seq, desync_);
         // `before` runs inside run(): when it fails (a device copy-in), this rank's part of the
         // operation never happens, so the communicator fails and closes its transport, and the
         // peers get RemoteError at once instead of waiting for their timeout.
@@ -733,16 +735,29 @@ class EngineCore {
     }
   }
 
+  /// Engines whose transport cannot survive ranks that disagree about an operation (Gloo: a
+  /// longer message than the posted receive ends the process) exchange fingerprints first for the
+  /// operations they say, whether or not the desync check is on.
+  bool wants_exchange(const Op& op) {
+    if constexpr (requires { derived().exchange_before(op); })
+      return derived().exchange_before(op);
+    else
+      return false;
+  }
+
   /// Exchanges this operation's fingerprint with every rank and throws DesyncError on a mismatch.
-  void check_desync(const OpDesc& d, std::uint64_t seq) {
+  /// `configured`: the desync check asked for it (every rank must have it on), else the engine.
+  void check_desync(const OpDesc& d, std::uint64_t seq, bool configured) {
     const char* op = op_name(d.kind);
     fingerprints_[static_cast<std::size_t>(rank_)] = fingerprint(seq, d);
     try {
       run(op, [&] { derived().exchange_fingerprints(seq); });
     } catch (const Timeout& e) {
       throw Timeout(e.op(), e.rank(),
-                    e.detail() + " (in the desync check's fingerprint exchange before op #" + std::to_string(seq) +
-                        ": a rank is late, hung, or runs without the check; it must be on for every rank or none)",
+                    e.detail() + " (in the fingerprint exchange before op #" + std::to_string(seq) +
+                        (configured ? ": a rank is late, hung, or runs without the desync check; it must be on for "
+                                      "every rank or none)"
+                                    : ": a rank is late, hung, or called another operation)"),
                     e.peer());
     }
     check_fingerprints(fingerprints_, op, rank_);

@@ -3,9 +3,14 @@
 // device) and the gloo calls. Everything else — issue order, async Work, the flight recorder, the
 // desync check, monitored_barrier, failure state — is the engine core's (detail/engine/core.hpp).
 //
-// The desync check's fingerprint exchange: every rank sends its own 32 bytes to every other rank at
-// once (one message latency); a gloo ring allgather above kDirectExchangeMax ranks, where n-1
-// messages per rank and operation would cost more than n-1 ring steps.
+// Ranks that disagree about an operation must never reach libgloo with it (a longer message than
+// the posted receive terminates the process): small operations run on checked frames, the others
+// exchange fingerprints first (checked.hpp), whether or not the desync check is on.
+//
+// The fingerprint exchange: every rank sends its own 32 bytes to every other rank at once (one
+// message latency), in frames up to kCheckedMaxRanks; above, directly on a slot of its own up to
+// kDirectExchangeMax ranks, then a gloo ring allgather, where n-1 messages per rank and operation
+// would cost more than n-1 ring steps.
 //
 // gloo's typed options are used through carrier types of the element's size (uint8_t..uint64_t):
 // gloo only uses sizeof(T).
@@ -39,6 +44,7 @@
 #include <comm/concepts.hpp>
 #include <comm/detail/gloo/abort.hpp>
 #include <comm/detail/gloo/algorithms.hpp>
+#include <comm/detail/gloo/checked.hpp>
 #include <comm/detail/gloo/device.hpp>
 #include <comm/detail/gloo/errors.hpp>
 #include <comm/detail/gloo/reduce_scatter.hpp>
@@ -127,6 +133,7 @@ class Engine : public EngineCore<Engine> {
       }
       contexts_.push_back(std::move(ctx));
     }
+    for (std::size_t i = 0; i < contexts_.size(); ++i) frames_.push_back(std::make_unique<Frames>());
   }
 
   /// Uses an already connected context (no store: no subgroups, no monitored_barrier).
@@ -134,6 +141,7 @@ class Engine : public EngineCore<Engine> {
       : Core(ctx->rank, ctx->size, cfg, "gloo", "adopted"), algorithms_(cfg.algorithms), p2p_numbers_(ctx->size) {
     host_buffers_unless_staged(kUnstagedHint);
     contexts_.push_back(std::move(ctx));
+    frames_.push_back(std::make_unique<Frames>());
   }
 
   ~Engine() { shutdown(); }
@@ -156,6 +164,12 @@ class Engine : public EngineCore<Engine> {
         if (op.out_count == 0) return;
         const ReduceFunc fn = reduce_func(op);
         const void* in = op.in == op.out ? nullptr : op.in;
+        if (framed(op)) {
+          checked_all_reduce(framed_op(ctx, tag, seq, op, 2, op.out_count * op.elem_size), size(), rank(), in, op.out,
+                             op.out_count, fn);
+          if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
+          return;
+        }
         run_all_reduce(ctx, tag, to, in, op.out, op.out_count, op.elem_size, fn, algorithms_, scratch_);
         if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
         return;
@@ -163,6 +177,13 @@ class Engine : public EngineCore<Engine> {
       case OpKind::reduce_scatter: {
         if (op.out_count == 0) return;
         const ReduceFunc fn = reduce_func(op);
+        if (framed(op)) {
+          const auto n = static_cast<std::size_t>(size());
+          checked_reduce_scatter(framed_op(ctx, tag, seq, op, 2 * n, op.out_count * op.elem_size), size(), rank(), op.in,
+                                 op.out, op.out_count, fn);
+          if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
+          return;
+        }
         run_reduce_scatter(ctx, tag, to, op.in, op.out, op.out_count, op.elem_size, fn, algorithms_, scratch_);
         // Defensive: every algorithm's scratch is bounded (a few MiB), but never hold more.
         if (scratch_.capacity() > kScratchKeep) Scratch().swap(scratch_);
@@ -172,6 +193,11 @@ class Engine : public EngineCore<Engine> {
       case OpKind::all_gather:
       case OpKind::split: {
         if (op.in_count == 0) return;
+        if (framed(op)) {
+          const auto n = static_cast<std::size_t>(size());
+          checked_all_gather(framed_op(ctx, tag, seq, op, n, op.in_count * op.elem_size), size(), rank(), op.in, op.out);
+          return;
+        }
         with_carrier(op.elem_size, [&](auto c) {
           using C = decltype(c);
           ::gloo::AllgatherOptions o(ctx);
@@ -187,6 +213,11 @@ class Engine : public EngineCore<Engine> {
       }
       case OpKind::broadcast: {
         if (op.out_count == 0) return;
+        if (framed(op)) {
+          checked_broadcast(framed_op(ctx, tag, seq, op, 1, op.out_count * op.elem_size), size(), rank(), op.desc.root,
+                            op.out);
+          return;
+        }
         with_carrier(op.elem_size, [&](auto c) {
           using C = decltype(c);
           ::gloo::BroadcastOptions o(ctx);
@@ -200,6 +231,12 @@ class Engine : public EngineCore<Engine> {
       }
       case OpKind::gather: {
         if (op.in_count == 0) return;
+        if (framed(op)) {
+          const auto n = static_cast<std::size_t>(size());
+          checked_gather(framed_op(ctx, tag, seq, op, n, op.in_count * op.elem_size), size(), rank(), op.desc.root,
+                         op.in, op.out);
+          return;
+        }
         with_carrier(op.elem_size, [&](auto c) {
           using C = decltype(c);
           ::gloo::GatherOptions o(ctx);
@@ -213,6 +250,11 @@ class Engine : public EngineCore<Engine> {
         return;
       }
       case OpKind::barrier: {
+        if (framed(op)) {  // every rank hears from every other: a barrier that checks its callers
+          checked_all_gather(framed_op(ctx, tag, seq, op, static_cast<std::size_t>(size()), 0), size(), rank(), nullptr,
+                             nullptr);
+          return;
+        }
         ::gloo::BarrierOptions o(ctx);
         o.setTag(tag);
         o.setTimeout(to);
@@ -286,10 +328,70 @@ class Engine : public EngineCore<Engine> {
     }
   }
 
+  /// Whether `op` runs on checked frames (checked.hpp): small enough, few enough ranks.
+  [[nodiscard]] bool framed(const Op& op) const noexcept {
+    if (size() == 1 || size() > kCheckedMaxRanks) return false;
+    switch (op.desc.kind) {
+      case OpKind::all_reduce:
+      case OpKind::reduce: {  // reduce runs as an all_reduce of its input (EngineCore::compose)
+        const std::size_t bytes = (op.desc.kind == OpKind::reduce ? op.in_count : op.out_count) * op.elem_size;
+        return bytes <= kCheckedMax && bytes <= (size() == 2 ? algorithms_.exchange_max : algorithms_.doubling_max);
+      }
+      case OpKind::all_gather:
+      case OpKind::split:
+      case OpKind::gather: return op.in_count * op.elem_size <= kCheckedMax;
+      case OpKind::broadcast:
+      case OpKind::reduce_scatter: return op.out_count * op.elem_size <= kCheckedMax;
+      case OpKind::barrier: return true;
+      default: return false;
+    }
+  }
+
+  /// The engine core asks before each collective: the fingerprint exchange runs first for those
+  /// whose messages are not checked, unless nothing a peer sends can overflow a receive (barrier,
+  /// and the point-to-point compositions, whose receives are posted after their header is checked).
+  [[nodiscard]] bool exchange_before(const Op& op) const noexcept {
+    switch (op.desc.kind) {
+      case OpKind::barrier:
+      case OpKind::scatter:
+      case OpKind::all_to_all:
+      case OpKind::all_to_all_v: return false;
+      default: return !framed(op);
+    }
+  }
+
+  [[nodiscard]] FramedOp framed_op(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, std::uint64_t seq,
+                                   const Op& op, std::size_t nframes, std::size_t payload) {
+    return FramedOp(ctx, *frames_[static_cast<std::size_t>(tag) % frames_.size()], nframes, tag, timeout(),
+                    fingerprint(seq, op.desc), payload, op_name(op.desc.kind));
+  }
+
   /// Fills fingerprints() from every rank (this rank's slot is set).
-  void exchange_fingerprints(std::uint64_t /*seq*/) {
+  void exchange_fingerprints(std::uint64_t seq) {
     constexpr std::size_t fp = sizeof(Fingerprint);
     auto& all = fingerprints();
+    if (size() <= kCheckedMaxRanks) {
+      // In frames on the operation's checked slot: a peer that runs this operation on frames
+      // instead (it disagrees about it) sends a frame this receive can hold.
+      const std::uint32_t tag = tag_of(seq);
+      const auto& ctx = contexts_[tag % contexts_.size()];
+      const FramedOp f(ctx, *frames_[tag % frames_.size()], static_cast<std::size_t>(size()), tag, timeout(),
+                       own_fingerprint(), 0, "desync check");
+      const auto me = static_cast<std::size_t>(rank());
+      f.fill(me, nullptr);
+      for (int q = 0; q < size(); ++q)
+        if (q != rank()) f.post_recv(static_cast<std::size_t>(q), q);
+      for (int q = 0; q < size(); ++q)
+        if (q != rank()) f.send(me, q);
+      for (int q = 0; q < size(); ++q) {
+        if (q == rank()) continue;
+        f.wait_arrival(static_cast<std::size_t>(q), q);
+        std::memcpy(&all[static_cast<std::size_t>(q)], f.frame(static_cast<std::size_t>(q)), fp);
+      }
+      for (int q = 0; q < size(); ++q)
+        if (q != rank()) f.wait_send(me, q);
+      return;
+    }
     const auto& ctx = contexts_[0];
     if (size() > kDirectExchangeMax) {
       ::gloo::AllgatherOptions o(ctx);  // in place: this rank's slot is its input
@@ -320,6 +422,7 @@ class Engine : public EngineCore<Engine> {
 
   /// Wakes every pending gloo wait and closes the connections (peers fail with RemoteError).
   void close_transport() noexcept {
+    for (auto& f : frames_) f->abort_waits();
     for (auto& ctx : contexts_) abort_context(*ctx);
   }
 
@@ -329,6 +432,7 @@ class Engine : public EngineCore<Engine> {
   // The direct exchange's buffers over the core's fingerprint table (made at the first check;
   // destroyed before the contexts).
   std::unique_ptr<::gloo::transport::UnboundBuffer> fp_send_, fp_recv_;
+  std::vector<std::unique_ptr<Frames>> frames_;  // one per context; destroyed before the contexts
   Scratch scratch_;  // comm's algorithms' buffers; ops run one at a time
   P2PCounters p2p_numbers_;
 };

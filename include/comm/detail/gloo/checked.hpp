@@ -1,0 +1,296 @@
+#pragma once
+// Gloo's always-on mismatch check. libgloo terminates the process when a message is longer than
+// the receive posted for it (an enforce on its event-loop thread, tcp/pair.cc), and ranks that
+// disagree about an operation's count or element type send exactly such messages. comm never lets
+// gloo see one, without the desync check and at (almost) no cost:
+//
+//   - Small operations (every message at most kCheckedMax bytes, at most kCheckedMaxRanks ranks)
+//     run comm's own algorithms on frames: a message is the operation's 32-byte fingerprint, then
+//     its payload, and every receive is posted for a whole frame, the longest message any rank
+//     sends on that slot, so nothing a peer sends can overflow it. The fingerprint of each message
+//     is compared with this rank's before its payload is used: a mismatch is a DesyncError naming
+//     both calls. Cost: 32 bytes per message and a copy of the payload in and out of the frame.
+//   - The other operations exchange fingerprints first (one message latency; the engine core's
+//     desync exchange), through the same frames and slot, so a peer in either regime is caught.
+//
+// The fingerprint's spare word carries the payload length: ranks whose settings choose different
+// algorithms for the same call (COMM_GLOO_ALLREDUCE_SMALL on one rank only) disagree there too.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <gloo/common/error.h>
+#include <gloo/context.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
+
+#include <comm/detail/desync.hpp>
+#include <comm/detail/gloo/algorithms.hpp>
+#include <comm/error.hpp>
+
+namespace comm::detail::gloo {
+
+inline constexpr std::size_t kCheckedMax = std::size_t{256} << 10;  // payload bytes of one message
+inline constexpr int kCheckedMaxRanks = 16;  // direct algorithms send up to n-1 messages per rank
+inline constexpr std::size_t kFrameBytes = sizeof(Fingerprint) + kCheckedMax;
+inline constexpr std::uint8_t kCheckedSlotPrefix = 0x27;
+
+/// Reusable frames of one gloo context, each with its own buffer (a wait then names its peer).
+/// The memory is not initialised: pages no message reached cost nothing.
+///
+/// Because comm owns these buffers, closing the communicator can wake every wait on them, a send
+/// libgloo already started writing included (which its own pair-level abort does not wake:
+/// docs/RELIABILITY.md, known limits).
+class Frames {
+ public:
+  void reserve(const std::shared_ptr<::gloo::Context>& ctx, std::size_t n) {
+    if (n <= bufs_.size()) return;
+    std::lock_guard lock(mu_);
+    bufs_.clear();
+    mem_.reset(new std::byte[n * kFrameBytes]);
+    for (std::size_t i = 0; i < n; ++i) bufs_.push_back(ctx->createUnboundBuffer(at(i), kFrameBytes));
+  }
+  /// From any thread: the pending (and the next) wait on every frame returns at once, as aborted.
+  void abort_waits() noexcept {
+    std::lock_guard lock(mu_);
+    for (auto& b : bufs_) {
+      b->abortWaitRecv();
+      b->abortWaitSend();
+    }
+  }
+  [[nodiscard]] std::byte* at(std::size_t i) const noexcept { return mem_.get() + i * kFrameBytes; }
+  [[nodiscard]] static std::byte* payload(std::byte* frame) noexcept { return frame + sizeof(Fingerprint); }
+  [[nodiscard]] ::gloo::transport::UnboundBuffer& buffer(std::size_t i) const { return *bufs_[i]; }
+
+ private:
+  std::mutex mu_;  // bufs_ between reserve() (the operation's thread) and abort_waits() (any)
+  std::unique_ptr<std::byte[]> mem_;
+  std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> bufs_;
+};
+
+/// One checked operation's messages: its slot, deadline and fingerprint.
+class FramedOp {
+ public:
+  FramedOp(const std::shared_ptr<::gloo::Context>& ctx, Frames& frames, std::size_t nframes, std::uint32_t tag,
+           std::chrono::milliseconds timeout, Fingerprint fp, std::size_t payload, const char* op)
+      : frames_(frames),
+        slot_(static_cast<std::uint64_t>(::gloo::Slot::build(kCheckedSlotPrefix, tag))),
+        deadline_(timeout),
+        fp_(fp),
+        payload_(payload),
+        op_(op),
+        rank_(ctx->rank) {
+    fp_.reserved = static_cast<std::uint32_t>(payload);
+    frames.reserve(ctx, nframes);
+  }
+
+  [[nodiscard]] std::byte* frame(std::size_t i) const noexcept { return frames_.at(i); }
+  [[nodiscard]] std::byte* payload(std::size_t i) const noexcept { return Frames::payload(frames_.at(i)); }
+  [[nodiscard]] std::size_t payload_bytes() const noexcept { return payload_; }
+
+  /// Frame i gets this operation's fingerprint, then `src` (payload_bytes(); null: left as is).
+  void fill(std::size_t i, const void* src) const {
+    std::memcpy(frame(i), &fp_, sizeof(Fingerprint));
+    if (src != nullptr && payload_ != 0) std::memcpy(payload(i), src, payload_);
+  }
+  void post_recv(std::size_t i, int peer) const { frames_.buffer(i).recv(peer, slot_, 0, kFrameBytes); }
+  void send(std::size_t i, int peer) const { frames_.buffer(i).send(peer, slot_, 0, sizeof(Fingerprint) + payload_); }
+
+  /// Waits for frame i's message from `peer` and checks its fingerprint.
+  void wait_recv(std::size_t i, int peer) const {
+    waited(i, peer, false);
+    Fingerprint got;
+    std::memcpy(&got, frame(i), sizeof got);
+    if (valid(got) && same(got, fp_)) return;
+    throw DesyncError(op_, rank_, "desync: " + mismatch(got, peer), "rank " + std::to_string(peer));
+  }
+  /// Waits for frame i's message from `peer` without looking at it (the fingerprint exchange
+  /// compares every rank's at once).
+  void wait_arrival(std::size_t i, int peer) const { waited(i, peer, false); }
+  /// Waits for one send from frame i (to `peer`, named if it fails).
+  void wait_send(std::size_t i, int peer) const { waited(i, peer, true); }
+
+  /// "rank 1 called broadcast(float x4, root 0) while rank 0 called all_reduce(float x4, sum)".
+  [[nodiscard]] std::string mismatch(const Fingerprint& got, int peer) const {
+    if (!valid(got))
+      return "rank " + std::to_string(peer) + " sent a message that is not part of op #" + std::to_string(fp_.seq) +
+             " (no valid fingerprint)";
+    std::string msg = "rank " + std::to_string(peer) + " called " + describe(got) + " while rank " +
+                      std::to_string(rank_) + " called " + describe(fp_);
+    if (got.seq == fp_.seq) msg += " at op #" + std::to_string(fp_.seq);
+    if (describe(got) == describe(fp_))
+      msg += " (messages of " + std::to_string(got.reserved) + " and " + std::to_string(fp_.reserved) +
+             " bytes: the ranks chose different algorithms; do their COMM_GLOO_ALLREDUCE_SMALL settings differ?)";
+    return msg;
+  }
+
+ private:
+  [[nodiscard]] static std::string describe(const Fingerprint& f) {
+    OpDesc d;
+    d.kind = static_cast<OpKind>(f.kind);
+    d.dtype = f.dtype;
+    d.reduce = f.reduce;
+    d.root = f.root;
+    d.count = f.count;
+    return describe_call(d);
+  }
+
+  void waited(std::size_t i, int peer, bool send) const {
+    auto& b = frames_.buffer(i);
+    try {
+      if (send ? !b.waitSend(deadline_.left()) : !b.waitRecv(deadline_.left()))
+        throw ::gloo::IoException(send ? "send aborted" : "receive aborted");
+    } catch (const ::gloo::IoException& e) {
+      // gloo's text says whether it timed out or the connection closed; add who and what.
+      throw ::gloo::IoException(std::string(e.what()) + " [" + (send ? "sending to rank " : "receiving from rank ") +
+                                std::to_string(peer) + " in op #" + std::to_string(fp_.seq) + "]");
+    }
+  }
+
+  Frames& frames_;
+  std::uint64_t slot_;
+  Deadline deadline_;
+  Fingerprint fp_;
+  std::size_t payload_;
+  const char* op_;
+  int rank_;
+};
+
+/// All-reduce by recursive doubling over frames (see doubling_all_reduce in algorithms.hpp for the
+/// pattern and the canonical order of operands). `in` null: in place in `out`.
+inline void checked_all_reduce(const FramedOp& f, int n, int r, const void* in, void* out, std::size_t count,
+                               const ReduceFunc& reduce) {
+  std::size_t cur = 0, rcv = 1;
+  f.fill(cur, in != nullptr ? in : out);
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  auto step = [&](int peer, bool send, bool receive) {
+    if (receive) f.post_recv(rcv, peer);
+    if (send) f.send(cur, peer);
+    if (receive) f.wait_recv(rcv, peer);
+    if (send) f.wait_send(cur, peer);
+    if (!receive) return;
+    // The received frame's fingerprint equals this rank's: it stays valid when the frames swap.
+    if (r < peer) {
+      reduce(f.payload(cur), f.payload(cur), f.payload(rcv), count);
+    } else {
+      reduce(f.payload(rcv), f.payload(rcv), f.payload(cur), count);
+      std::swap(cur, rcv);
+    }
+  };
+  if (r >= p) {  // folded into rank r - p, which sends the result back
+    step(r - p, true, false);
+    f.post_recv(rcv, r - p);
+    f.wait_recv(rcv, r - p);
+    cur = rcv;
+  } else {
+    const bool host = r < n - p;
+    if (host) step(r + p, false, true);
+    for (int mask = 1; mask < p; mask <<= 1) step(r ^ mask, true, true);
+    if (host) {
+      f.send(cur, r + p);
+      f.wait_send(cur, r + p);
+    }
+  }
+  if (f.payload_bytes() != 0) std::memcpy(out, f.payload(cur), f.payload_bytes());
+}
+
+/// All-gather of payload_bytes() per rank: every rank sends its frame to every other (one message
+/// latency; n-1 messages per rank, hence kCheckedMaxRanks). Frame i holds rank i's block.
+/// `in` null: the block already sits in `out`'s slot of this rank. With `out` null nothing is
+/// copied out (the fingerprint exchange and the barrier: frames without payload).
+inline void checked_all_gather(const FramedOp& f, int n, int r, const void* in, void* out) {
+  const std::size_t b = f.payload_bytes();
+  auto* dst = static_cast<std::byte*>(out);
+  const void* mine = in != nullptr ? in : (dst != nullptr ? dst + static_cast<std::size_t>(r) * b : nullptr);
+  const auto me = static_cast<std::size_t>(r);
+  f.fill(me, mine);
+  for (int q = 0; q < n; ++q)
+    if (q != r) f.post_recv(static_cast<std::size_t>(q), q);
+  for (int q = 0; q < n; ++q)
+    if (q != r) f.send(me, q);
+  for (int q = 0; q < n; ++q) {
+    if (q == r) continue;
+    f.wait_recv(static_cast<std::size_t>(q), q);
+    if (dst != nullptr && b != 0) std::memcpy(dst + static_cast<std::size_t>(q) * b, f.payload(static_cast<std::size_t>(q)), b);
+  }
+  if (dst != nullptr && in != nullptr && b != 0 && in != dst + me * b) std::memcpy(dst + me * b, in, b);
+  for (int q = 0; q < n; ++q)
+    if (q != r) f.wait_send(me, q);
+}
+
+/// Broadcast of payload_bytes() from `root` to every rank, directly.
+inline void checked_broadcast(const FramedOp& f, int n, int r, int root, void* data) {
+  if (r == root) {
+    f.fill(0, data);
+    for (int q = 0; q < n; ++q)
+      if (q != root) f.send(0, q);
+    for (int q = 0; q < n; ++q)
+      if (q != root) f.wait_send(0, q);
+    return;
+  }
+  f.post_recv(0, root);
+  f.wait_recv(0, root);
+  if (f.payload_bytes() != 0) std::memcpy(data, f.payload(0), f.payload_bytes());
+}
+
+/// Gather of payload_bytes() per rank to `root` (`out`: n blocks there), directly.
+inline void checked_gather(const FramedOp& f, int n, int r, int root, const void* in, void* out) {
+  const std::size_t b = f.payload_bytes();
+  if (r != root) {
+    f.fill(0, in);
+    f.send(0, root);
+    f.wait_send(0, root);
+    return;
+  }
+  auto* dst = static_cast<std::byte*>(out);
+  for (int q = 0; q < n; ++q)
+    if (q != r) f.post_recv(static_cast<std::size_t>(q), q);
+  for (int q = 0; q < n; ++q) {
+    if (q == r) continue;
+    f.wait_recv(static_cast<std::size_t>(q), q);
+    if (b != 0) std::memcpy(dst + static_cast<std::size_t>(q) * b, f.payload(static_cast<std::size_t>(q)), b);
+  }
+  const auto* mine = static_cast<const std::byte*>(in);
+  if (b != 0 && mine != dst + static_cast<std::size_t>(r) * b) std::memcpy(dst + static_cast<std::size_t>(r) * b, in, b);
+}
+
+/// Reduce-scatter of `count` elements (payload_bytes()) per rank: block q of every rank's input
+/// goes to rank q directly (one message latency; n-1 messages per rank). Frames 0..n-1 receive
+/// from rank q, frames n..2n-1 send to rank q (frame n+r holds this rank's own block, so `out` may
+/// alias `in + r*count`). Every rank folds the n blocks of its own in rank order.
+inline void checked_reduce_scatter(const FramedOp& f, int n, int r, const void* in, void* out, std::size_t count,
+                                   const ReduceFunc& reduce) {
+  const std::size_t b = f.payload_bytes();
+  const auto* src = static_cast<const std::byte*>(in);
+  const auto un = static_cast<std::size_t>(n);
+  for (int q = 0; q < n; ++q)
+    if (q != r) f.post_recv(static_cast<std::size_t>(q), q);
+  for (int q = 0; q < n; ++q) {
+    const auto uq = static_cast<std::size_t>(q);
+    f.fill(un + uq, src + uq * b);
+    if (q != r) f.send(un + uq, q);
+  }
+  for (int q = 0; q < n; ++q) {
+    const auto uq = static_cast<std::size_t>(q);
+    const std::byte* block = f.payload(un + static_cast<std::size_t>(r));
+    if (q != r) {
+      f.wait_recv(uq, q);
+      block = f.payload(uq);
+    }
+    if (q == 0)
+      std::memcpy(out, block, b);
+    else
+      reduce(out, out, block, count);
+  }
+  for (int q = 0; q < n; ++q)
+    if (q != r) f.wait_send(un + static_cast<std::size_t>(q), q);
+}
+
+}  // namespace comm::detail::gloo
