@@ -201,14 +201,12 @@ inline void checked_all_reduce(const FramedOp& f, int n, int r, const void* in, 
   if (f.payload_bytes() != 0) std::memcpy(out, f.payload(cur), f.payload_bytes());
 }
 
-/// All-gather of payload_bytes() per rank: every rank sends its frame to every other (one message
-/// latency; n-1 messages per rank, hence kCheckedMaxRanks). Frame i holds rank i's block.
-/// `in` null: the block already sits in `out`'s slot of this rank. With `out` null nothing is
-/// copied out (the fingerprint exchange and the barrier: frames without payload).
-inline void checked_all_gather(const FramedOp& f, int n, int r, const void* in, void* out) {
-  const std::size_t b = f.payload_bytes();
-  auto* dst = static_cast<std::byte*>(out);
-  const void* mine = in != nullptr ? in : (dst != nullptr ? dst + static_cast<std::size_t>(r) * b : nullptr);
+/// Every rank sends its frame (fingerprint, then `mine`) to every other and receives one from each
+/// (one message latency; n-1 messages per rank, hence kCheckedMaxRanks). Frame q holds rank q's;
+/// `got(q)` runs once it arrived, checked unless `check` is false (the fingerprint exchange
+/// compares every rank's at once).
+template <class Got>
+void all_to_all_frames(const FramedOp& f, int n, int r, const void* mine, bool check, Got&& got) {
   const auto me = static_cast<std::size_t>(r);
   f.fill(me, mine);
   for (int q = 0; q < n; ++q)
@@ -217,12 +215,27 @@ inline void checked_all_gather(const FramedOp& f, int n, int r, const void* in, 
     if (q != r) f.send(me, q);
   for (int q = 0; q < n; ++q) {
     if (q == r) continue;
-    f.wait_recv(static_cast<std::size_t>(q), q);
-    if (dst != nullptr && b != 0) std::memcpy(dst + static_cast<std::size_t>(q) * b, f.payload(static_cast<std::size_t>(q)), b);
+    if (check)
+      f.wait_recv(static_cast<std::size_t>(q), q);
+    else
+      f.wait_arrival(static_cast<std::size_t>(q), q);
+    got(static_cast<std::size_t>(q));
   }
-  if (dst != nullptr && in != nullptr && b != 0 && in != dst + me * b) std::memcpy(dst + me * b, in, b);
   for (int q = 0; q < n; ++q)
     if (q != r) f.wait_send(me, q);
+}
+
+/// All-gather of payload_bytes() per rank. `in` null: the block already sits in `out`'s slot of
+/// this rank. With `out` null nothing is copied out (the barrier: frames without payload).
+inline void checked_all_gather(const FramedOp& f, int n, int r, const void* in, void* out) {
+  const std::size_t b = f.payload_bytes();
+  auto* dst = static_cast<std::byte*>(out);
+  const auto me = static_cast<std::size_t>(r);
+  const void* mine = in != nullptr ? in : (dst != nullptr ? dst + me * b : nullptr);
+  all_to_all_frames(f, n, r, mine, true, [&](std::size_t q) {
+    if (dst != nullptr && b != 0) std::memcpy(dst + q * b, f.payload(q), b);
+  });
+  if (dst != nullptr && in != nullptr && b != 0 && in != dst + me * b) std::memcpy(dst + me * b, in, b);
 }
 
 /// Broadcast of payload_bytes() from `root` to every rank, directly.

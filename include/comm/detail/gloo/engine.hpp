@@ -165,7 +165,7 @@ class Engine : public EngineCore<Engine> {
         const ReduceFunc fn = reduce_func(op);
         const void* in = op.in == op.out ? nullptr : op.in;
         if (framed(op)) {
-          checked_all_reduce(framed_op(ctx, tag, seq, op, 2, op.out_count * op.elem_size), size(), rank(), in, op.out,
+          checked_all_reduce(framed_op(tag, seq, op, 2, op.out_count * op.elem_size), size(), rank(), in, op.out,
                              op.out_count, fn);
           if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
           return;
@@ -179,7 +179,7 @@ class Engine : public EngineCore<Engine> {
         const ReduceFunc fn = reduce_func(op);
         if (framed(op)) {
           const auto n = static_cast<std::size_t>(size());
-          checked_reduce_scatter(framed_op(ctx, tag, seq, op, 2 * n, op.out_count * op.elem_size), size(), rank(), op.in,
+          checked_reduce_scatter(framed_op(tag, seq, op, 2 * n, op.out_count * op.elem_size), size(), rank(), op.in,
                                  op.out, op.out_count, fn);
           if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
           return;
@@ -195,7 +195,7 @@ class Engine : public EngineCore<Engine> {
         if (op.in_count == 0) return;
         if (framed(op)) {
           const auto n = static_cast<std::size_t>(size());
-          checked_all_gather(framed_op(ctx, tag, seq, op, n, op.in_count * op.elem_size), size(), rank(), op.in, op.out);
+          checked_all_gather(framed_op(tag, seq, op, n, op.in_count * op.elem_size), size(), rank(), op.in, op.out);
           return;
         }
         with_carrier(op.elem_size, [&](auto c) {
@@ -214,7 +214,7 @@ class Engine : public EngineCore<Engine> {
       case OpKind::broadcast: {
         if (op.out_count == 0) return;
         if (framed(op)) {
-          checked_broadcast(framed_op(ctx, tag, seq, op, 1, op.out_count * op.elem_size), size(), rank(), op.desc.root,
+          checked_broadcast(framed_op(tag, seq, op, 1, op.out_count * op.elem_size), size(), rank(), op.desc.root,
                             op.out);
           return;
         }
@@ -233,7 +233,7 @@ class Engine : public EngineCore<Engine> {
         if (op.in_count == 0) return;
         if (framed(op)) {
           const auto n = static_cast<std::size_t>(size());
-          checked_gather(framed_op(ctx, tag, seq, op, n, op.in_count * op.elem_size), size(), rank(), op.desc.root,
+          checked_gather(framed_op(tag, seq, op, n, op.in_count * op.elem_size), size(), rank(), op.desc.root,
                          op.in, op.out);
           return;
         }
@@ -251,7 +251,7 @@ class Engine : public EngineCore<Engine> {
       }
       case OpKind::barrier: {
         if (framed(op)) {  // every rank hears from every other: a barrier that checks its callers
-          checked_all_gather(framed_op(ctx, tag, seq, op, static_cast<std::size_t>(size()), 0), size(), rank(), nullptr,
+          checked_all_gather(framed_op(tag, seq, op, static_cast<std::size_t>(size()), 0), size(), rank(), nullptr,
                              nullptr);
           return;
         }
@@ -360,10 +360,15 @@ class Engine : public EngineCore<Engine> {
     }
   }
 
-  [[nodiscard]] FramedOp framed_op(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, std::uint64_t seq,
-                                   const Op& op, std::size_t nframes, std::size_t payload) {
-    return FramedOp(ctx, *frames_[static_cast<std::size_t>(tag) % frames_.size()], nframes, tag, timeout(),
-                    fingerprint(seq, op.desc), payload, op_name(op.desc.kind));
+  /// The messages of one framed operation, on the device its tag picks (as perform's).
+  [[nodiscard]] FramedOp frames_for(std::uint32_t tag, const Fingerprint& fp, std::size_t nframes, std::size_t payload,
+                                    const char* name) {
+    const std::size_t i = tag % contexts_.size();
+    return FramedOp(contexts_[i], *frames_[i], nframes, tag, timeout(), fp, payload, name);
+  }
+  [[nodiscard]] FramedOp framed_op(std::uint32_t tag, std::uint64_t seq, const Op& op, std::size_t nframes,
+                                   std::size_t payload) {
+    return frames_for(tag, fingerprint(seq, op.desc), nframes, payload, op_name(op.desc.kind));
   }
 
   /// Fills fingerprints() from every rank (this rank's slot is set).
@@ -373,23 +378,9 @@ class Engine : public EngineCore<Engine> {
     if (size() <= kCheckedMaxRanks) {
       // In frames on the operation's checked slot: a peer that runs this operation on frames
       // instead (it disagrees about it) sends a frame this receive can hold.
-      const std::uint32_t tag = tag_of(seq);
-      const auto& ctx = contexts_[tag % contexts_.size()];
-      const FramedOp f(ctx, *frames_[tag % frames_.size()], static_cast<std::size_t>(size()), tag, timeout(),
-                       own_fingerprint(), 0, "desync check");
-      const auto me = static_cast<std::size_t>(rank());
-      f.fill(me, nullptr);
-      for (int q = 0; q < size(); ++q)
-        if (q != rank()) f.post_recv(static_cast<std::size_t>(q), q);
-      for (int q = 0; q < size(); ++q)
-        if (q != rank()) f.send(me, q);
-      for (int q = 0; q < size(); ++q) {
-        if (q == rank()) continue;
-        f.wait_arrival(static_cast<std::size_t>(q), q);
-        std::memcpy(&all[static_cast<std::size_t>(q)], f.frame(static_cast<std::size_t>(q)), fp);
-      }
-      for (int q = 0; q < size(); ++q)
-        if (q != rank()) f.wait_send(me, q);
+      const FramedOp f = frames_for(tag_of(seq), own_fingerprint(), static_cast<std::size_t>(size()), 0, "desync check");
+      all_to_all_frames(f, size(), rank(), nullptr, false,
+                        [&](std::size_t q) { std::memcpy(&all[q], f.frame(q), fp); });
       return;
     }
     const auto& ctx = contexts_[0];
