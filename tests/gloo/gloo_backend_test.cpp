@@ -31,17 +31,18 @@ TEST_CASE("async: many operations of every kind in flight, completed in issue or
   std::vector<std::vector<std::int32_t>> rs_in(kRounds, std::vector<std::int32_t>(un * 31)),
       rs_out(kRounds, std::vector<std::int32_t>(31));
   std::vector<std::vector<double>> ag_out(kRounds, std::vector<double>(un * 3));
-  std::vector<double> ag_in(3);
+  // One input per round: an async operation's buffers stay untouched until it completes.
+  std::vector<std::vector<double>> ag_in(kRounds, std::vector<double>(3));
   std::vector<std::vector<std::uint8_t>> bc(kRounds, std::vector<std::uint8_t>(100));
   std::vector<comm::Work> works;
   for (int k = 0; k < kRounds; ++k) {
     for (std::size_t i = 0; i < sums[k].size(); ++i) sums[k][i] = static_cast<float>(c.rank() + k);
     for (std::size_t i = 0; i < rs_in[k].size(); ++i) rs_in[k][i] = static_cast<std::int32_t>(i) * (c.rank() + 1);
-    for (std::size_t i = 0; i < 3; ++i) ag_in[i] = c.rank() * 100.0 + static_cast<double>(i);
+    for (std::size_t i = 0; i < 3; ++i) ag_in[k][i] = c.rank() * 100.0 + static_cast<double>(i);
     for (auto& x : bc[k]) x = static_cast<std::uint8_t>(c.rank() == k % n ? k : 255);
     works.push_back(c.all_reduce(sums[k], comm::async));
     works.push_back(c.reduce_scatter(rs_in[k], rs_out[k], comm::op::sum, comm::async));
-    works.push_back(c.all_gather(ag_in, ag_out[k], comm::async));
+    works.push_back(c.all_gather(ag_in[k], ag_out[k], comm::async));
     works.push_back(c.broadcast(bc[k], k % n, comm::async));
     works.push_back(c.barrier(comm::async));
   }
