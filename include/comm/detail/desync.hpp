@@ -59,6 +59,17 @@ static_assert(sizeof(Fingerprint) == 32 && std::is_trivially_copyable_v<Fingerpr
 /// COMM_DEBUG=DETAIL turns the desync check on by default.
 [[nodiscard]] inline bool desync_check_default() { return log_level() >= LogLevel::detail; }
 
+/// The call a fingerprint stands for: "all_reduce(float x4, sum)".
+[[nodiscard]] inline std::string describe_call(const Fingerprint& f) {
+  OpDesc d;
+  d.kind = static_cast<OpKind>(f.kind);
+  d.dtype = f.dtype;
+  d.reduce = f.reduce;
+  d.root = f.root;
+  d.count = f.count;
+  return describe_call(d);
+}
+
 /// "rank 1", "ranks 0, 2, 3", "ranks 0, 1, 2, 3, 4, 5, 6, 7 and 24 more".
 [[nodiscard]] inline std::string rank_list(const std::vector<int>& ranks) {
   std::string s = ranks.size() == 1 ? "rank " : "ranks ";
@@ -101,13 +112,7 @@ static_assert(sizeof(Fingerprint) == 32 && std::is_trivially_copyable_v<Fingerpr
   bool same_seq = true;
   for (const auto& g : groups) same_seq = same_seq && g.fp.seq == groups.front().fp.seq;
   auto call = [&](const Group& g) {
-    OpDesc d;
-    d.kind = static_cast<OpKind>(g.fp.kind);
-    d.dtype = g.fp.dtype;
-    d.reduce = g.fp.reduce;
-    d.root = g.fp.root;
-    d.count = g.fp.count;
-    std::string s = rank_list(g.ranks) + " called " + describe_call(d);
+    std::string s = rank_list(g.ranks) + " called " + describe_call(g.fp);
     if (!same_seq) s += " at op #" + std::to_string(g.fp.seq);
     return s;
   };

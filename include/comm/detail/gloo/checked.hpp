@@ -121,26 +121,17 @@ class FramedOp {
     if (!valid(got))
       return "rank " + std::to_string(peer) + " sent a message that is not part of op #" + std::to_string(fp_.seq) +
              " (no valid fingerprint)";
-    std::string msg = "rank " + std::to_string(peer) + " called " + describe(got) + " while rank " +
-                      std::to_string(rank_) + " called " + describe(fp_);
+    const std::string theirs = describe_call(got), mine = describe_call(fp_);
+    std::string msg = "rank " + std::to_string(peer) + " called " + theirs + " while rank " + std::to_string(rank_) +
+                      " called " + mine;
     if (got.seq == fp_.seq) msg += " at op #" + std::to_string(fp_.seq);
-    if (describe(got) == describe(fp_))
+    if (theirs == mine)
       msg += " (messages of " + std::to_string(got.reserved) + " and " + std::to_string(fp_.reserved) +
              " bytes: the ranks chose different algorithms; do their COMM_GLOO_ALLREDUCE_SMALL settings differ?)";
     return msg;
   }
 
  private:
-  [[nodiscard]] static std::string describe(const Fingerprint& f) {
-    OpDesc d;
-    d.kind = static_cast<OpKind>(f.kind);
-    d.dtype = f.dtype;
-    d.reduce = f.reduce;
-    d.root = f.root;
-    d.count = f.count;
-    return describe_call(d);
-  }
-
   void waited(std::size_t i, int peer, bool send) const {
     auto& b = frames_.buffer(i);
     try {
