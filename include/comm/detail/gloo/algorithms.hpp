@@ -8,7 +8,7 @@
 //     ring steps, the same bytes on the wire);
 //   - more ranks, up to `doubling_max` bytes: recursive doubling (log2(n) exchanges of the whole
 //     buffer; a non-power-of-two world folds its extra ranks in first and out at the end);
-//   - above: gloo's ring (bandwidth-optimal).
+//   - above: comm's ring (bandwidth-optimal; ring_all_reduce).
 // reduce_scatter: recursive halving (log2(n) steps, the data halves every step) up to
 // `halving_max` bytes per rank's input when the world is a power of two, else comm's ring
 // (reduce_scatter.hpp).
@@ -26,14 +26,15 @@
 #include <string>
 #include <vector>
 
-#include <gloo/allreduce.h>
 #include <gloo/common/error.h>
 #include <gloo/context.h>
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
 #include <comm/detail/env.hpp>
+#include <comm/detail/gloo/bulk.hpp>
 #include <comm/detail/gloo/reduce_scatter.hpp>
+#include <comm/detail/gloo/waits.hpp>
 #include <comm/error.hpp>
 
 namespace comm::detail::gloo {
@@ -48,44 +49,12 @@ struct AlgorithmConfig {
 };
 
 /// Defaults, overridden by COMM_GLOO_ALLREDUCE_SMALL (bytes up to which all_reduce uses the
-/// exchange / recursive doubling; 0: always gloo's ring) and COMM_GLOO_RS_HALVING_MAX.
+/// exchange / recursive doubling; 0: always the ring) and COMM_GLOO_RS_HALVING_MAX.
 [[nodiscard]] inline AlgorithmConfig algorithm_config_default() {
   AlgorithmConfig c;
   if (const auto v = env_nonneg_int("COMM_GLOO_ALLREDUCE_SMALL")) c.exchange_max = c.doubling_max = static_cast<std::size_t>(*v);
   if (const auto v = env_nonneg_int("COMM_GLOO_RS_HALVING_MAX")) c.halving_max = static_cast<std::size_t>(*v);
   return c;
-}
-
-/// Calls `f(carrier{})` with the unsigned integer type of `elem_size` bytes.
-template <class F>
-void with_carrier(std::size_t elem_size, F&& f) {
-  switch (elem_size) {
-    case 1: f(std::uint8_t{}); return;
-    case 2: f(std::uint16_t{}); return;
-    case 4: f(std::uint32_t{}); return;
-    case 8: f(std::uint64_t{}); return;
-    default: throw BackendError("gloo", -1, "element size " + std::to_string(elem_size) + " is not 1, 2, 4 or 8");
-  }
-}
-
-/// One deadline for all the waits of an operation (gloo's own waits each get the full timeout).
-class Deadline {
- public:
-  explicit Deadline(std::chrono::milliseconds timeout) : at_(std::chrono::steady_clock::now() + timeout) {}
-  [[nodiscard]] std::chrono::milliseconds left() const {
-    return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                      at_ - std::chrono::steady_clock::now()));
-  }
-
- private:
-  std::chrono::steady_clock::time_point at_;
-};
-
-inline void wait_recv(::gloo::transport::UnboundBuffer& b, const Deadline& d) {
-  if (!b.waitRecv(d.left())) throw ::gloo::IoException("receive aborted");
-}
-inline void wait_send(::gloo::transport::UnboundBuffer& b, const Deadline& d) {
-  if (!b.waitSend(d.left())) throw ::gloo::IoException("send aborted");
 }
 
 /// Reusable buffers of comm's algorithms (operations of a communicator run one at a time).
@@ -102,14 +71,13 @@ inline constexpr std::uint8_t kHalvingSlotPrefix = 0x24;
 /// All-reduce by recursive doubling (an exchange of the whole buffer with rank r ^ 2^k in step k);
 /// at 2 ranks that is the single exchange. `in` null: in place in `out`.
 inline void doubling_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
-                                std::chrono::milliseconds timeout, const void* in, void* out, std::size_t bytes,
+                                const Deadline& deadline, const void* in, void* out, std::size_t bytes,
                                 std::size_t elem_size, const ReduceFunc& reduce, Scratch& scratch) {
   const int n = ctx->size;
   const int r = ctx->rank;
   const std::size_t count = bytes / elem_size;
   if (in != nullptr && in != out) std::memcpy(out, in, bytes);
   if (n == 1) return;
-  const Deadline deadline(timeout);
   int p = 1;
   while (p * 2 <= n) p *= 2;
   // Two buffers change roles: `cur` holds this rank's partial result, the other receives the
@@ -155,27 +123,38 @@ inline void doubling_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std
   if (ci != 0) std::memcpy(out, bufs[ci], bytes);
 }
 
+/// Bandwidth-optimal all_reduce: comm's ring reduce-scatter of the first n*floor(count/n)
+/// elements in place (rank r ends with chunk r reduced), the remainder (fewer than n elements) by
+/// recursive doubling, then a ring all-gather of the chunks. 2(n-1)/n of the buffer in and out of
+/// each rank, and every wait on the communicator's gate (gloo's own ring would not be woken when a
+/// peer dies mid-send: waits.hpp).
+inline void ring_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
+                            const void* in, void* out, std::size_t count, std::size_t elem_size,
+                            const ReduceFunc& reduce, Scratch& scratch) {
+  const auto n = static_cast<std::size_t>(ctx->size);
+  auto* o = static_cast<std::byte*>(out);
+  if (in != nullptr && in != out) std::memcpy(out, in, count * elem_size);
+  const std::size_t m = count / n;
+  const std::size_t chunk = m * elem_size;
+  if (m > 0)
+    ring_reduce_scatter(ctx, tag, deadline, o, o + static_cast<std::size_t>(ctx->rank) * chunk, m, elem_size, reduce,
+                        scratch);
+  if (const std::size_t rest = count - n * m; rest > 0)
+    doubling_all_reduce(ctx, tag, deadline, nullptr, o + n * chunk, rest * elem_size, elem_size, reduce, scratch);
+  if (m > 0) ring_all_gather(ctx, tag, deadline, o, chunk);
+}
+
 /// all_reduce of `count` elements: `in` null means in place in `out`.
-inline void run_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
-                           std::chrono::milliseconds timeout, const void* in, void* out, std::size_t count,
-                           std::size_t elem_size, const ReduceFunc& reduce, const AlgorithmConfig& cfg,
-                           Scratch& scratch) {
+inline void run_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
+                           const void* in, void* out, std::size_t count, std::size_t elem_size,
+                           const ReduceFunc& reduce, const AlgorithmConfig& cfg, Scratch& scratch) {
   const std::size_t bytes = count * elem_size;
   const int n = ctx->size;
   if (n == 1 || bytes <= (n == 2 ? cfg.exchange_max : cfg.doubling_max)) {
-    doubling_all_reduce(ctx, tag, timeout, in, out, bytes, elem_size, reduce, scratch);
+    doubling_all_reduce(ctx, tag, deadline, in, out, bytes, elem_size, reduce, scratch);
     return;
   }
-  with_carrier(elem_size, [&](auto c) {
-    using C = decltype(c);
-    ::gloo::AllreduceOptions o(ctx);
-    if (in != nullptr) o.setInput(const_cast<C*>(static_cast<const C*>(in)), count);
-    o.setOutput(static_cast<C*>(out), count);
-    o.setReduceFunction(reduce);
-    o.setTag(tag);
-    o.setTimeout(timeout);
-    ::gloo::allreduce(o);
-  });
+  ring_all_reduce(ctx, tag, deadline, in, out, count, elem_size, reduce, scratch);
 }
 
 /// Reduce-scatter by recursive halving (power-of-two worlds): in step k this rank keeps half of
@@ -183,13 +162,12 @@ inline void run_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uin
 /// reduces that rank's copy of its own half into it: log2(n) messages, (n-1)/n of the input sent.
 /// Scratch: the input's size (half for partial results, half for receives).
 inline void halving_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
-                                   std::chrono::milliseconds timeout, const void* in, void* out, std::size_t count,
+                                   const Deadline& deadline, const void* in, void* out, std::size_t count,
                                    std::size_t elem_size, const ReduceFunc& reduce, Scratch& scratch) {
   const int n = ctx->size;
   const int r = ctx->rank;
   const std::size_t cb = count * elem_size;
   const std::size_t half_bytes = static_cast<std::size_t>(n / 2) * cb;
-  const Deadline deadline(timeout);
   std::byte* acc = scratch_bytes(scratch, 2 * half_bytes);
   std::byte* tmp = acc + half_bytes;
   auto in_buf = ctx->createUnboundBuffer(const_cast<void*>(in), static_cast<std::size_t>(n) * cb);
@@ -222,16 +200,16 @@ inline void halving_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, 
 
 /// reduce_scatter: `in` holds size*count elements; `out` (count elements) may be `in + rank*count`.
 inline void run_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
-                               std::chrono::milliseconds timeout, const void* in, void* out, std::size_t count,
+                               const Deadline& deadline, const void* in, void* out, std::size_t count,
                                std::size_t elem_size, const ReduceFunc& reduce, const AlgorithmConfig& cfg,
                                Scratch& scratch) {
   const int n = ctx->size;
   const std::size_t in_bytes = static_cast<std::size_t>(n) * count * elem_size;
   if (n > 1 && (n & (n - 1)) == 0 && in_bytes <= cfg.halving_max) {
-    halving_reduce_scatter(ctx, tag, timeout, in, out, count, elem_size, reduce, scratch);
+    halving_reduce_scatter(ctx, tag, deadline, in, out, count, elem_size, reduce, scratch);
     return;
   }
-  ring_reduce_scatter(ctx, tag, timeout, in, out, count, elem_size, reduce, scratch);
+  ring_reduce_scatter(ctx, tag, deadline, in, out, count, elem_size, reduce, scratch);
 }
 
 }  // namespace comm::detail::gloo

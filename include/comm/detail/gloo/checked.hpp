@@ -16,12 +16,10 @@
 // The fingerprint's spare word carries the payload length: ranks whose settings choose different
 // algorithms for the same call (COMM_GLOO_ALLREDUCE_SMALL on one rank only) disagree there too.
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -43,33 +41,19 @@ inline constexpr std::uint8_t kCheckedSlotPrefix = 0x27;
 
 /// Reusable frames of one gloo context, each with its own buffer (a wait then names its peer).
 /// The memory is not initialised: pages no message reached cost nothing.
-///
-/// Because comm owns these buffers, closing the communicator can wake every wait on them, a send
-/// libgloo already started writing included (which its own pair-level abort does not wake:
-/// docs/RELIABILITY.md, known limits).
 class Frames {
  public:
   void reserve(const std::shared_ptr<::gloo::Context>& ctx, std::size_t n) {
     if (n <= bufs_.size()) return;
-    std::lock_guard lock(mu_);
     bufs_.clear();
     mem_.reset(new std::byte[n * kFrameBytes]);
     for (std::size_t i = 0; i < n; ++i) bufs_.push_back(ctx->createUnboundBuffer(at(i), kFrameBytes));
-  }
-  /// From any thread: the pending (and the next) wait on every frame returns at once, as aborted.
-  void abort_waits() noexcept {
-    std::lock_guard lock(mu_);
-    for (auto& b : bufs_) {
-      b->abortWaitRecv();
-      b->abortWaitSend();
-    }
   }
   [[nodiscard]] std::byte* at(std::size_t i) const noexcept { return mem_.get() + i * kFrameBytes; }
   [[nodiscard]] static std::byte* payload(std::byte* frame) noexcept { return frame + sizeof(Fingerprint); }
   [[nodiscard]] ::gloo::transport::UnboundBuffer& buffer(std::size_t i) const { return *bufs_[i]; }
 
  private:
-  std::mutex mu_;  // bufs_ between reserve() (the operation's thread) and abort_waits() (any)
   std::unique_ptr<std::byte[]> mem_;
   std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> bufs_;
 };
@@ -78,10 +62,10 @@ class Frames {
 class FramedOp {
  public:
   FramedOp(const std::shared_ptr<::gloo::Context>& ctx, Frames& frames, std::size_t nframes, std::uint32_t tag,
-           std::chrono::milliseconds timeout, Fingerprint fp, std::size_t payload, const char* op)
+           const Deadline& deadline, Fingerprint fp, std::size_t payload, const char* op)
       : frames_(frames),
         slot_(static_cast<std::uint64_t>(::gloo::Slot::build(kCheckedSlotPrefix, tag))),
-        deadline_(timeout),
+        deadline_(deadline),
         fp_(fp),
         payload_(payload),
         op_(op),
@@ -135,8 +119,10 @@ class FramedOp {
   void waited(std::size_t i, int peer, bool send) const {
     auto& b = frames_.buffer(i);
     try {
-      if (send ? !b.waitSend(deadline_.left()) : !b.waitRecv(deadline_.left()))
-        throw ::gloo::IoException(send ? "send aborted" : "receive aborted");
+      if (send)
+        gloo::wait_send(b, deadline_);
+      else
+        gloo::wait_recv(b, deadline_);
     } catch (const ::gloo::IoException& e) {
       // gloo's text says whether it timed out or the connection closed; add who and what.
       throw ::gloo::IoException(std::string(e.what()) + " [" + (send ? "sending to rank " : "receiving from rank ") +

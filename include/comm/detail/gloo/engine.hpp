@@ -12,8 +12,9 @@
 // kDirectExchangeMax ranks, then a gloo ring allgather, where n-1 messages per rank and operation
 // would cost more than n-1 ring steps.
 //
-// gloo's typed options are used through carrier types of the element's size (uint8_t..uint64_t):
-// gloo only uses sizeof(T).
+// Every collective above the frames' limit runs comm's own algorithms (algorithms.hpp, bulk.hpp),
+// whose waits the communicator can cut short (waits.hpp); gloo's barrier remains above
+// kCheckedMaxRanks ranks (messages of no payload, which gloo writes at once).
 
 #include <algorithm>
 #include <array>
@@ -23,7 +24,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -32,11 +32,8 @@
 #include <vector>
 
 #include <gloo/allgather.h>
-#include <gloo/allreduce.h>
 #include <gloo/barrier.h>
-#include <gloo/broadcast.h>
 #include <gloo/context.h>
-#include <gloo/gather.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
@@ -44,11 +41,13 @@
 #include <comm/concepts.hpp>
 #include <comm/detail/gloo/abort.hpp>
 #include <comm/detail/gloo/algorithms.hpp>
+#include <comm/detail/gloo/bulk.hpp>
 #include <comm/detail/gloo/checked.hpp>
 #include <comm/detail/gloo/device.hpp>
 #include <comm/detail/gloo/errors.hpp>
 #include <comm/detail/gloo/reduce_scatter.hpp>
 #include <comm/detail/gloo/store_adapter.hpp>
+#include <comm/detail/gloo/waits.hpp>
 #include <comm/detail/desync.hpp>
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/flight_recorder.hpp>
@@ -158,7 +157,7 @@ class Engine : public EngineCore<Engine> {
   void perform(Op& op, std::uint64_t seq) {
     const std::uint32_t tag = tag_of(seq);
     const auto& ctx = contexts_[tag % contexts_.size()];
-    const std::chrono::milliseconds to = timeout();
+    const Deadline deadline(timeout(), gate_);
     switch (op.desc.kind) {
       case OpKind::all_reduce: {
         if (op.out_count == 0) return;
@@ -170,7 +169,7 @@ class Engine : public EngineCore<Engine> {
           if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
           return;
         }
-        run_all_reduce(ctx, tag, to, in, op.out, op.out_count, op.elem_size, fn, algorithms_, scratch_);
+        run_all_reduce(ctx, tag, deadline, in, op.out, op.out_count, op.elem_size, fn, algorithms_, scratch_);
         if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
         return;
       }
@@ -184,7 +183,7 @@ class Engine : public EngineCore<Engine> {
           if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
           return;
         }
-        run_reduce_scatter(ctx, tag, to, op.in, op.out, op.out_count, op.elem_size, fn, algorithms_, scratch_);
+        run_reduce_scatter(ctx, tag, deadline, op.in, op.out, op.out_count, op.elem_size, fn, algorithms_, scratch_);
         // Defensive: every algorithm's scratch is bounded (a few MiB), but never hold more.
         if (scratch_.capacity() > kScratchKeep) Scratch().swap(scratch_);
         if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
@@ -198,17 +197,10 @@ class Engine : public EngineCore<Engine> {
           checked_all_gather(framed_op(tag, seq, op, n, op.in_count * op.elem_size), size(), rank(), op.in, op.out);
           return;
         }
-        with_carrier(op.elem_size, [&](auto c) {
-          using C = decltype(c);
-          ::gloo::AllgatherOptions o(ctx);
-          // An input that already sits in this rank's slot of the output is gathered in place.
-          if (op.in != static_cast<C*>(op.out) + static_cast<std::size_t>(rank()) * op.in_count)
-            o.setInput(const_cast<C*>(static_cast<const C*>(op.in)), op.in_count);
-          o.setOutput(static_cast<C*>(op.out), op.out_count);
-          o.setTag(tag);
-          o.setTimeout(to);
-          ::gloo::allgather(o);
-        });
+        const std::size_t chunk = op.in_count * op.elem_size;
+        auto* mine = static_cast<std::byte*>(op.out) + static_cast<std::size_t>(rank()) * chunk;
+        if (mine != op.in) std::memmove(mine, op.in, chunk);  // an input already there is gathered in place
+        ring_all_gather(ctx, tag, deadline, op.out, chunk);
         return;
       }
       case OpKind::broadcast: {
@@ -218,15 +210,7 @@ class Engine : public EngineCore<Engine> {
                             op.out);
           return;
         }
-        with_carrier(op.elem_size, [&](auto c) {
-          using C = decltype(c);
-          ::gloo::BroadcastOptions o(ctx);
-          o.setOutput(static_cast<C*>(op.out), op.out_count);
-          o.setRoot(op.desc.root);
-          o.setTag(tag);
-          o.setTimeout(to);
-          ::gloo::broadcast(o);
-        });
+        tree_broadcast(ctx, tag, deadline, op.out, op.out_count * op.elem_size, op.desc.root);
         return;
       }
       case OpKind::gather: {
@@ -237,16 +221,7 @@ class Engine : public EngineCore<Engine> {
                          op.in, op.out);
           return;
         }
-        with_carrier(op.elem_size, [&](auto c) {
-          using C = decltype(c);
-          ::gloo::GatherOptions o(ctx);
-          o.setInput(const_cast<C*>(static_cast<const C*>(op.in)), op.in_count);
-          if (rank() == op.desc.root) o.setOutput(static_cast<C*>(op.out), op.out_count);
-          o.setRoot(op.desc.root);
-          o.setTag(tag);
-          o.setTimeout(to);
-          ::gloo::gather(o);
-        });
+        direct_gather(ctx, tag, deadline, op.in, op.out, op.in_count * op.elem_size, op.desc.root);
         return;
       }
       case OpKind::barrier: {
@@ -257,7 +232,7 @@ class Engine : public EngineCore<Engine> {
         }
         ::gloo::BarrierOptions o(ctx);
         o.setTag(tag);
-        o.setTimeout(to);
+        o.setTimeout(deadline.left());
         ::gloo::barrier(o);
         return;
       }
@@ -271,7 +246,7 @@ class Engine : public EngineCore<Engine> {
   /// that exchanges in both directions cannot deadlock.
   void perform_p2p(const Op& op, std::span<P2PItem> items) {
     const auto& ctx = contexts_[0];
-    const Deadline deadline(timeout());
+    const Deadline deadline(timeout(), gate_);
     const auto hslot = static_cast<std::uint64_t>(::gloo::Slot::build(kP2PSlotPrefix, 0));
     const auto dslot = static_cast<std::uint64_t>(::gloo::Slot::build(kP2PSlotPrefix, 1));
     const std::size_t n = items.size();
@@ -364,7 +339,7 @@ class Engine : public EngineCore<Engine> {
   [[nodiscard]] FramedOp frames_for(std::uint32_t tag, const Fingerprint& fp, std::size_t nframes, std::size_t payload,
                                     const char* name) {
     const std::size_t i = tag % contexts_.size();
-    return FramedOp(contexts_[i], *frames_[i], nframes, tag, timeout(), fp, payload, name);
+    return FramedOp(contexts_[i], *frames_[i], nframes, tag, Deadline(timeout(), gate_), fp, payload, name);
   }
   [[nodiscard]] FramedOp framed_op(std::uint32_t tag, std::uint64_t seq, const Op& op, std::size_t nframes,
                                    std::size_t payload) {
@@ -404,22 +379,24 @@ class Engine : public EngineCore<Engine> {
       fp_recv_->recv(p, slot, static_cast<std::size_t>(p) * fp, fp);
       fp_send_->send(p, slot);
     }
-    const Deadline deadline(timeout());
+    const Deadline deadline(timeout(), gate_);
     for (int i = 1; i < size(); ++i) wait_recv(*fp_recv_, deadline);
     for (int i = 1; i < size(); ++i) wait_send(*fp_send_, deadline);
   }
 
   [[noreturn]] void rethrow_translated(const char* op) { gloo::rethrow_translated(op, rank(), &peer_names_); }
 
-  /// Wakes every pending gloo wait and closes the connections (peers fail with RemoteError).
+  /// Closes the connections (peers fail with RemoteError) and wakes every pending wait: gloo's
+  /// abort wakes its own, the gate comm's (a send gloo already began writing included).
   void close_transport() noexcept {
-    for (auto& f : frames_) f->abort_waits();
     for (auto& ctx : contexts_) abort_context(*ctx);
+    gate_.close();
   }
 
   AlgorithmConfig algorithms_;
   std::vector<std::shared_ptr<::gloo::Context>> contexts_;
-  gloo::PeerNames peer_names_;  // peers' addresses -> ranks, learnt at connect (errors name ranks)
+  gloo::PeerNames peer_names_;
+  WaitGate gate_;  // every wait of comm's algorithms (waits.hpp)  // peers' addresses -> ranks, learnt at connect (errors name ranks)
   // The direct exchange's buffers over the core's fingerprint table (made at the first check;
   // destroyed before the contexts).
   std::unique_ptr<::gloo::transport::UnboundBuffer> fp_send_, fp_recv_;

@@ -17,7 +17,6 @@
 // whole chunks: 32 MiB kept after one 64 MiB reduce_scatter on 4 ranks).
 
 #include <algorithm>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -29,6 +28,8 @@
 #include <gloo/context.h>
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
+
+#include <comm/detail/gloo/waits.hpp>
 
 namespace comm::detail::gloo {
 
@@ -45,7 +46,7 @@ inline constexpr std::size_t kBlockSegments = 4;
 /// `in` holds size*count elements of `elem_size` bytes; `out` (count elements) may be exactly
 /// `in + rank*count` (in-place). `scratch` is reused across calls (grown as needed).
 inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
-                                std::chrono::milliseconds timeout, const void* in, void* out, std::size_t count,
+                                const Deadline& deadline, const void* in, void* out, std::size_t count,
                                 std::size_t elem_size, const ReduceFunc& reduce, std::vector<std::byte>& scratch) {
   const int n = ctx->size;
   const int r = ctx->rank;
@@ -57,12 +58,6 @@ inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std
     if (out_bytes != in_bytes) std::memmove(out_bytes, in_bytes, chunk_bytes);
     return;
   }
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto remaining = [&] {
-    return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                      deadline - std::chrono::steady_clock::now()));
-  };
-
   const std::size_t seg_elems = std::max<std::size_t>(1, kSegmentBytes / elem_size);
   const std::size_t seg_bytes = seg_elems * elem_size;
   const std::size_t k = (count + seg_elems - 1) / seg_elems;  // segments per chunk
@@ -122,14 +117,13 @@ inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std
   for (std::size_t u = 0; u < units; ++u) {
     const Unit x = unit(u);
     const std::size_t len = seg_len(x.j);
-    if (!tmp_buf[u % 2]->waitRecv(remaining())) throw ::gloo::IoException("receive aborted");
+    wait_recv(*tmp_buf[u % 2], deadline);
     const bool last = x.s + 1 == steps;
     std::byte* dst = last ? out_bytes + x.j * seg_bytes : acc + acc_pos(x);
     if (!last) {
       // The send that last read this position must be done (sends to one peer complete in order).
       const std::size_t need = last_reader[acc_pos(x) / slot_bytes];
-      for (; acc_sends_done < need; ++acc_sends_done)
-        if (!acc_buf->waitSend(remaining())) throw ::gloo::IoException("send aborted");
+      for (; acc_sends_done < need; ++acc_sends_done) wait_send(*acc_buf, deadline);
     }
     reduce(dst, in_bytes + recv_chunk(x.s) * chunk_bytes + x.j * seg_bytes, tmp + (u % 2) * slot_bytes,
            len / elem_size);
@@ -139,10 +133,8 @@ inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std
       last_reader[acc_pos(x) / slot_bytes] = ++acc_sends_posted;
     }
   }
-  for (; in_sends > 0; --in_sends)
-    if (!in_buf->waitSend(remaining())) throw ::gloo::IoException("send aborted");
-  for (; acc_sends_done < acc_sends_posted; ++acc_sends_done)
-    if (!acc_buf->waitSend(remaining())) throw ::gloo::IoException("send aborted");
+  for (; in_sends > 0; --in_sends) wait_send(*in_buf, deadline);
+  for (; acc_sends_done < acc_sends_posted; ++acc_sends_done) wait_send(*acc_buf, deadline);
 }
 
 }  // namespace comm::detail::gloo

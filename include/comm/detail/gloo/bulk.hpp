@@ -1,0 +1,130 @@
+#pragma once
+// comm's own algorithms for the messages above the frames' limit (checked.hpp): all_gather,
+// broadcast and gather, on gloo's unbound buffers. They replace gloo's collectives of the same
+// names so that every wait of an operation goes through the communicator's WaitGate (waits.hpp):
+// a dead peer then ends every survivor's operation at once, a send libgloo began writing included.
+//
+// Messages are cut into segments of kSegmentBytes (reduce_scatter.hpp) where forwarding one can
+// start before the next arrives (the ring, the tree); every receive is posted up front, so no
+// sender waits for a receive-ready notice, and gloo completes one slot's messages from one peer in
+// the order they were posted.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include <gloo/context.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
+
+#include <comm/detail/gloo/reduce_scatter.hpp>
+#include <comm/detail/gloo/waits.hpp>
+
+namespace comm::detail::gloo {
+
+inline constexpr std::uint8_t kRingAllGatherSlotPrefix = 0x28;
+inline constexpr std::uint8_t kTreeBroadcastSlotPrefix = 0x29;
+inline constexpr std::uint8_t kDirectGatherSlotPrefix = 0x2a;
+
+/// `bytes` cut into segments of at most kSegmentBytes.
+struct Segments {
+  std::size_t bytes;
+  [[nodiscard]] std::size_t count() const noexcept { return (bytes + kSegmentBytes - 1) / kSegmentBytes; }
+  [[nodiscard]] std::size_t offset(std::size_t j) const noexcept { return j * kSegmentBytes; }
+  [[nodiscard]] std::size_t length(std::size_t j) const noexcept {
+    return std::min(kSegmentBytes, bytes - j * kSegmentBytes);
+  }
+};
+
+/// Ring all-gather in place: `out` holds n chunks of `chunk_bytes`, this rank's already in its
+/// slot. In step s, rank r forwards chunk (r-s) mod n to rank r+1 and receives chunk (r-s-1) mod n
+/// from rank r-1, segment by segment: (n-1)/n of the output in and out of each rank.
+inline void ring_all_gather(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
+                            void* out, std::size_t chunk_bytes) {
+  const int n = ctx->size;
+  const int r = ctx->rank;
+  if (n == 1 || chunk_bytes == 0) return;
+  const int right = (r + 1) % n;
+  const int left = (r + n - 1) % n;
+  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingAllGatherSlotPrefix, tag));
+  auto buf = ctx->createUnboundBuffer(out, static_cast<std::size_t>(n) * chunk_bytes);
+  const Segments seg{chunk_bytes};
+  auto chunk_at = [&](int s) { return static_cast<std::size_t>((r - s + 2 * n) % n) * chunk_bytes; };
+  for (int s = 1; s < n; ++s)
+    for (std::size_t j = 0; j < seg.count(); ++j) buf->recv(left, slot, chunk_at(s) + seg.offset(j), seg.length(j));
+  std::size_t sends = 0;
+  for (std::size_t j = 0; j < seg.count(); ++j, ++sends)
+    buf->send(right, slot, chunk_at(0) + seg.offset(j), seg.length(j));
+  for (int s = 1; s < n; ++s) {
+    for (std::size_t j = 0; j < seg.count(); ++j) {
+      wait_recv(*buf, deadline);
+      // The chunk received in step s is the one forwarded in step s+1, except the last.
+      if (s + 1 < n) {
+        buf->send(right, slot, chunk_at(s) + seg.offset(j), seg.length(j));
+        ++sends;
+      }
+    }
+  }
+  for (; sends > 0; --sends) wait_send(*buf, deadline);
+}
+
+/// Binomial-tree broadcast of `bytes` from `root`, segment by segment: a rank forwards a segment
+/// to its children (the deepest subtree first) as soon as it has it.
+inline void tree_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
+                           void* out, std::size_t bytes, int root) {
+  const int n = ctx->size;
+  const int r = ctx->rank;
+  if (n == 1 || bytes == 0) return;
+  // Ranks relative to the root: v's parent is v without its highest bit, its children v + m for
+  // every power of two m above v.
+  const int v = (r - root + n) % n;
+  int above = 1;
+  while (above <= v) above <<= 1;
+  const int parent = v == 0 ? -1 : (v - above / 2 + root) % n;
+  std::vector<int> children;
+  for (int m = above; v + m < n; m <<= 1) children.push_back((v + m + root) % n);
+  std::reverse(children.begin(), children.end());
+
+  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kTreeBroadcastSlotPrefix, tag));
+  auto buf = ctx->createUnboundBuffer(out, bytes);
+  const Segments seg{bytes};
+  if (parent >= 0)
+    for (std::size_t j = 0; j < seg.count(); ++j) buf->recv(parent, slot, seg.offset(j), seg.length(j));
+  std::size_t sends = 0;
+  for (std::size_t j = 0; j < seg.count(); ++j) {
+    if (parent >= 0) wait_recv(*buf, deadline);
+    for (int c : children) {
+      buf->send(c, slot, seg.offset(j), seg.length(j));
+      ++sends;
+    }
+  }
+  for (; sends > 0; --sends) wait_send(*buf, deadline);
+}
+
+/// Gather to `root`: every rank sends its `chunk_bytes` straight to the root's slot for it.
+/// `out` is read at the root only.
+inline void direct_gather(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
+                          const void* in, void* out, std::size_t chunk_bytes, int root) {
+  const int n = ctx->size;
+  const int r = ctx->rank;
+  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kDirectGatherSlotPrefix, tag));
+  if (r != root) {
+    if (chunk_bytes == 0) return;
+    auto buf = ctx->createUnboundBuffer(const_cast<void*>(in), chunk_bytes);
+    buf->send(root, slot, 0, chunk_bytes);
+    wait_send(*buf, deadline);
+    return;
+  }
+  auto* mine = static_cast<std::byte*>(out) + static_cast<std::size_t>(root) * chunk_bytes;
+  if (mine != in) std::memmove(mine, in, chunk_bytes);
+  if (n == 1 || chunk_bytes == 0) return;
+  auto buf = ctx->createUnboundBuffer(out, static_cast<std::size_t>(n) * chunk_bytes);
+  for (int q = 0; q < n; ++q)
+    if (q != root) buf->recv(q, slot, static_cast<std::size_t>(q) * chunk_bytes, chunk_bytes);
+  for (int i = 1; i < n; ++i) wait_recv(*buf, deadline);
+}
+
+}  // namespace comm::detail::gloo
