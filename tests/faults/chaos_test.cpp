@@ -14,9 +14,10 @@
 //                     proxies (fault_peer --proxy-store, ProxyBroker), and the proxies of every
 //                     pair that involves the victim reset their connections and refuse new ones: a
 //                     partition that leaves the victim alone (store links untouched). Every rank,
-//                     the victim too, ends with RemoteError within 1 s. No process died, so the
-//                     liveness watch has no verdict to give: a survivor names the victim, or
-//                     another survivor whose failure reached it first (it was waiting only on
+//                     the victim too, ends with RemoteError within 1 s. No process died: what
+//                     the liveness watch carries is the first rank whose operation failed on a
+//                     reset connection (Liveness::announce_failure). A survivor names the victim,
+//                     or another survivor whose failure reached it first (it was waiting only on
 //                     that one: a gather or broadcast root); the victim names one of the others.
 //                     COMM_TIMEOUT=3s here (see the libgloo exception below).
 //   store kill (1 in 5) the TcpStore runs in a process of its own (fault_peer store-server
@@ -29,12 +30,12 @@
 //                     liveness watch ends with the store, so a later death is seen by the data
 //                     path or COMM_TIMEOUT only.
 //
-// The exception: on Gloo, a send libgloo had started writing is not woken by a reset connection
-// (Known limits 1 in docs/RELIABILITY.md); only closing the communicator ends that wait (comm's
-// WaitGate). After a SIGKILL or SIGSTOP the liveness watch does (no exception allowed). After a
-// link cut no process died, so nothing does, and that wait ends at COMM_TIMEOUT: counted,
-// reported, and allowed for at most 1/3 of the link-cut ranks (a regression to "cuts go
-// unnoticed" fails the soak).
+// The exception: on Gloo, a wait libgloo does not wake on a reset connection (a send it had
+// started writing: Known limits 1 in docs/RELIABILITY.md) ends only when the communicator closes
+// (comm's WaitGate). After a SIGKILL or SIGSTOP the liveness watch's verdict closes it (no
+// exception allowed). After a link cut it is the announcement of another rank's failure; should
+// no rank of a trial see the reset, its waits end at COMM_TIMEOUT: counted, reported, and allowed
+// for at most 1 in 20 of the link-cut ranks (0 of 122 measured; 9-18 % before the announcement).
 // The ranks run with COMM_TIMEOUT=10s (3s for link cuts), far beyond the 1 s the liveness watch
 // and a reset need. At the end it prints the time-to-error distribution (p50, p99, max) per fault
 // (for a store kill, where no error is expected, the time to each rank's normal end).
@@ -63,8 +64,8 @@ constexpr double kill_bound_ms = 1000;
 constexpr double silence_ms = 1000;  // COMM_LIVENESS_SILENCE for the trials
 constexpr double stop_bound_ms = silence_ms + 1000;
 constexpr double timeout_ms = 10000;  // COMM_TIMEOUT for the trials
-// COMM_TIMEOUT for link-cut trials: the liveness watch has nothing to say about a cut (no process
-// dies), so a wait libgloo does not wake ends only here; short, so such a trial costs 3 s, not 10.
+// COMM_TIMEOUT for link-cut trials: should no rank see the reset, nothing but this ends a trial
+// (no process dies); short, so such a trial costs 3 s, not 10.
 constexpr double cut_timeout_ms = 3000;
 
 long long mono_ns_of(Clock::time_point t) {
@@ -303,11 +304,11 @@ void run_trial(int i, const Trial& t) {
         } else if (res["peer"] == victim) {
           ++g_cut_named_victim;
         } else {
-          // No process died, so the liveness watch has no verdict: a survivor whose operation
-          // waited only on another survivor (a gather or broadcast root) sees that one close its
-          // connections after its own failure, before its own link's reset. It names that rank,
-          // which failed too (their RESULT lines' order says nothing: each reports after asking
-          // its liveness watch, and 2 cores run 4 ranks).
+          // No process died: a survivor whose operation waited only on another survivor (a gather
+          // or broadcast root) hears of that one's failure (its closed connections, or the
+          // liveness watch's announcement) before its own link's reset. It names that rank, which
+          // failed too (their RESULT lines' order says nothing: each reports after asking its
+          // liveness watch, and 2 cores run 4 ranks).
           int other = -1;
           if (res["peer"].starts_with("rank_")) other = std::atoi(res["peer"].c_str() + 5);
           const std::string why = "peer " + res["peer"] + " is neither the victim nor another rank that failed";
@@ -364,10 +365,10 @@ TEST_CASE("chaos soak: random faults at random points; every survivor fails in t
          std::to_string(g_cut_named_victim) + " named the victim, " + std::to_string(g_cut_named_earlier) +
              " another survivor (one that failed and closed its links first)");
   report("chaos: link-cut ranks whose wait libgloo did not wake on the reset (Timeout at COMM_TIMEOUT)", "summary",
-         static_cast<double>(g_cut_missed), g_cut_ranks / 3.0,
+         static_cast<double>(g_cut_missed), g_cut_ranks / 20.0,
          std::to_string(g_cut_missed) + " of " + std::to_string(g_cut_ranks) + " ranks (victims: " +
              std::to_string(g_cut_victims_missed) + " of " + std::to_string(g_cut_victims) + ")");
-  CHECK(g_cut_missed * 3 <= g_cut_ranks);
+  CHECK(g_cut_missed * 20 <= g_cut_ranks);
   std::printf("chaos: %d trials (seed %d) in %.1f s\n", trials, seed,
               std::chrono::duration<double>(Clock::now() - t0).count());
 }

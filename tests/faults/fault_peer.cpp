@@ -57,6 +57,7 @@
 #include <comm/cdb.hpp>
 #include <comm/communicator.hpp>
 #endif
+#include <comm/detail/liveness.hpp>
 #include <comm/store.hpp>
 
 namespace {
@@ -347,7 +348,7 @@ int collective_loop(C& c, const Plan& p) {
 // proxy to it (keys proxy/req/<me>/<peer> -> proxy/port/<me>/<peer>) and sees 127.0.0.1:<proxy>,
 // which compares lower, so it connects, to the proxy; reading a lower rank's address, it sees
 // 127.0.0.3, which compares higher, so it listens. Only the battery's fault_peer uses this.
-class ProxiedStore final : public comm::Store {
+class ProxiedStore final : public comm::Store, public comm::detail::WrappingStore {
  public:
   ProxiedStore(std::shared_ptr<comm::Store> base, int rank, int size)
       : Store(base->timeout()), base_(std::move(base)), rank_(rank), size_(size) {
@@ -364,6 +365,9 @@ class ProxiedStore final : public comm::Store {
   std::int64_t num_keys() override { return base_->num_keys(); }
   bool delete_key(std::string_view k) override { return base_->delete_key(k); }
   bool check(std::string_view k) override { return base_->check(k); }
+  // Keys are the base's: the liveness watch runs on the store server behind it (the link cuts
+  // leave store connections alone).
+  [[nodiscard]] comm::Store* wrapped() const noexcept override { return base_.get(); }
 
   Bytes get(std::string_view key) override {
     Bytes v = base_->get(key);

@@ -3,13 +3,18 @@
 // results on every rank from comm's own all_reduce algorithms.
 #include <doctest/doctest.h>
 
+#include <signal.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -70,6 +75,62 @@ TEST_CASE("Work::wait that times out stops the operation before it reports Timeo
     std::this_thread::sleep_for(700ms);
     // Rank 0 gave up and closed its connections: this must fail, not complete.
     CHECK_THROWS_AS(c.all_reduce(std::span(v), ReduceOp::sum), comm::Error);
+  }
+}
+
+TEST_CASE("a peer that stops mid-transfer: the send gloo began writing ends when the liveness watch sees it") {
+  const auto& w = comm::test::world();
+  if (w.size != 2) {
+    comm::test::report_needs_ranks(2);
+    return;
+  }
+  // libgloo does not wake a send whose bytes it began writing when its connection fails (tcp::Pair
+  // signals only bound buffers of its transmit queue): only closing the communicator, through
+  // comm's WaitGate, ends that wait before COMM_TIMEOUT. Rank 1 posts the receive of a large
+  // broadcast and stops (SIGSTOP) mid-transfer; rank 0's send stalls on a full socket until the
+  // liveness watch declares rank 1 silent (1 s here), far below the 30 s timeout.
+  ::setenv("COMM_LIVENESS_SILENCE", "1s", 1);
+  comm::backends::Gloo::Options o;
+  o.timeout = 30s;
+  auto c = suite::make_comm(o);
+  const std::int64_t me = ::getpid();
+  std::vector<std::int64_t> pids(2);
+  c.all_gather(std::span(&me, 1), std::span(pids));  // also starts the liveness watch
+  ::unsetenv("COMM_LIVENESS_SILENCE");
+  std::vector<std::uint8_t> big(std::size_t{128} << 20, static_cast<std::uint8_t>(w.rank == 0 ? 7 : 0));
+  if (w.rank == 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string what;
+    bool remote = false;
+    try {
+      c.broadcast(std::span(big), 0);
+    } catch (const comm::RemoteError& e) {
+      remote = true;
+      what = e.what();
+    } catch (const comm::Error& e) {
+      what = e.what();
+    }
+    const auto took = std::chrono::steady_clock::now() - t0;
+    ::kill(static_cast<pid_t>(pids[1]), SIGCONT);
+    INFO(what);
+    CHECK_MESSAGE(remote, "the broadcast must fail with RemoteError naming the silent rank");
+    CHECK(contains(what, "rank 1"));
+    CHECK(took < 10s);
+    MESSAGE("broadcast ended after ", std::chrono::duration<double>(took).count(), " s: ", what);
+  } else {
+    auto work = c.broadcast(std::span(big), 0, comm::async);
+    // Stop once the data flows (the transfer takes tens of ms): rank 0 has begun writing its send
+    // then, and the rest of it stays queued in libgloo. (Polled while gloo's loop thread writes the
+    // buffer; this test runs under ASan, not TSan.)
+    const auto give_up = std::chrono::steady_clock::now() + 10s;
+    while (std::atomic_ref<std::uint8_t>(big[0]).load(std::memory_order_relaxed) == 0 &&
+           std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(20us);
+    ::raise(SIGSTOP);
+    CHECK_THROWS_AS(work.wait(), comm::Error);
+    const auto got = static_cast<std::size_t>(std::count(big.begin(), big.end(), std::uint8_t{7}));
+    MESSAGE("rank 1 had received ", got, " of ", big.size(), " bytes when it stopped");
+    CHECK_MESSAGE((got > 0 && got < big.size()), "the stop must fall in the middle of the transfer");
   }
 }
 

@@ -12,11 +12,23 @@
 // heartbeats stop for `silence`, the server sets it too ("... sent no heartbeat for N ms").
 // Every other rank gets the value at once and calls `on_dead(rank, why)`, which
 // fails the communicator (EngineCore::peer_failed): its running operation ends with RemoteError
-// naming the op, its number, this rank and the dead rank. The rank hosting the store server
-// cannot report itself: a heartbeat that gets no answer for `silence` names that rank.
+// naming the op, its number, this rank and the dead rank.
+//
+// The rank hosting the store server cannot report itself: a heartbeat that gets no answer for
+// `silence` names it, and so does a watch connection the server closes, which is its host's death
+// because a host that leaves normally says so first ("<rank>~|" on the key, stop()): its watchers
+// then stop watching without a verdict.
+//
+// A rank whose operation failed on a closed connection publishes that too, on the same key
+// ("<rank>!<blamed rank>|<its error>", announce_failure; the first death or failure stays): the
+// other ranks fail at once, instead of at COMM_TIMEOUT where a closed connection alone would not
+// wake them (after a link cut, a send libgloo had begun writing). Only connection failures: a
+// desync or timeout is seen by every rank on its own, and naming the rank that was first to see it
+// would hide the error each rank reports.
 //
 // Cost: nothing on the operations' path (one thread, one request per silence/2 per rank, on
-// another socket; the thread sleeps in the store's reply). Leaving costs one short connection. A rank that leaves normally withdraws its will first. Off with COMM_LIVENESS=0,
+// another socket; the thread sleeps in the store's reply). Leaving costs one short connection: a
+// rank that leaves normally withdraws its will first. Off with COMM_LIVENESS=0,
 // for stores other than TcpStore (FileStore, HashStore), and for subgroups (their root watches).
 //
 //   COMM_LIVENESS=0|1              default 1
@@ -24,6 +36,7 @@
 //   COMM_LIVENESS_SILENCE=<dur>    a rank silent this long is dead, default 2s (at least 4 periods)
 
 #include <algorithm>
+#include <charconv>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -31,7 +44,9 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include <comm/detail/env.hpp>
@@ -66,10 +81,23 @@ struct LivenessConfig {
   return c;
 }
 
-/// The TcpStore under `store` (through PrefixStores) and the prefix they add; null if none.
+/// A Store that forwards every key unchanged to another (a wrapper that logs, or rewrites values):
+/// the liveness watch looks through it to the TcpStore underneath.
+class WrappingStore {
+ public:
+  virtual ~WrappingStore() = default;
+  [[nodiscard]] virtual Store* wrapped() const noexcept = 0;
+};
+
+/// The TcpStore under `store` (through PrefixStores and WrappingStores) and the prefix they add;
+/// null if none.
 [[nodiscard]] inline TcpStore* underlying_tcp_store(Store* store, std::string& prefix) {
   while (store != nullptr) {
     if (auto* t = dynamic_cast<TcpStore*>(store)) return t;
+    if (auto* w = dynamic_cast<WrappingStore*>(store)) {
+      store = w->wrapped();
+      continue;
+    }
     auto* p = dynamic_cast<PrefixStore*>(store);
     if (p == nullptr) return nullptr;
     prefix = p->prefix() + "/" + prefix;
@@ -79,6 +107,8 @@ struct LivenessConfig {
 }
 
 class Liveness {
+  static constexpr std::size_t kAnnouncedMax = 1024;
+
  public:
   using OnDead = std::function<void(int rank, const std::string& why)>;
 
@@ -108,8 +138,10 @@ class Liveness {
   ~Liveness() { stop(); }
 
   struct Verdict {
-    int rank = -1;
-    std::string why;
+    int rank = -1;    // the rank an error names
+    std::string why;  // "rank 2 is dead: ...", "rank 1's operation failed: ..."
+    int source = -1;  // the rank the news is about or from (a rank ignores its own)
+    bool left = false;  // the store's host left normally: no verdict, the watch ends
   };
 
   /// Asks the store now whether a rank of the communicator is dead (on a connection of its own,
@@ -119,6 +151,7 @@ class Liveness {
     {
       std::lock_guard g(io_mu_);
       if (verdict_) return verdict_;
+      if (host_left_) return std::nullopt;
       if (store_lost_) return host_verdict();
     }
     // The watch thread's own heartbeat may be held by the server: ask on a connection of our own.
@@ -126,7 +159,11 @@ class Liveness {
       TcpStoreOptions o = store_->options();
       o.timeout = std::min(timeout, std::chrono::milliseconds(200));
       TcpStore probe(store_->host(), store_->port(), o);
-      if (probe.check(key_)) return parse(probe.get(key_));
+      if (probe.check(key_)) {
+        auto d = parse(probe.get(key_));
+        if (d.left) return std::nullopt;
+        return d;
+      }
     } catch (const InvalidArgument&) {
     } catch (const Error&) {
       // The store server is gone (or silent) while an operation failed: its host died or left,
@@ -138,6 +175,22 @@ class Liveness {
     return std::nullopt;
   }
 
+  /// Publishes that this rank's operation failed on a closed connection (`blamed`: the rank it
+  /// blames, -1 if none), unless a death or failure is published already. On a connection of its
+  /// own, at most 200 ms; never throws (the others then find out by their own means).
+  void announce_failure(int blamed, const std::string& what) noexcept {
+    try {
+      TcpStoreOptions o = store_->options();
+      o.timeout = std::chrono::milliseconds(200);
+      TcpStore s(store_->host(), store_->port(), o);
+      // The server bounds values; an error's text is a few hundred bytes.
+      const std::string v =
+          std::to_string(rank_) + "!" + std::to_string(blamed) + "|" + what.substr(0, kAnnouncedMax);
+      (void)s.compare_set(key_, {}, std::span(reinterpret_cast<const std::uint8_t*>(v.data()), v.size()));
+    } catch (...) {
+    }
+  }
+
   /// Withdraws this rank's will (a normal exit is not a death) and ends the thread.
   void stop() noexcept {
     {
@@ -147,14 +200,21 @@ class Liveness {
     }
     cv_.notify_all();
     // The thread's heartbeat is held by the server for up to silence/2: release our will from a
-    // connection of its own, which also answers that heartbeat at once.
+    // connection of its own, which also answers that heartbeat at once. The store's host first
+    // tells the others that it leaves (the server goes with it): their watches end without
+    // taking the closed connection for its death.
     if (thread_.joinable()) {
       try {
         TcpStoreOptions o = store_->options();
         o.timeout = std::chrono::milliseconds(200);
-        if (!finished_.load())
-          (void)TcpStore(store_->host(), store_->port(), o)
-              .watch(key_, std::to_string(rank_) + "|", std::chrono::milliseconds(0));
+        if (!finished_.load()) {
+          TcpStore s(store_->host(), store_->port(), o);
+          if (host_ == rank_) {
+            const std::string v = std::to_string(rank_) + "~|left";
+            (void)s.compare_set(key_, {}, std::span(reinterpret_cast<const std::uint8_t*>(v.data()), v.size()));
+          }
+          (void)s.watch(key_, std::to_string(rank_) + "|", std::chrono::milliseconds(0));
+        }
       } catch (...) {  // the store is gone: nobody is left to be told
       }
       thread_.join();
@@ -192,16 +252,21 @@ class Liveness {
         const auto d = parse(*v);
         {
           std::lock_guard g(io_mu_);
-          verdict_ = d;
+          if (d.left)
+            host_left_ = true;
+          else
+            verdict_ = d;
         }
-        if (d.rank != rank_) notify(d.rank, d.why);
+        if (!d.left && d.source != rank_) notify(d.rank, d.why);
         break;  // one death is enough: the communicator has failed
       } catch (const Timeout&) {
         // The server did not answer for `silence`: the process hosting it is stopped or hung.
         std::optional<Verdict> d;
         if (host_ >= 0 && host_ < size_ && host_ != rank_)
-          d = Verdict{host_, "the store server it hosts did not answer a heartbeat for " +
-                                 std::to_string(cfg_.silence.count()) + " ms (stopped, hung or cut off)"};
+          d = Verdict{host_,
+                      "rank " + std::to_string(host_) + " is dead: the store server it hosts did not answer a heartbeat for " +
+                          std::to_string(cfg_.silence.count()) + " ms (stopped, hung or cut off)",
+                      host_};
         {
           std::lock_guard g(io_mu_);
           verdict_ = d;
@@ -209,8 +274,22 @@ class Liveness {
         if (d) notify(d->rank, d->why);
         withdraw = false;
         break;
+      } catch (const RemoteError& e) {
+        // The server closed the connection: its host died (one that leaves says so first), unless
+        // no rank hosts it (then only the store is gone, not a rank).
+        std::optional<Verdict> d;
+        {
+          std::lock_guard g(io_mu_);
+          store_lost_ = true;
+          if (!host_left_) d = host_verdict();
+          if (d) verdict_ = d;
+        }
+        if (d && !stop_requested()) notify(d->rank, d->why);
+        log(LogLevel::detail, std::string("comm: liveness watch ended: ") + e.what());
+        withdraw = false;
+        break;
       } catch (const std::exception& e) {
-        // The store is gone (its host exited, or died: the data path sees that) or refused us.
+        // The store refused us, or this process is out of memory: no verdict.
         {
           std::lock_guard g(io_mu_);
           store_lost_ = true;
@@ -232,7 +311,10 @@ class Liveness {
 
   [[nodiscard]] std::optional<Verdict> host_verdict() const {
     if (host_ < 0 || host_ >= size_ || host_ == rank_) return std::nullopt;
-    return Verdict{host_, "the store server it hosted went away (the process exited or was killed)"};
+    return Verdict{host_,
+                   "rank " + std::to_string(host_) +
+                       " is dead: the store server it hosted went away (the process exited or was killed)",
+                   host_};
   }
 
   [[nodiscard]] bool stop_requested() {
@@ -240,15 +322,36 @@ class Liveness {
     return stop_;
   }
 
-  [[nodiscard]] static Verdict parse(const Store::Bytes& v) {
+  [[nodiscard]] static int rank_in(std::string_view s) {
+    int v = -1;
+    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    return ec == std::errc() && end == s.data() + s.size() ? v : -1;
+  }
+
+  /// "<rank>|<reason>": the server fired a rank's will (a death); "<host>~|left": the store's
+  /// host left normally; "<rank>!<blamed>|<error>": a rank's operation failed (announce_failure).
+  /// An announcement that blames this rank names its announcer: the rank this one failed to reach.
+  [[nodiscard]] Verdict parse(const Store::Bytes& v) const {
     const std::string s(v.begin(), v.end());
     const auto bar = s.find('|');
+    const std::string_view head = bar == std::string::npos ? std::string_view() : std::string_view(s).substr(0, bar);
+    const std::string tail = bar == std::string::npos ? s : s.substr(bar + 1);
     Verdict d;
-    try {
-      d.rank = bar == std::string::npos ? -1 : std::stoi(s.substr(0, bar));
-    } catch (...) {
+    if (head.ends_with('~')) {  // "<host>~|left": the store's host left normally
+      d.source = rank_in(head.substr(0, head.size() - 1));
+      d.left = true;
+      return d;
     }
-    d.why = bar == std::string::npos ? s : s.substr(bar + 1);
+    const auto bang = head.find('!');
+    d.source = rank_in(head.substr(0, bang));
+    if (bang == std::string_view::npos) {
+      d.rank = d.source;
+      d.why = "rank " + std::to_string(d.source) + " is dead: " + tail;
+      return d;
+    }
+    const int blamed = rank_in(head.substr(bang + 1));
+    d.rank = blamed >= 0 && blamed < size_ && blamed != rank_ ? blamed : d.source;
+    d.why = "rank " + std::to_string(d.source) + "'s operation failed: " + tail;
     return d;
   }
 
@@ -270,9 +373,10 @@ class Liveness {
   std::condition_variable cv_;
   bool stop_ = false;
   std::atomic<bool> finished_{false};  // the thread has left its loop
-  std::mutex io_mu_;  // verdict_, store_lost_ (store_ itself is the thread's alone)
+  std::mutex io_mu_;  // verdict_, store_lost_, host_left_ (store_ itself is the thread's alone)
   std::optional<Verdict> verdict_;
   bool store_lost_ = false;
+  bool host_left_ = false;  // the store's host said it leaves: its server's end is no death
   std::thread thread_;  // last: starts after everything above
 };
 

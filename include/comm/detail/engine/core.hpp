@@ -400,14 +400,14 @@ class EngineCore {
 
   // ---- liveness (detail/liveness.hpp) ----
 
-  /// Rank `peer` died or went silent (the liveness watch saw it): fails the communicator with
-  /// RemoteError naming `peer` and the operation running here, and closes the transport so that
-  /// the running operation ends now. Any thread.
+  /// The liveness watch's news (`why`: "rank 2 is dead: ...", "rank 1's operation failed: ..."):
+  /// fails the communicator with RemoteError naming `peer` and the operation running here, and
+  /// closes the transport so that the running operation ends now. Any thread.
   void peer_failed(int peer, const std::string& why) {
     std::string running;
     for (const auto& r : recorder_.snapshot(backend_, rank_, size_, name_).ops)
       if (r.state == OpState::started) running = "op #" + std::to_string(r.seq) + " (" + r.op + ")";
-    const std::string what = "rank " + std::to_string(peer) + " is dead: " + why + "; seen by rank " +
+    const std::string what = why + "; seen by rank " +
                              std::to_string(rank_) + "'s liveness watch " +
                              (running.empty() ? std::string("between operations") : "during " + running);
     if (record_failure(FailureKind::remote, what, "rank " + std::to_string(peer))) {
@@ -421,7 +421,7 @@ class EngineCore {
   void consult_liveness(const Error& e) {
     if (!liveness_ || has_failed()) return;
     if (dynamic_cast<const RemoteError*>(&e) == nullptr && dynamic_cast<const Timeout*>(&e) == nullptr) return;
-    if (auto v = liveness_->verdict_now(std::chrono::milliseconds(500)); v && v->rank != rank_)
+    if (auto v = liveness_->verdict_now(std::chrono::milliseconds(500)); v && v->source != rank_)
       peer_failed(v->rank, v->why);
   }
 
@@ -476,9 +476,11 @@ class EngineCore {
         consult_liveness(e);  // a peer the store saw die is the cause, not the rank that told us
         if (record_failure(kind_of(e), e.what(), e.peer())) {
           // Close the transport now, so that peers blocked on this rank fail at once with
-          // RemoteError instead of waiting for their own timeout.
+          // RemoteError instead of waiting for their own timeout; and tell them through the
+          // liveness channel, for a wait a closed connection does not wake (liveness.hpp).
           failure_to_dump_ = true;
           derived().close_transport();
+          if (liveness_ && kind_of(e) == FailureKind::remote) liveness_->announce_failure(rank_named(e.peer()), e.what());
           throw;
         }
         // Woken by an abort (Work::wait gave up) or an earlier failure: report that cause, not the

@@ -2,6 +2,7 @@
 // The kinds of failure an engine remembers after its first error, so that every later operation
 // fails at once with the same kind of comm::Error and the first cause (backend-neutral).
 
+#include <charconv>
 #include <string>
 
 #include <comm/error.hpp>
@@ -24,6 +25,15 @@ enum class FailureKind { timeout, remote, backend };
   if (dynamic_cast<const Timeout*>(&e) != nullptr) return FailureKind::timeout;
   if (dynamic_cast<const RemoteError*>(&e) != nullptr) return FailureKind::remote;
   return FailureKind::backend;
+}
+
+/// N of an error's peer "rank N"; -1 for any other peer (an address, a device) or none.
+[[nodiscard]] inline int rank_named(const std::string& peer) {
+  if (!peer.starts_with("rank ")) return -1;
+  int r = -1;
+  const char* end = peer.data() + peer.size();
+  const auto [p, ec] = std::from_chars(peer.data() + 5, end, r);
+  return ec == std::errc() && p == end ? r : -1;
 }
 
 }  // namespace comm::detail
