@@ -483,6 +483,9 @@ class EngineCore {
           if (liveness_ && kind_of(e) == FailureKind::remote) liveness_->announce_failure(rank_named(e.peer()), e.what());
           throw;
         }
+        // A mismatch this rank diagnosed itself (DesyncError) is no echo: it stands, even when a
+        // peer's announced failure (which the mismatch caused) reached the liveness watch first.
+        if (dynamic_cast<const InvalidArgument*>(&e) != nullptr) throw;
         // Woken by an abort (Work::wait gave up) or an earlier failure: report that cause, not the
         // engine's echo of it.
         std::lock_guard lock(failure_mu_);
