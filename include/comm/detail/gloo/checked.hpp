@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,7 @@
 
 #include <comm/detail/desync.hpp>
 #include <comm/detail/gloo/algorithms.hpp>
+#include <comm/detail/gloo/direct.hpp>
 #include <comm/error.hpp>
 
 namespace comm::detail::gloo {
@@ -40,22 +42,49 @@ inline constexpr std::size_t kFrameBytes = sizeof(Fingerprint) + kCheckedMax;
 inline constexpr std::uint8_t kCheckedSlotPrefix = 0x27;
 
 /// Reusable frames of one gloo context, each with its own buffer (a wait then names its peer).
-/// The memory is not initialised: pages no message reached cost nothing.
+/// The memory is not initialised: pages no message reached cost nothing. With comm's direct
+/// connections (direct.hpp) the frames travel there, and gloo's buffers are not made.
 class Frames {
  public:
+  explicit Frames(DirectLinks* direct = nullptr) noexcept : direct_(direct) {}
+
   void reserve(const std::shared_ptr<::gloo::Context>& ctx, std::size_t n) {
-    if (n <= bufs_.size()) return;
+    if (n <= count_) return;
     bufs_.clear();
     mem_.reset(new std::byte[n * kFrameBytes]);
-    for (std::size_t i = 0; i < n; ++i) bufs_.push_back(ctx->createUnboundBuffer(at(i), kFrameBytes));
+    count_ = n;
+    recv_tickets_.assign(n, 0);
+    if (direct_ == nullptr)
+      for (std::size_t i = 0; i < n; ++i) bufs_.push_back(ctx->createUnboundBuffer(at(i), kFrameBytes));
   }
   [[nodiscard]] std::byte* at(std::size_t i) const noexcept { return mem_.get() + i * kFrameBytes; }
   [[nodiscard]] static std::byte* payload(std::byte* frame) noexcept { return frame + sizeof(Fingerprint); }
   [[nodiscard]] ::gloo::transport::UnboundBuffer& buffer(std::size_t i) const { return *bufs_[i]; }
+  [[nodiscard]] DirectLinks* direct() const noexcept { return direct_; }
+
+  // The direct connections' tickets of the operation in progress: frame i's receive, and each
+  // (frame, peer) send (a frame may go to several peers at once).
+  void begin_op() noexcept { sends_.clear(); }
+  [[nodiscard]] std::uint64_t& recv_ticket(std::size_t i) { return recv_tickets_.at(i); }
+  void sent(std::size_t i, int peer, std::uint64_t ticket) { sends_.push_back({i, peer, ticket}); }
+  [[nodiscard]] std::uint64_t send_ticket(std::size_t i, int peer) const {
+    for (const auto& s : sends_)
+      if (s.frame == i && s.peer == peer) return s.ticket;
+    throw std::logic_error("comm: wait for a frame that was not sent");
+  }
 
  private:
+  struct Sent {
+    std::size_t frame;
+    int peer;
+    std::uint64_t ticket;
+  };
+  DirectLinks* direct_;
+  std::size_t count_ = 0;
   std::unique_ptr<std::byte[]> mem_;
   std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> bufs_;
+  std::vector<std::uint64_t> recv_tickets_;
+  std::vector<Sent> sends_;
 };
 
 /// One checked operation's messages: its slot, deadline and fingerprint.
@@ -72,6 +101,7 @@ class FramedOp {
         rank_(ctx->rank) {
     fp_.reserved = static_cast<std::uint32_t>(payload);
     frames.reserve(ctx, nframes);
+    frames.begin_op();
   }
 
   [[nodiscard]] std::byte* frame(std::size_t i) const noexcept { return frames_.at(i); }
@@ -83,8 +113,20 @@ class FramedOp {
     std::memcpy(frame(i), &fp_, sizeof(Fingerprint));
     if (src != nullptr && payload_ != 0) std::memcpy(payload(i), src, payload_);
   }
-  void post_recv(std::size_t i, int peer) const { frames_.buffer(i).recv(peer, slot_, 0, kFrameBytes); }
-  void send(std::size_t i, int peer) const { frames_.buffer(i).send(peer, slot_, 0, sizeof(Fingerprint) + payload_); }
+  void post_recv(std::size_t i, int peer) const {
+    if (auto* d = frames_.direct()) {
+      frames_.recv_ticket(i) = d->post_recv(peer, frame(i), kFrameBytes);
+      return;
+    }
+    frames_.buffer(i).recv(peer, slot_, 0, kFrameBytes);
+  }
+  void send(std::size_t i, int peer) const {
+    if (auto* d = frames_.direct()) {
+      frames_.sent(i, peer, d->send(peer, frame(i), sizeof(Fingerprint) + payload_));
+      return;
+    }
+    frames_.buffer(i).send(peer, slot_, 0, sizeof(Fingerprint) + payload_);
+  }
 
   /// Waits for frame i's message from `peer` and checks its fingerprint.
   void wait_recv(std::size_t i, int peer) const {
@@ -117,6 +159,13 @@ class FramedOp {
 
  private:
   void waited(std::size_t i, int peer, bool send) const {
+    if (auto* d = frames_.direct()) {
+      if (send)
+        d->wait_sent(peer, frames_.send_ticket(i, peer), deadline_, op_, fp_.seq);
+      else
+        d->wait_received(peer, frames_.recv_ticket(i), deadline_, op_, fp_.seq);
+      return;
+    }
     auto& b = frames_.buffer(i);
     try {
       if (send)

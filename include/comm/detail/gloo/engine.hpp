@@ -80,6 +80,9 @@ struct EngineConfig : CoreConfig {
   int loop_nice = loop_nice_default();
   /// all_reduce / reduce_scatter algorithm choice (see algorithms.hpp).
   AlgorithmConfig algorithms = algorithm_config_default();
+  /// The frames (small operations, fingerprint exchanges) over comm's own connections (direct.hpp)
+  /// instead of gloo's pairs; only for 2..kCheckedMaxRanks ranks.
+  bool direct = false;
 };
 
 class Engine : public EngineCore<Engine> {
@@ -120,6 +123,9 @@ class Engine : public EngineCore<Engine> {
       StoreAdapter adapter(Core::store(), key_prefix() + std::to_string(i) + "/", timeout(), &peer_names_);
       try {
         ctx->connectFullMesh(adapter, dev);
+        if (i == 0 && cfg.direct && size > 1 && size <= kCheckedMaxRanks)
+          direct_ = std::make_unique<DirectLinks>(*Core::store(), key_prefix() + "direct-", rank, size, specs[0],
+                                                  timeout());
         // Once every rank has passed this barrier, every rank has finished reading the store, so
         // the store (e.g. rank 0's TcpStore server from env://) may go away right after create().
         ::gloo::BarrierOptions b(ctx);
@@ -132,7 +138,7 @@ class Engine : public EngineCore<Engine> {
       }
       contexts_.push_back(std::move(ctx));
     }
-    for (std::size_t i = 0; i < contexts_.size(); ++i) frames_.push_back(std::make_unique<Frames>());
+    for (std::size_t i = 0; i < contexts_.size(); ++i) frames_.push_back(std::make_unique<Frames>(direct_.get()));
   }
 
   /// Uses an already connected context (no store: no subgroups, no monitored_barrier).
@@ -390,6 +396,7 @@ class Engine : public EngineCore<Engine> {
   /// abort wakes its own, the gate comm's (a send gloo already began writing included).
   void close_transport() noexcept {
     for (auto& ctx : contexts_) abort_context(*ctx);
+    if (direct_) direct_->close();
     gate_.close();
   }
 
@@ -400,6 +407,7 @@ class Engine : public EngineCore<Engine> {
   // The direct exchange's buffers over the core's fingerprint table (made at the first check;
   // destroyed before the contexts).
   std::unique_ptr<::gloo::transport::UnboundBuffer> fp_send_, fp_recv_;
+  std::unique_ptr<DirectLinks> direct_;  // the frames' connections, when EngineConfig::direct
   std::vector<std::unique_ptr<Frames>> frames_;  // one per context; destroyed before the contexts
   Scratch scratch_;  // comm's algorithms' buffers; ops run one at a time
   P2PCounters p2p_numbers_;

@@ -69,6 +69,7 @@ class Deadline {
     return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
                                                       at_ - std::chrono::steady_clock::now()));
   }
+  [[nodiscard]] bool expired() const noexcept { return std::chrono::steady_clock::now() >= at_; }
   [[nodiscard]] WaitGate& gate() const noexcept { return *gate_; }
 
  private:

@@ -232,6 +232,10 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     // The composed operation is checked once, by this communicator; its steps need no check of
     // their own.
     if constexpr (requires { o.desync_check; }) o.desync_check = false;
+    // Across hosts a Gloo member's small messages take comm's direct connections unless the user
+    // chose (GlooOptions::direct): there the per-message latency is what small operations pay.
+    if constexpr (requires { o.direct.has_value(); })
+      if (std::string_view(level) != "intra" && !o.direct.has_value()) o.direct = true;
     // Members' records and dumps carry this communicator's rank and name, so that the members of
     // different nodes (each with its own local ranks) never write the same dump file.
     if constexpr (requires { o.record_file_rank; o.record_name; }) {
