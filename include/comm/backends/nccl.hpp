@@ -7,13 +7,40 @@
 /// passed as `std::span<T>` like any other buffer; the element types are comm's (comm::half and
 /// comm::bfloat16 are bit-compatible with `__half` / `__nv_bfloat16`).
 ///
+/// ### The shared core, and the engine facts that differ from the host engines
+/// Identity, key prefix on the store, subgroup counter, membership check, flight recorder and its
+/// dumps, first-failure record and liveness watch are the same core as Gloo, Shm, Mpi and
+/// Hierarchical use (detail/engine/comm_core.hpp). What remains different comes from NCCL and CUDA:
+/// 1. Operations are enqueued on a stream and end on the device: the blocking form returns once
+///    enqueued (see "Stream semantics"); "started" in the flight record means the operation reached
+///    the head of the stream, not that a thread began it.
+/// 2. A watchdog thread, not the calling thread, sees completion, NCCL's asynchronous errors and the
+///    deadline. The first failure aborts the NCCL communicator (ncclCommAbort; an adopted one only
+///    with `abort_adopted`) where a host engine closes its transport, then every pending Work fails.
+///    The error keeps NCCL's or CUDA's native code (`nccl_result_of`, `cuda_error_of`).
+/// 3. The liveness watch starts with the communicator (host engines: at the first operation). A
+///    peer's death it reports is this communicator's failure (RemoteError naming the peer) and
+///    aborts the NCCL communicator as above. NCCL's own failures are not announced on the liveness
+///    channel nor re-attributed through it: NCCL reports a dead peer as ncclRemoteError, or the
+///    deadline ends the operation.
+/// 4. Sequence numbers are taken under the engine's lock when an operation is issued;
+///    point-to-point operations take none of the collective numbers that the desync check compares.
+/// 5. The desync check is an ncclAllGather of the fingerprints on the stream, waited for on the
+///    host; point-to-point operations carry no header, so NCCL has no tags and does not detect
+///    all_to_all_v counts that differ from the peer's.
+/// 6. Reductions are NCCL's: no custom callables, no bitwise operations, avg on floating and
+///    unsigned types only (see "Reductions and types").
+/// 7. monitored_barrier first waits on the host for every operation issued so far.
+/// 8. The comms log (COMM_COMMS_LOG) times operations with CUDA events, on the device.
+///
 /// ### Construction
 /// - `Communicator<Nccl>::from_env()`: env:// rendezvous (RANK, WORLD_SIZE, MASTER_ADDR,
 ///   MASTER_PORT), then `create` on the store it yields.
 /// - `Communicator<Nccl>::create(store, rank, size, options)`: rank 0 makes the ncclUniqueId and
-///   shares it through the store; every rank then runs a non-blocking ncclCommInitRankConfig on its
-///   device, polled until `options.timeout` (then the half-made communicator is aborted and
-///   comm::Timeout thrown). A rank that fails on the way tells the others through the store, so they
+///   shares it through the store (after the membership check: ranks started with different world
+///   sizes fail with comm::InvalidArgument naming both, before a device is touched); every rank
+///   then runs a non-blocking ncclCommInitRankConfig on its device, polled until `options.timeout`
+///   (then the half-made communicator is aborted and comm::Timeout thrown). A rank that fails on the way tells the others through the store, so they
 ///   fail at once with comm::RemoteError naming it. The device is `options.device`, else
 ///   `LOCAL_RANK % device count`, else `rank % device count`. The communicator keeps the store
 ///   (and so, on rank 0 of env://, the TcpStore server) and its key prefix there
@@ -105,7 +132,8 @@
 /// ### Deadlines and errors
 /// A watchdog thread per communicator completes Work as the device finishes, polls
 /// ncclCommGetAsyncError, and fails any operation still running `options.timeout` after it was
-/// issued (NCCL reports nothing when a peer on the same host dies). On the first failure it
+/// issued (NCCL reports nothing when a peer on the same host dies; on a TcpStore, the liveness
+/// watch reports a dead peer within COMM_LIVENESS_SILENCE and fails the communicator at once). On the first failure it
 /// aborts the communicator (ncclCommAbort) and fails every pending Work — comm::Timeout,
 /// comm::RemoteError (ncclRemoteError) or comm::BackendError, naming the operation and the rank;
 /// later operations fail at once with the first cause. NCCL and CUDA failures keep their native
@@ -289,7 +317,8 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
     kept.stream.reset();  // not the adopted stream: subgroups make streams of their own
     return Nccl(std::make_unique<dn::Engine>(comm, false, rank, size, device, stream,
                                              settings(options, gather, options.abort_adopted),
-                                             dn::Origin{nullptr, {}, rank, "adopted"}),
+                                             core_config(options, rank, "adopted"),
+                                             comm::detail::adopted_place(rank, "adopted")),
                 std::move(kept));
   }
 
@@ -411,26 +440,24 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
     if (child == nullptr) return std::nullopt;
     const std::string group = comm::detail::group_name(k);
     int rank = -1, size = 0;
-    dn::Origin origin = child_origin(group);
+    Options o = child_options();
+    const auto core = core_config(o, engine_->file_rank(), comm::detail::child_name(engine_->name(), group));
+    comm::detail::CommPlace place = comm::detail::adopted_place(core.file_rank, core.name);
     try {
       COMM_NCCL_CHECK(ncclCommUserRank(child, &rank), "split", this->rank(), child);
       COMM_NCCL_CHECK(ncclCommCount(child, &size), "split", this->rank(), child);
-      if (engine_->store()) {
-        auto rv = dn::open_rendezvous(std::make_shared<PrefixStore>(comm::detail::split_prefix(engine_->key_prefix(),
-                                                                                                group, color),
-                                                                    engine_->store()),
-                                      rank);
-        origin.store = std::move(rv.store);
-        origin.key_prefix = std::move(rv.prefix);
-      }
+      if (engine_->store())  // its own keys, and the membership check of its ranks
+        place = comm::detail::join_store(
+            std::make_shared<PrefixStore>(comm::detail::split_prefix(engine_->key_prefix(), group, color),
+                                          engine_->store()),
+            rank, size, core, "nccl");
     } catch (...) {
       dn::abort_comm(child, device());
       throw;
     }
-    Options o = child_options();
     auto s = settings(o, gather_algorithm(), /*may_abort=*/true);
-    return Nccl(std::make_unique<dn::Engine>(child, true, rank, size, device(), std::nullopt, std::move(s),
-                                             std::move(origin)),
+    return Nccl(std::make_unique<dn::Engine>(child, true, rank, size, device(), std::nullopt, std::move(s), core,
+                                             std::move(place)),
                 std::move(o));
   }
 
@@ -445,7 +472,8 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
     const std::string group = comm::detail::group_name(k);
     auto store =
         std::make_shared<PrefixStore>(comm::detail::group_prefix(engine_->key_prefix(), group), engine_->store());
-    const Parent parent{device(), gather_algorithm(), child_origin(group)};
+    const Parent parent{device(), gather_algorithm(), engine_->file_rank(),
+                        comm::detail::child_name(engine_->name(), group)};
     return connect(std::move(store), place->rank, place->size, child_options(), &parent);
   }
 
@@ -460,7 +488,8 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
   struct Parent {
     int device;
     comm::nccl::GatherAlgorithm gather;
-    comm::detail::nccl::Origin origin;  ///< file_rank and name (store and prefix come from the rendezvous)
+    int file_rank;
+    std::string name;
   };
 
   /// Rendezvous through `store` and ncclCommInitRankConfig: a root communicator (`parent` null) or
@@ -470,7 +499,11 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
     namespace dn = comm::detail::nccl;
     const std::string op = "nccl.init";
     const auto deadline = dn::Clock::now() + options.timeout;
-    auto rv = dn::open_rendezvous(std::move(store), rank);
+    // Its number and key prefix on the store, and the membership check (ranks started with
+    // different world sizes fail here, before any device is touched).
+    const auto core = parent ? core_config(options, parent->file_rank, parent->name) : core_config(options, -1, {});
+    comm::detail::CommPlace place = comm::detail::join_store(std::move(store), rank, size, core, "nccl");
+    const dn::Rendezvous rv{place.store, place.key_prefix, place.number};
     int device = -1;
     ncclComm_t comm = nullptr;
     dn::GatherAlgorithm gather{};
@@ -485,16 +518,9 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
       dn::publish_failure(rv, rank, e.what());
       throw;
     }
-    dn::Origin origin = parent ? parent->origin : dn::Origin{};
-    if (!parent) {
-      origin.file_rank = rank;
-      origin.name = rv.number == 1 ? std::string() : "c" + std::to_string(rv.number);
-    }
-    origin.store = rv.store;
-    origin.key_prefix = rv.prefix;
-    const std::string what = origin.name.empty() ? std::string() : " (" + origin.name + ")";
+    const std::string what = place.name.empty() ? std::string() : " (" + place.name + ")";
     auto engine = std::make_unique<dn::Engine>(comm, true, rank, size, device, options.stream,
-                                               settings(options, gather, /*may_abort=*/true), std::move(origin));
+                                               settings(options, gather, /*may_abort=*/true), core, std::move(place));
     comm::detail::log(comm::detail::LogLevel::info,
                       "nccl: rank " + std::to_string(rank) + " of " + std::to_string(size) + what + " on device " +
                           std::to_string(device) + ", NCCL " + dn::version_string(dn::runtime_version()) +
@@ -508,11 +534,6 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
     o.device = device();
     o.stream.reset();
     return o;
-  }
-
-  /// The dump naming of subgroup `group` (its store and key prefix are filled in later).
-  [[nodiscard]] comm::detail::nccl::Origin child_origin(const std::string& group) const {
-    return {nullptr, {}, engine_->file_rank(), comm::detail::child_name(engine_->name(), group)};
   }
 
   static void check_options(const Options& o, int rank, const std::string& op) {
@@ -531,14 +552,16 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
 
   static comm::detail::nccl::Settings settings(const Options& o, comm::nccl::GatherAlgorithm g, bool may_abort) {
     comm::detail::nccl::Settings s;
-    s.timeout = o.timeout;
     s.gather = g;
     s.check_pointers = o.check_pointers;
     s.may_abort = may_abort;
     s.timing.async_poll = o.watchdog_interval;
-    s.desync_check = o.desync_check;
-    s.flight_recorder_size = o.flight_recorder_size;
     return s;
+  }
+
+  /// The core's part of the options; `file_rank` -1: a root communicator (see CoreConfig).
+  static comm::detail::CoreConfig core_config(const Options& o, int file_rank, std::string name) {
+    return {o.timeout, o.desync_check, o.flight_recorder_size, file_rank, std::move(name)};
   }
 
   std::unique_ptr<comm::detail::nccl::Engine> engine_;

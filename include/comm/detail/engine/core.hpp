@@ -13,17 +13,18 @@
 //   bool exchange_before(const Op& op) const;                 // optional: exchange fingerprints before
 //                                                            //   `op` even without the desync check
 //
-// What the core owns:
+// EngineCore builds on CommCore (comm_core.hpp: identity, membership check, flight recorder and
+// dumps, first-failure record, liveness watch, shared with the NCCL engine) and adds the host
+// execution machinery:
 //   - the typed entry points (all_reduce<T>...): they fill one Op record (op.hpp), so everything
 //     behind them is compiled once, whatever the element types and reductions a program uses;
 //   - issue order, sequence numbers and async Work (op_queue.hpp), Work::wait's abort on timeout;
-//   - the flight recorder (queued/started/completed/failed) and its dumps after an error;
+//   - the flight recorder's transitions (queued/started/completed/failed) and the dump after an error;
 //   - the desync check (a 32-byte fingerprint per rank compared before each operation);
-//   - monitored_barrier (through the store), the membership check and the communicator's key
-//     prefix on the store, the subgroup counter;
-//   - failure state: after the first Timeout/RemoteError/BackendError the communicator is unusable
-//     and every later operation fails at once with that first cause; the engine's transport is
-//     closed at the first failure so that peers fail at once instead of waiting for their timeout.
+//   - monitored_barrier through the store;
+//   - failure handling: the engine's transport is closed at the first failure so that peers fail
+//     at once instead of waiting for their timeout; a peer the liveness watch saw die is named as
+//     the cause.
 
 #include <array>
 #include <cstring>
@@ -46,10 +47,12 @@
 #include <comm/detail/comms_log.hpp>
 #include <comm/detail/cuda_driver.hpp>
 #include <comm/detail/desync.hpp>
+#include <comm/detail/engine/comm_core.hpp>
 #include <comm/detail/engine/failure.hpp>
 #include <comm/detail/engine/op.hpp>
 #include <comm/detail/engine/op_queue.hpp>
 #include <comm/detail/engine/p2p.hpp>
+#include <comm/detail/engine/work_state.hpp>
 #include <comm/detail/flight_recorder.hpp>
 #include <comm/detail/liveness.hpp>
 #include <comm/detail/logging.hpp>
@@ -85,135 +88,28 @@ template <class Red>
     return OpDesc::custom;
 }
 
-/// What every engine is built with besides its store, rank and size.
-struct CoreConfig {
-  std::chrono::milliseconds timeout{};
-  bool desync_check = false;
-  std::size_t flight_recorder_size = 256;
-  /// Subgroups: the rank (in its root communicator) used in dump file names, and the subgroup's
-  /// name ("g0", "g0.g1"). -1 for a root communicator (its own rank; its name comes from its
-  /// creation number on the store).
-  int file_rank = -1;
-  std::string name;
-};
-
-/// Lets a Work whose wait gave up stop the operation; outlives the engine (a Work may).
-class AbortHandle {
- public:
-  using AbortFn = void (*)(void* engine, const std::string& why, std::chrono::milliseconds grace);
-  AbortHandle(void* engine, AbortFn fn) noexcept : engine_(engine), fn_(fn) {}
-  /// Aborts the communicator's operations; false when the engine is gone.
-  bool abort(const std::string& why, std::chrono::milliseconds grace) {
-    std::lock_guard lock(mu_);
-    if (engine_ == nullptr) return false;
-    fn_(engine_, why, grace);
-    return true;
-  }
-  void detach() noexcept {
-    std::lock_guard lock(mu_);
-    engine_ = nullptr;
-  }
-
- private:
-  std::mutex mu_;
-  void* engine_;
-  AbortFn fn_;
-};
-
-/// The Work state of an async host operation. When Work::wait's (or synchronize's) deadline passes
-/// it aborts the communicator and waits (bounded: at most timeout + 2 s more) for the operation to
-/// end, so that the Timeout reaches the caller only once the engine no longer touches the
-/// operation's buffers. Work::wait_for() lets the operation run on, as documented.
-class EngineWorkState final : public WorkState {
- public:
-  EngineWorkState(const char* op, int rank, std::chrono::milliseconds timeout, std::shared_ptr<AbortHandle> abort)
-      : WorkState(op, rank, timeout), abort_(std::move(abort)) {}
-
-  std::string on_wait_timeout() override {
-    const std::string why = "Work::wait gave up after " + std::to_string(timeout().count()) +
-                            " ms: the operation did not complete; the communicator was aborted";
-    const auto bound = timeout() + std::chrono::seconds(2);
-    // (A communicator already destroyed has drained its queue: the operation has ended.)
-    (void)abort_->abort(why, bound);
-    if (wait_until(std::chrono::steady_clock::now() + bound)) return {};
-    return "; the communicator was aborted, and the operation did not stop within " + std::to_string(bound.count()) +
-           " ms more: its buffers may still be in use";
-  }
-
- private:
-  std::shared_ptr<AbortHandle> abort_;
-};
-
 template <class Derived>
-class EngineCore {
+class EngineCore : public CommCore {
  public:
-  /// A communicator of `size` ranks over `store`: takes this communicator's number on the store
-  /// (each rank counts its own communicators, so ranks that create them in the same order agree)
-  /// and, for size > 1, runs the membership check. `backend` names it in keys, errors and dumps.
+  /// A communicator of `size` ranks over `store` (see join_store: its number and the membership
+  /// check). `backend` names it in keys, errors and dumps.
   EngineCore(std::shared_ptr<comm::Store> store, int rank, int size, const CoreConfig& cfg, const char* backend)
-      : backend_(backend),
-        rank_(rank),
-        size_(size),
-        timeout_(cfg.timeout),
-        store_(std::move(store)),
-        desync_(cfg.desync_check),
-        fingerprints_(static_cast<std::size_t>(size)),
-        recorder_(cfg.flight_recorder_size),
-        dump_path_(flight_recorder_path()) {
-    const std::string base = std::string("comm/") + backend + "/";
-    const auto seq = store_->add(base + "seq/" + std::to_string(rank), 1);
-    key_prefix_ = base + std::to_string(seq) + "/";
-    if (cfg.file_rank < 0) {
-      liveness_wanted_ = true;
-      file_rank_ = rank;
-      name_ = seq == 1 ? std::string() : "c" + std::to_string(seq);
-    } else {
-      file_rank_ = cfg.file_rank;
-      name_ = cfg.name;
-    }
-    if (size > 1)
-      check_membership(*store_, key_prefix_, static_cast<std::uint64_t>(seq), rank, size, timeout_,
-                       std::string(backend) + ".init");
-    log_.attach(backend, file_rank_, rank, size, name_);  // COMM_COMMS_LOG / COMM_TRACE (comms_log.hpp)
+      : CommCore(join_store(std::move(store), rank, size, cfg, backend), rank, size, cfg, backend),
+        fingerprints_(static_cast<std::size_t>(size)) {
+    log_.attach(backend, file_rank(), rank, size, name());  // COMM_COMMS_LOG / COMM_TRACE (comms_log.hpp)
   }
 
   /// A communicator over an engine group made elsewhere (no store: no subgroups, no
   /// monitored_barrier).
   EngineCore(int rank, int size, const CoreConfig& cfg, const char* backend, std::string name)
-      : backend_(backend),
-        rank_(rank),
-        size_(size),
-        timeout_(cfg.timeout),
-        file_rank_(rank),
-        name_(std::move(name)),
-        desync_(cfg.desync_check),
-        fingerprints_(static_cast<std::size_t>(size)),
-        recorder_(cfg.flight_recorder_size),
-        dump_path_(flight_recorder_path()) {
-    log_.attach(backend, file_rank_, rank, size, name_);
+      : CommCore(adopted_place(rank, std::move(name)), rank, size, cfg, backend),
+        fingerprints_(static_cast<std::size_t>(size)) {
+    log_.attach(backend, file_rank(), rank, size, this->name());
   }
 
   EngineCore(const EngineCore&) = delete;
   EngineCore& operator=(const EngineCore&) = delete;
   ~EngineCore() { shutdown(); }
-
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int size() const noexcept { return size_; }
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
-  /// The store this communicator rendezvoused on (null when adopted) and its key prefix there.
-  [[nodiscard]] const std::shared_ptr<comm::Store>& store() const noexcept { return store_; }
-  [[nodiscard]] const std::string& key_prefix() const noexcept { return key_prefix_; }
-  [[nodiscard]] int file_rank() const noexcept { return file_rank_; }
-  [[nodiscard]] const std::string& name() const noexcept { return name_; }
-  [[nodiscard]] bool desync_check() const noexcept { return desync_; }
-  /// The next subgroup number (split and new_group count on every rank of this communicator).
-  [[nodiscard]] std::uint64_t next_group_index() noexcept { return groups_.fetch_add(1); }
-
-  [[nodiscard]] FlightRecord flight_record() const { return recorder_.snapshot(backend_, rank_, size_, name_); }
-  /// The file of automatic dumps: COMM_FLIGHT_RECORDER + "." + rank [+ "." + name].
-  [[nodiscard]] std::string dump_file() const {
-    return dump_path_ + "." + std::to_string(file_rank_) + (name_.empty() ? std::string() : "." + name_);
-  }
 
   // ---- launch: blocking runs inline (after queued work), async queues and returns Work ----
 
@@ -226,7 +122,7 @@ class EngineCore {
   Work launch(Op& op, async_t) {
     check_host_buffers(op);
     start_liveness_once();
-    auto state = std::make_shared<EngineWorkState>(op_name(op.desc.kind), rank_, timeout_, abort_);
+    auto state = std::make_shared<EngineWorkState>(op_name(op.desc.kind), rank(), timeout(), abort_);
     queue_.submit(std::move(op), state);
     return Work(std::move(state));
   }
@@ -348,7 +244,7 @@ class EngineCore {
     op.desc.count = ops.size();
     check_host_buffers(op);
     start_liveness_once();
-    auto state = std::make_shared<EngineWorkState>(op_name(op.desc.kind), rank_, timeout_, abort_);
+    auto state = std::make_shared<EngineWorkState>(op_name(op.desc.kind), rank(), timeout(), abort_);
     queue_.submit(std::move(op), state);
     works.reserve(ops.size());
     for (std::size_t i = 0; i < ops.size(); ++i) works.emplace_back(state);
@@ -367,7 +263,7 @@ class EngineCore {
   /// all_gather of kind `split`, which the engine runs as an all_gather).
   [[nodiscard]] std::vector<std::int64_t> exchange_color_key(int color, int key) {
     const std::array<std::int64_t, 2> mine{color, key};
-    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size_));
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
     Op op = make_op<std::int64_t>(OpKind::split, mine.data(), all.data(), mine.size(), all.size());
     op.desc.count = 2;
     launch(op, blocking);
@@ -376,8 +272,8 @@ class EngineCore {
 
   /// See detail/monitored_barrier.hpp. Ordered after the queued operations, like barrier().
   void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
-    if (!store_)
-      throw InvalidArgument("monitored_barrier", rank_,
+    if (!store())
+      throw InvalidArgument("monitored_barrier", rank(),
                             "this communicator was adopted and has no store; monitored_barrier needs one (create the "
                             "communicator with create() or from_env())");
     Op op;
@@ -391,10 +287,7 @@ class EngineCore {
   /// unusable: the engine's pending waits wake at once, its transport closes (peers fail with
   /// RemoteError). Returns once no operation runs, or after `grace`.
   void abort(const std::string& why, std::chrono::milliseconds grace) {
-    if (record_failure(FailureKind::timeout, why, {})) {
-      failure_to_dump_ = true;
-      derived().close_transport();
-    }
+    if (record_failure(FailureKind::timeout, why, {})) derived().close_transport();
     (void)queue_.wait_idle_until(std::chrono::steady_clock::now() + grace);
   }
 
@@ -404,56 +297,35 @@ class EngineCore {
   /// fails the communicator with RemoteError naming `peer` and the operation running here, and
   /// closes the transport so that the running operation ends now. Any thread.
   void peer_failed(int peer, const std::string& why) {
-    std::string running;
-    for (const auto& r : recorder_.snapshot(backend_, rank_, size_, name_).ops)
-      if (r.state == OpState::started) running = "op #" + std::to_string(r.seq) + " (" + r.op + ")";
-    const std::string what = why + "; seen by rank " +
-                             std::to_string(rank_) + "'s liveness watch " +
-                             (running.empty() ? std::string("between operations") : "during " + running);
-    if (record_failure(FailureKind::remote, what, "rank " + std::to_string(peer))) {
-      failure_to_dump_ = true;
-      derived().close_transport();
-    }
+    if (note_peer_failure(peer, why)) derived().close_transport();
   }
 
   /// The engine's error `e` (a peer closed, or a wait timed out) may be the echo of a death the
   /// liveness watch knows of: ask it now, and let that death be the recorded cause.
   void consult_liveness(const Error& e) {
-    if (!liveness_ || has_failed()) return;
+    if (liveness() == nullptr || has_failed()) return;
     if (dynamic_cast<const RemoteError*>(&e) == nullptr && dynamic_cast<const Timeout*>(&e) == nullptr) return;
-    if (auto v = liveness_->verdict_now(std::chrono::milliseconds(500)); v && v->source != rank_)
+    if (auto v = liveness()->verdict_now(std::chrono::milliseconds(500)); v && v->source != rank())
       peer_failed(v->rank, v->why);
-  }
-
-  /// The first failure's text, or "" while the communicator is healthy.
-  [[nodiscard]] std::string failure_text() const {
-    std::lock_guard lock(failure_mu_);
-    return failure_ ? failure_->what : std::string();
   }
 
  protected:
   /// Derived destructors call this first, so that no operation runs on a half-destroyed engine.
   void shutdown() noexcept {
     if (shut_down_) return;
-    if (liveness_) liveness_->stop();  // first: it may call peer_failed()
+    stop_liveness();  // first: it may call peer_failed()
     shut_down_ = true;
     queue_.shutdown();
     abort_->detach();
     log_.finish();  // the comms log's summary
-    if (!dump_path_.empty()) {
-      try {
-        write_text_file(dump_file(), to_string(flight_record()), rank_);
-      } catch (const std::exception& e) {
-        log(LogLevel::warn, e.what());
-      }
-    }
+    dump_at_end();
   }
 
   /// The fingerprints of the operation being checked, one per rank; exchange_fingerprints() fills
   /// every rank's slot from the peers (this rank's is already set).
   [[nodiscard]] std::vector<Fingerprint>& fingerprints() noexcept { return fingerprints_; }
   [[nodiscard]] const Fingerprint& own_fingerprint() const noexcept {
-    return fingerprints_[static_cast<std::size_t>(rank_)];
+    return fingerprints_[static_cast<std::size_t>(rank())];
   }
 
   /// Runs one engine step, turning its exceptions into comm errors (Derived::rethrow_translated).
@@ -461,12 +333,7 @@ class EngineCore {
   /// first cause.
   template <class F>
   void run(const char* op, F&& f) {
-    {
-      std::lock_guard lock(failure_mu_);
-      if (failure_)
-        throw_as(failure_->kind, op, rank_,
-                 "the communicator is unusable after an earlier failure: " + failure_->what, failure_->peer);
-    }
+    throw_if_failed(op);
     try {
       std::forward<F>(f)();
     } catch (...) {
@@ -478,9 +345,9 @@ class EngineCore {
           // Close the transport now, so that peers blocked on this rank fail at once with
           // RemoteError instead of waiting for their own timeout; and tell them through the
           // liveness channel, for a wait a closed connection does not wake (liveness.hpp).
-          failure_to_dump_ = true;
           derived().close_transport();
-          if (liveness_ && kind_of(e) == FailureKind::remote) liveness_->announce_failure(rank_named(e.peer()), e.what());
+          if (liveness() != nullptr && kind_of(e) == FailureKind::remote)
+            liveness()->announce_failure(rank_named(e.peer()), e.what());
           throw;
         }
         // A mismatch this rank diagnosed itself (DesyncError) is no echo: it stands, even when a
@@ -488,8 +355,7 @@ class EngineCore {
         if (dynamic_cast<const InvalidArgument*>(&e) != nullptr) throw;
         // Woken by an abort (Work::wait gave up) or an earlier failure: report that cause, not the
         // engine's echo of it.
-        std::lock_guard lock(failure_mu_);
-        throw_as(failure_->kind, op, rank_, failure_->what, failure_->peer);
+        throw_failure(op);
       }
     }
   }
@@ -512,7 +378,7 @@ class EngineCore {
         sub.custom = op.custom;
         sub.custom_arg = op.custom_arg;
         sub.finish = op.finish;
-        if (rank_ == op.desc.root) {
+        if (rank() == op.desc.root) {
           sub.out = op.out;
         } else {
           compose_scratch_.resize(op.in_count * op.elem_size);
@@ -523,10 +389,10 @@ class EngineCore {
         return;
       }
       case OpKind::scatter: {
-        compose_scatter(op, rank_, size_, compose_items_);
-        if (rank_ == op.desc.root) {
+        compose_scatter(op, rank(), size(), compose_items_);
+        if (rank() == op.desc.root) {
           const auto* mine = static_cast<const std::byte*>(op.in) +
-                             static_cast<std::size_t>(rank_) * op.out_count * op.elem_size;
+                             static_cast<std::size_t>(rank()) * op.out_count * op.elem_size;
           if (mine != op.out && op.out_count != 0) std::memcpy(op.out, mine, op.out_count * op.elem_size);
         }
         derived().perform_p2p(op, std::span<P2PItem>(compose_items_));
@@ -534,13 +400,13 @@ class EngineCore {
       }
       case OpKind::all_to_all:
       case OpKind::all_to_all_v: {
-        compose_all_to_all(op, rank_, size_, compose_items_);
-        all_to_all_self_copy(op, rank_, size_);
+        compose_all_to_all(op, rank(), size(), compose_items_);
+        all_to_all_self_copy(op, rank(), size());
         derived().perform_p2p(op, std::span<P2PItem>(compose_items_));
         return;
       }
       default:
-        throw BackendError(op_name(op.desc.kind), rank_, std::string("not an operation the ") + backend_ +
+        throw BackendError(op_name(op.desc.kind), rank(), std::string("not an operation the ") + backend_name() +
                                                              " engine runs");
     }
   }
@@ -556,9 +422,9 @@ class EngineCore {
     } catch (const std::bad_alloc&) {
       throw;
     } catch (const std::exception& e) {
-      throw BackendError(op, rank_, e.what());
+      throw BackendError(op, rank(), e.what());
     } catch (...) {
-      throw BackendError(op, rank_, "unknown exception");
+      throw BackendError(op, rank(), "unknown exception");
     }
   }
 
@@ -573,28 +439,10 @@ class EngineCore {
     staged_exempt_ = true;
   }
 
-  /// True when the communicator has failed (cheap; for engines' wait loops).
-  [[nodiscard]] bool has_failed() const noexcept { return failed_.load(std::memory_order_acquire); }
-
  private:
   friend class OpQueue;
 
   [[nodiscard]] Derived& derived() noexcept { return static_cast<Derived&>(*this); }
-
-  struct Failure {
-    FailureKind kind;
-    std::string what;
-    std::string peer;
-  };
-
-  /// Records the first failure; false when there was one already.
-  bool record_failure(FailureKind kind, const std::string& what, const std::string& peer) {
-    std::lock_guard lock(failure_mu_);
-    if (failure_) return false;
-    failure_ = Failure{kind, what, peer};
-    failed_.store(true, std::memory_order_release);
-    return true;
-  }
 
   void check_host_buffers(const Op& op) const {
     if (host_only_hint_ == nullptr || !cuda::driver_usable()) return;
@@ -610,8 +458,8 @@ class EngineCore {
     }
     auto reject = [&](const void* p) {
       if (cuda::is_device_pointer(p))
-        throw InvalidArgument(op_name(op.desc.kind), rank_,
-                              std::string("a buffer is CUDA device memory, which the ") + backend_ +
+        throw InvalidArgument(op_name(op.desc.kind), rank(),
+                              std::string("a buffer is CUDA device memory, which the ") + backend_name() +
                                   " backend cannot read here: " + host_only_hint_);
     };
     reject(op.in);
@@ -666,7 +514,7 @@ class EngineCore {
     static_cast<EngineCore*>(self)->execute(op, id, seq);
   }
   static void issue_thunk(void* self, const Op& op, std::uint64_t id, std::uint64_t /*seq*/) {
-    static_cast<EngineCore*>(self)->recorder_.issued(id, op.desc);
+    static_cast<EngineCore*>(self)->recorder().issued(id, op.desc);
   }
   static void abort_thunk(void* self, const std::string& why, std::chrono::milliseconds grace) {
     static_cast<EngineCore*>(self)->abort(why, grace);
@@ -676,17 +524,16 @@ class EngineCore {
   /// engine's part.
   void execute(Op& op, std::uint64_t id, std::uint64_t seq) {
     const char* name = op_name(op.desc.kind);
-    recorder_.started(id);
+    recorder().started(id);
     const auto log_start = log_.start();  // one branch when the comms log is off
     try {
       if (op.desc.kind == OpKind::monitored_barrier) {
         // Store-based: its failure is a verdict about peers, not a broken transport.
-        detail::monitored_barrier(*store_, key_prefix_ + "mb", monitored_barriers_++, rank_, size_,
-                                  op.barrier_timeout, op.wait_all_ranks);
+        store_barrier(next_monitored_barrier(), op.barrier_timeout, op.wait_all_ranks);
       } else {
         // Point-to-point operations involve two ranks: their check is the message header's.
         const bool p2p = is_p2p(op.desc.kind);
-        if (size_ > 1 && !p2p && (desync_ || wants_exchange(op))) check_desync(op.desc, seq, desync_);
+        if (size() > 1 && !p2p && (desync_check() || wants_exchange(op))) check_desync(op.desc, seq, desync_check());
         // `before` runs inside run(): when it fails (a device copy-in), this rank's part of the
         // operation never happens, so the communicator fails and closes its transport, and the
         // peers get RemoteError at once instead of waiting for their timeout.
@@ -701,14 +548,14 @@ class EngineCore {
         if (op.prescale != nullptr) release_scratch(prescale_scratch_);
         if (op.hooks.after) run_hook(name, op.hooks.after);
       }
-      recorder_.completed(id);
+      recorder().completed(id);
       if (log_.on()) log_.record(op, seq, log_start);
     } catch (const std::exception& e) {
-      recorder_.failed(id, e.what());
+      recorder().failed(id, e.what());
       // A desync (every rank throws it, the communicator stays usable) and the first failure are
       // dumped; operations failing at once after that are not.
       if (op.desc.kind == OpKind::monitored_barrier || dynamic_cast<const DesyncError*>(&e) != nullptr ||
-          failure_to_dump_.exchange(false))
+          take_failure_dump())
         dump_after_error();
       throw;
     }
@@ -736,7 +583,7 @@ class EngineCore {
     } catch (const std::bad_alloc&) {
       throw;
     } catch (const std::exception& e) {
-      throw BackendError(name, rank_, e.what());
+      throw BackendError(name, rank(), e.what());
     }
   }
 
@@ -754,7 +601,7 @@ class EngineCore {
   /// `configured`: the desync check asked for it (every rank must have it on), else the engine.
   void check_desync(const OpDesc& d, std::uint64_t seq, bool configured) {
     const char* op = op_name(d.kind);
-    fingerprints_[static_cast<std::size_t>(rank_)] = fingerprint(seq, d);
+    fingerprints_[static_cast<std::size_t>(rank())] = fingerprint(seq, d);
     try {
       run(op, [&] { derived().exchange_fingerprints(seq); });
     } catch (const Timeout& e) {
@@ -765,66 +612,20 @@ class EngineCore {
                                     : ": a rank is late, hung, or called another operation)"),
                     e.peer());
     }
-    check_fingerprints(fingerprints_, op, rank_);
+    check_fingerprints(fingerprints_, op, rank());
   }
 
-  /// Writes the flight record where COMM_FLIGHT_RECORDER says, else to stderr at COMM_DEBUG>=WARN.
-  void dump_after_error() noexcept {
-    try {
-      const auto text = to_string(flight_record());
-      if (!dump_path_.empty()) {
-        const auto file = dump_file();
-        write_text_file(file, text, rank_);
-        log(LogLevel::warn, "rank " + std::to_string(rank_) + ": flight record written to " + file);
-      } else if (log_level() >= LogLevel::warn) {
-        log(LogLevel::warn, "rank " + std::to_string(rank_) + ": flight record after the error:\n" +
-                                text.substr(0, text.empty() ? 0 : text.size() - 1));
-      }
-    } catch (...) {  // diagnostics must not replace the error being reported
-    }
-  }
-
-  const char* backend_;
   const char* host_only_hint_ = nullptr;  // see host_buffers_only()
   bool staged_exempt_ = false;            // see host_buffers_unless_staged()
-  int rank_;
-  int size_;
-  std::chrono::milliseconds timeout_;
-  std::shared_ptr<comm::Store> store_;  // null when adopted
-  std::string key_prefix_;              // "comm/<backend>/<n>/": this communicator's keys in store_
-  int file_rank_ = 0;
-  std::string name_;
-  bool desync_;
   bool shut_down_ = false;
   std::vector<Fingerprint> fingerprints_;  // one per rank; operations run one at a time
   std::vector<std::byte> prescale_scratch_;  // premul_sum's scaled input
   std::vector<std::byte> compose_scratch_;   // compose(): a reduce's result off the root
   std::vector<P2PItem> compose_items_;       // compose(): a collective's sends and receives
-  std::atomic<std::uint64_t> groups_{0};
-  std::uint64_t monitored_barriers_ = 0;  // only touched by the executing operation
-  FlightRecorder recorder_;
-  CommsLog log_;           // COMM_COMMS_LOG, COMM_TRACE
-  std::string dump_path_;  // COMM_FLIGHT_RECORDER
-  std::atomic<bool> failure_to_dump_{false};
-  std::atomic<bool> failed_{false};
-  mutable std::mutex failure_mu_;
-  std::optional<Failure> failure_;
-  // Liveness: started at the first operation (the engine is fully constructed by then), for root
-  // communicators on a TcpStore.
+  CommsLog log_;  // COMM_COMMS_LOG, COMM_TRACE
   void start_liveness_once() {
-    if (liveness_started_) return;
-    liveness_started_ = true;
-    if (!store_ || !liveness_wanted_) return;
-    try {
-      liveness_ = Liveness::start(store_, key_prefix_, rank_, size_,
-                                  [this](int peer, const std::string& why) { peer_failed(peer, why); });
-    } catch (const std::exception& e) {
-      log(LogLevel::warn, std::string("comm: liveness watch not started: ") + e.what());
-    }
+    CommCore::start_liveness_once([this](int peer, const std::string& why) { peer_failed(peer, why); });
   }
-  bool liveness_wanted_ = false;
-  bool liveness_started_ = false;
-  std::unique_ptr<Liveness> liveness_;
   std::shared_ptr<AbortHandle> abort_ = std::make_shared<AbortHandle>(this, &EngineCore::abort_thunk);
   OpQueue queue_{this, &EngineCore::execute_thunk, &EngineCore::issue_thunk};  // last: drained first
 };

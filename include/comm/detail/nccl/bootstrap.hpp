@@ -1,7 +1,8 @@
 #pragma once
 // Creating an NCCL communicator through a comm::Store:
 //   1. each rank counts its NCCL communicators on the store ("comm/nccl/seq/<rank>"), so ranks
-//      that create communicators in the same order agree on a key prefix;
+//      that create communicators in the same order agree on a key prefix, and checks the world
+//      size of every rank (join_store, detail/engine/comm_core.hpp);
 //   2. rank 0 creates the ncclUniqueId and publishes it under "<prefix>uid"; the others wait for
 //      it (bounded by the deadline);
 //   3. every rank calls ncclCommInitRankConfig with blocking = 0 and polls ncclCommGetAsyncError
@@ -57,8 +58,8 @@ struct InitConfig {
   std::function<void(ncclConfig_t&)> configure;
 };
 
-/// The store keys of one communicator's rendezvous. The communicator keeps the store and the
-/// prefix afterwards (subgroups, monitored_barrier).
+/// The store keys of one communicator's rendezvous (its CommPlace: join_store). The communicator
+/// keeps the store and the prefix afterwards (subgroups, monitored_barrier).
 struct Rendezvous {
   std::shared_ptr<Store> store;
   std::string prefix;     ///< "comm/nccl/<n>/"
@@ -67,9 +68,14 @@ struct Rendezvous {
   [[nodiscard]] std::string failed_key() const { return prefix + "failed"; }
 };
 
-[[nodiscard]] inline Rendezvous open_rendezvous(std::shared_ptr<Store> store, int rank) {
-  const auto n = store->add("comm/nccl/seq/" + std::to_string(rank), 1);
-  return Rendezvous{std::move(store), "comm/nccl/" + std::to_string(n) + "/", n};
+/// ncclCommAbort on `device` (the caller's device is restored).
+inline void abort_comm(ncclComm_t comm, int device) noexcept {
+  if (comm == nullptr) return;
+  int prev = -1;
+  const bool restore = cudaGetDevice(&prev) == cudaSuccess && prev != device;
+  if (restore) (void)cudaSetDevice(device);
+  (void)ncclCommAbort(comm);
+  if (restore) (void)cudaSetDevice(prev);
 }
 
 /// Tells the other ranks that this one failed (best effort: the store may be gone too).

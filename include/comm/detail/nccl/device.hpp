@@ -148,4 +148,18 @@ inline void check_device_buffer(const void* p, std::size_t bytes, int device, co
                             "reads pageable memory)");
 }
 
+/// Checks that `stream` (when it is an ordinary stream) belongs to `device`.
+inline void check_stream_device([[maybe_unused]] cudaStream_t stream, [[maybe_unused]] int device,
+                                [[maybe_unused]] const std::string& op, [[maybe_unused]] int rank) {
+#if CUDART_VERSION >= 12080
+  if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) return;
+  int d = -1;
+  COMM_CUDA_CHECK(cudaStreamGetDevice(stream, &d), op, rank);
+  if (d != device)
+    throw InvalidArgument(op, rank,
+                          "the stream belongs to device " + std::to_string(d) + " but the communicator uses device " +
+                              std::to_string(device));
+#endif
+}
+
 }  // namespace comm::detail::nccl
