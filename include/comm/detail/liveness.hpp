@@ -11,8 +11,9 @@
 // its connection to the store closed ..."); when a rank stops (SIGSTOP) or hangs so that its
 // heartbeats stop for `silence`, the server sets it too ("... sent no heartbeat for N ms").
 // Every other rank gets the value at once and calls `on_dead(rank, why)`, which
-// fails the communicator (EngineCore::peer_failed): its running operation ends with RemoteError
-// naming the op, its number, this rank and the dead rank.
+// fails the communicator (CommCore::note_peer_failure, then the engine: EngineCore::peer_failed
+// closes the host transport, the NCCL engine aborts its communicator through the watchdog): its
+// running operation ends with RemoteError naming the op, its number, this rank and the dead rank.
 //
 // The rank hosting the store server cannot report itself: a heartbeat that gets no answer for
 // `silence` names it, and so does a watch connection the server closes, which is its host's death
