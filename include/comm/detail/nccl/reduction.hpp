@@ -33,7 +33,6 @@ struct RedArg {
   std::uint8_t code = OpDesc::none;
 };
 
-
 /// The reduction checks of one communicator: its rank (named in errors), device and the device's
 /// compute capability.
 class ReductionRules {
