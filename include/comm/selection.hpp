@@ -37,7 +37,8 @@ namespace comm {
 
 /// Options of init_distributed. -1 and empty values mean "from the environment".
 struct InitOptions {
-  std::string backend = "auto";          ///< "auto" | "gloo" | "nccl" | "shm" | "mpi" | "hierarchical"
+  std::string backend = "auto";          ///< "auto", or a name of the backend list: "shm" | "gloo" |
+                                         ///< "hierarchical" | "nccl" | "mpi" (backends/list.hpp)
   std::string init_method = "env://";    ///< "env://" | "tcp://host:port" | "file:///path"
   int rank = -1;
   int world_size = -1;
