@@ -1,8 +1,9 @@
 // Fault battery, collective part, run for every backend of the list that fault_peer has (suite
-// "backend", one CTest entry faults.<name> per backend: fault_battery --test-suite=backend
-// --fault-backend=<name>): a rank is SIGKILLed or SIGSTOPped mid-operation, ranks call mismatched
-// collectives, a rank passes wrong buffers. On Gloo also (suite "gloo_links") the link between two
-// ranks is cut, stalled or drops data (through TcpProxy, and between network namespaces). Ranks are fault_peer processes started here with an
+// "backend", one CTest entry faults.<name> per backend: fault_battery
+// --test-suite=backend,<name>_links --fault-backend=<name>): a rank is SIGKILLed or SIGSTOPped
+// mid-operation, ranks call mismatched collectives, a rank passes wrong buffers. On Gloo also
+// (suite "gloo_links") the link between two ranks is cut, stalled or drops data (through
+// TcpProxy, and between network namespaces). Ranks are fault_peer processes started here with an
 // explicit environment; every survivor must end with the right comm::Error in time, never hang.
 #include <dirent.h>
 #include <unistd.h>
@@ -347,7 +348,7 @@ void wrong_buffers(const BackendCase& b) {
          "InvalidArgument", worst_us / 1000.0, 10, sample);
 }
 
-// Runs last in each suite: the scenarios above recorded how long each rank's next operation took
+// Runs last (suite "summary"): the scenarios above recorded how long each rank's next operation took
 // to fail after its first error (it waits for an operation still running, if any).
 void next_op_summary() {
   if (g_next_ms.empty()) return;
@@ -376,8 +377,6 @@ TEST_CASE("wrong buffers: InvalidArgument before anything is sent, the communica
   wrong_buffers(current_backend());
   check_dev_shm_clean("wrong buffers");
 }
-TEST_CASE("summary: the operation after a failure") { next_op_summary(); }
-
 }  // TEST_SUITE
 
 TEST_SUITE("gloo_links") {
@@ -518,6 +517,9 @@ TEST_CASE("link cut between two network namespaces (veth down; root only)") {
   }
 }
 
-TEST_CASE("summary: the operation after a failure") { next_op_summary(); }
+}  // TEST_SUITE
 
+// Last in the file, so last in each run (doctest runs by file and line).
+TEST_SUITE("summary") {
+TEST_CASE("summary: the operation after a failure") { next_op_summary(); }
 }  // TEST_SUITE
