@@ -2,7 +2,7 @@
 /// \file
 /// Umbrella header: everything in comm, and the backends this build was configured with
 /// (COMM_HAS_GLOO, COMM_HAS_NCCL, COMM_HAS_MPI, defined by the comm::gloo, comm::nccl and comm::mpi
-/// targets).
+/// targets; the list is include/comm/backends/list.hpp).
 
 #include <comm/types.hpp>
 #include <comm/error.hpp>
@@ -14,14 +14,5 @@
 #include <comm/communicator.hpp>
 #include <comm/cdb.hpp>
 
-#include <comm/backends/shm.hpp>
-#if defined(COMM_HAS_GLOO)
-#include <comm/backends/gloo.hpp>
-#endif
-#include <comm/backends/hierarchical.hpp>  // Hierarchical<Intra, Inter>; <Shm, Gloo> with comm::gloo
-#if defined(COMM_HAS_NCCL)
-#include <comm/backends/nccl.hpp>
-#endif
-#if defined(COMM_HAS_MPI)
-#include <comm/backends/mpi.hpp>
-#endif
+// The backends this build was configured with: the one list, include/comm/backends/list.hpp.
+#include <comm/backends/registry.hpp>

@@ -1,6 +1,6 @@
 #pragma once
-// Shared helpers of the collective suites, which run once per backend (tests/collectives/
-// CMakeLists.txt builds each suite with COMM_TEST_BACKEND_<NAME> defined): the backend under test,
+// Shared helpers of the collective suites, which run once per backend of the list (tests/collectives/
+// CMakeLists.txt builds each suite with COMM_TEST_BACKEND=<name> defined): the backend under test,
 // communicator creation, deterministic inputs, and reference reductions computed locally
 // (independently of comm's kernels) for every element type and op.
 
@@ -13,18 +13,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(COMM_TEST_BACKEND_SHM)
-#include <comm/backends/shm.hpp>
-#elif defined(COMM_TEST_BACKEND_MPI)
-#include <comm/backends/mpi.hpp>
-#elif defined(COMM_TEST_BACKEND_HIERARCHICAL)
-#include <comm/backends/gloo.hpp>
-#include <comm/backends/hierarchical.hpp>
-#include <comm/backends/shm.hpp>
-#include <comm/detail/env.hpp>
-#else
+#if !defined(COMM_TEST_BACKEND)
+#define COMM_TEST_BACKEND gloo
 #define COMM_TEST_BACKEND_GLOO 1
-#include <comm/backends/gloo.hpp>
+#endif
+#include <comm/backends/registry.hpp>
+#if defined(COMM_TEST_BACKEND_HIERARCHICAL)
+#include <comm/detail/env.hpp>
 #endif
 #include <comm/communicator.hpp>
 #include <support/collective_test_util.hpp>
@@ -32,15 +27,15 @@
 
 namespace suite {
 
-#if defined(COMM_TEST_BACKEND_SHM)
-using Backend = comm::backends::Shm;
-#elif defined(COMM_TEST_BACKEND_MPI)
-using Backend = comm::backends::Mpi;
-#elif defined(COMM_TEST_BACKEND_HIERARCHICAL)
-using Backend = comm::backends::Hierarchical<comm::backends::Shm, comm::backends::Gloo>;
-#else
-using Backend = comm::backends::Gloo;
-#endif
+/// The backend under test: the list's entry named COMM_TEST_BACKEND (one struct per compiled-in
+/// entry, named like it).
+namespace by_name {
+#define COMM_BACKEND(name, has, target, ...) \
+  COMM_PP_WHEN(COMM_PP_IS_ONE(has))(struct name { using type = __VA_ARGS__; };)
+#include <comm/backends/list.hpp>
+#undef COMM_BACKEND
+}  // namespace by_name
+using Backend = by_name::COMM_TEST_BACKEND::type;
 using Comm = comm::Communicator<Backend>;
 using Options = Backend::Options;
 using comm::ReduceOp;

@@ -34,6 +34,14 @@
 
 namespace comm::faults {
 
+/// The backend of the list that the suite "backend" runs on: fault_battery --fault-backend=<name>
+/// (faults_main.cpp; CMake registers one faults.<name> entry per backend). Default: gloo.
+inline std::string& fault_backend_setting() {
+  static std::string name = "gloo";
+  return name;
+}
+inline const std::string& fault_backend() { return fault_backend_setting(); }
+
 using namespace std::chrono_literals;
 
 inline constexpr const char* fault_peer = COMM_FAULT_PEER_EXE;

@@ -18,7 +18,8 @@
 //                                 launcher's agent) and serve until killed
 //   store-get KEY                 connect as a client and block in get(KEY)
 //   init                          env:// rendezvous only (init_env)
-//   gloo|shm [options]            Communicator<Gloo|Shm>::from_env, then a loop of one collective:
+//   <backend> [options]           Communicator<B>::from_env for any backend of the list compiled in
+//                                 here (gloo, shm, ...), then a loop of one collective:
 //       --op all_reduce|broadcast|all_gather|gather|reduce_scatter|barrier   (all_reduce)
 //       --dtype float|double|int32 (float)   --count N (1024)   --root R (0)   --reduce sum|max (sum)
 //       --iters N (-1: until killed)         --async (every other op through comm::async)
@@ -560,7 +561,7 @@ int main(int argc, char** argv) {
     if (mode == "init") return init_only();
 #if defined(COMM_HAS_GLOO)
     if (mode == "cdb") return cdb(argc > 2 ? argv[2] : "");
-    if (mode == "gloo" || mode == "shm") {
+    if (const auto* b = comm::backends::find_backend(mode); b != nullptr && b->compiled_in) {
       Plan p;
       for (int i = 2; i < argc; ++i) {
         const std::string a = argv[i];
@@ -586,20 +587,21 @@ int main(int argc, char** argv) {
         else if (a == "--bad-buffers") p.bad_buffers = true;
         else usage("unknown option " + a);
       }
-      if (mode == "shm")
-        return backend_mode(p, [&] {
-          if (!p.client_store) return ShmComm::from_env();
-          comm::backends::Shm::Options o;  // timeout: COMM_TIMEOUT
+      // Any backend of the list (comm/backends/list.hpp) compiled in here, by its name.
+      int code = 2;
+      comm::backends::for_each_backend([&]<class B>(std::type_identity<B>, std::string_view name) {
+        if (name != mode) return;
+        code = backend_mode(p, [&] {
+          typename B::Options o;  // timeout: COMM_TIMEOUT
+          if constexpr (std::is_same_v<B, comm::backends::Gloo>) {
+            if (p.proxy_store) return create_via_proxies(o);
+          }
+          if (!p.client_store) return comm::Communicator<B>::from_env(o);
           auto c = connect_client_store(o.timeout);
-          return ShmComm::create(c.store, c.rank, c.size, o);
+          return comm::Communicator<B>::create(c.store, c.rank, c.size, o);
         });
-      return backend_mode(p, [&] {
-        comm::backends::Gloo::Options o;  // timeout: COMM_TIMEOUT
-        if (p.proxy_store) return create_via_proxies(o);
-        if (!p.client_store) return Comm::from_env(o);
-        auto c = connect_client_store(o.timeout);
-        return Comm::create(c.store, c.rank, c.size, o);
       });
+      return code;
     }
 #endif
     usage("unknown mode " + mode);

@@ -1,0 +1,355 @@
+#pragma once
+// The one virtual layer under comm::AnyCommunicator (any_communicator.hpp): the erased call
+// surface, and its model over a typed Communicator<B>.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <comm/communicator.hpp>
+#include <comm/diagnostics.hpp>
+#include <comm/types.hpp>
+#include <comm/work.hpp>
+
+namespace comm {
+
+namespace detail {
+
+/// A reduction after type erasure: a built-in op, or a pointer to a `std::function<T(T, T)>` for
+/// the call's element type (alive for the duration of the call; the backend copies it).
+struct ErasedOp {
+  ReduceOp builtin = ReduceOp::sum;
+  const void* custom = nullptr;
+};
+
+/// The one virtual layer under AnyCommunicator.
+class AnyCommImpl {
+ public:
+  virtual ~AnyCommImpl() = default;
+  [[nodiscard]] virtual int rank() const noexcept = 0;
+  [[nodiscard]] virtual int size() const noexcept = 0;
+  [[nodiscard]] virtual std::string_view backend_name() const noexcept = 0;
+  [[nodiscard]] virtual const void* backend_type() const noexcept = 0;
+  [[nodiscard]] virtual void* communicator() noexcept = 0;
+  virtual Work all_reduce(Dtype, const void* in, std::size_t in_n, void* out, std::size_t out_n, const ErasedOp&,
+                          bool async) = 0;
+  virtual Work reduce_scatter(Dtype, const void* in, std::size_t in_n, void* out, std::size_t out_n,
+                              const ErasedOp&, bool async) = 0;
+  virtual Work all_gather(Dtype, const void* in, std::size_t in_n, void* out, std::size_t out_n, bool async) = 0;
+  virtual Work broadcast(Dtype, void* data, std::size_t n, int root, bool async) = 0;
+  virtual Work gather(Dtype, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root,
+                      bool async) = 0;
+  virtual Work barrier(bool async) = 0;
+  // The rest of the surface (capability 11): InvalidArgument where the backend lacks it.
+  virtual Work reduce(Dtype, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root,
+                      const ErasedOp&, bool async) = 0;
+  virtual Work scatter(Dtype, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root,
+                       bool async) = 0;
+  virtual Work all_to_all(Dtype, const void* in, std::size_t in_n, void* out, std::size_t out_n, bool async) = 0;
+  virtual Work all_to_all_v(Dtype, const void* in, std::size_t in_n, std::span<const std::size_t> in_counts, void* out,
+                            std::size_t out_n, std::span<const std::size_t> out_counts, bool async) = 0;
+  virtual Work send(Dtype, const void* data, std::size_t n, int peer, int tag, bool async) = 0;
+  virtual Work recv(Dtype, void* data, std::size_t n, int peer, int tag, bool async) = 0;
+  /// The entries' buffers as bytes pointers and element counts of type `Dtype`.
+  virtual std::vector<Work> batch_isend_irecv(Dtype, std::span<const P2POp<std::byte>> ops) = 0;
+  /// Subgroups: null for "no group" (negative color, not a member).
+  [[nodiscard]] virtual std::unique_ptr<AnyCommImpl> split(int color, int key) = 0;
+  [[nodiscard]] virtual std::unique_ptr<AnyCommImpl> new_group(std::span<const int> ranks) = 0;
+  /// timeout 0: the communicator's own.
+  virtual void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) = 0;
+  [[nodiscard]] virtual FlightRecord flight_record() const = 0;
+  virtual void dump_flight_record(const std::string& path) const = 0;
+};
+
+/// Calls `f.template operator()<T>()` with T the element type named by `d`.
+template <class F>
+decltype(auto) visit_dtype(Dtype d, F&& f) {
+  switch (d) {
+    case Dtype::int8: return f.template operator()<std::int8_t>();
+    case Dtype::uint8: return f.template operator()<std::uint8_t>();
+    case Dtype::int32: return f.template operator()<std::int32_t>();
+    case Dtype::uint32: return f.template operator()<std::uint32_t>();
+    case Dtype::int64: return f.template operator()<std::int64_t>();
+    case Dtype::uint64: return f.template operator()<std::uint64_t>();
+    case Dtype::float16: return f.template operator()<half>();
+    case Dtype::bfloat16: return f.template operator()<bfloat16>();
+    case Dtype::float32: return f.template operator()<float>();
+    case Dtype::float64: return f.template operator()<double>();
+    case Dtype::float8_e4m3: return f.template operator()<float8_e4m3>();
+    case Dtype::float8_e5m2: return f.template operator()<float8_e5m2>();
+  }
+  throw InvalidArgument("dispatch", -1, "unknown element type " + std::to_string(static_cast<int>(d)));
+}
+
+template <class B>
+inline constexpr char backend_type_id = 0;  // its address identifies B without RTTI
+
+template <class B>
+class AnyCommModel final : public AnyCommImpl {
+ public:
+  explicit AnyCommModel(Communicator<B>&& c) : c_(std::move(c)) {}
+
+  int rank() const noexcept override { return c_.rank(); }
+  int size() const noexcept override { return c_.size(); }
+  std::string_view backend_name() const noexcept override { return B::name; }
+  const void* backend_type() const noexcept override { return &backend_type_id<B>; }
+  void* communicator() noexcept override { return &c_; }
+
+  Work all_reduce(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, const ErasedOp& op,
+                  bool async) override {
+    return typed(d, "all_reduce", [&]<class T>() {
+      return reduce(op, async, "all_reduce", [&](auto&& red, auto tag) {
+        return run(tag, [&](auto... t) {
+          return c_.all_reduce(std::span<const T>(static_cast<const T*>(in), in_n),
+                               std::span<T>(static_cast<T*>(out), out_n), red, t...);
+        });
+      }, static_cast<T*>(nullptr));
+    });
+  }
+
+  Work reduce_scatter(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, const ErasedOp& op,
+                      bool async) override {
+    return typed(d, "reduce_scatter", [&]<class T>() {
+      return reduce(op, async, "reduce_scatter", [&](auto&& red, auto tag) {
+        return run(tag, [&](auto... t) {
+          return c_.reduce_scatter(std::span<const T>(static_cast<const T*>(in), in_n),
+                                   std::span<T>(static_cast<T*>(out), out_n), red, t...);
+        });
+      }, static_cast<T*>(nullptr));
+    });
+  }
+
+  Work all_gather(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, bool async) override {
+    return typed(d, "all_gather", [&]<class T>() {
+      return run_flag(async, [&](auto... t) {
+        return c_.all_gather(std::span<const T>(static_cast<const T*>(in), in_n),
+                             std::span<T>(static_cast<T*>(out), out_n), t...);
+      });
+    });
+  }
+
+  Work broadcast(Dtype d, void* data, std::size_t n, int root, bool async) override {
+    return typed(d, "broadcast", [&]<class T>() {
+      return run_flag(async, [&](auto... t) { return c_.broadcast(std::span<T>(static_cast<T*>(data), n), root, t...); });
+    });
+  }
+
+  Work gather(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root, bool async) override {
+    return typed(d, "gather", [&]<class T>() {
+      return run_flag(async, [&](auto... t) {
+        return c_.gather(std::span<const T>(static_cast<const T*>(in), in_n), std::span<T>(static_cast<T*>(out), out_n),
+                         root, t...);
+      });
+    });
+  }
+
+  Work barrier(bool async) override {
+    return run_flag(async, [&](auto... t) { return c_.barrier(t...); });
+  }
+
+  Work reduce(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root, const ErasedOp& op,
+              bool async) override {
+    if constexpr (supports_full_surface<B>) {
+      return typed(d, "reduce", [&]<class T>() {
+        return reduce(op, async, "reduce", [&](auto&& red, auto tag) {
+          return run(tag, [&](auto... t) {
+            return c_.reduce(std::span<const T>(static_cast<const T*>(in), in_n),
+                             std::span<T>(static_cast<T*>(out), out_n), root, red, t...);
+          });
+        }, static_cast<T*>(nullptr));
+      });
+    } else {
+      throw lacks("reduce", "reduce to a root");
+    }
+  }
+
+  Work scatter(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root, bool async) override {
+    if constexpr (supports_full_surface<B>) {
+      return typed(d, "scatter", [&]<class T>() {
+        return run_flag(async, [&](auto... t) {
+          return c_.scatter(std::span<const T>(static_cast<const T*>(in), in_n),
+                            std::span<T>(static_cast<T*>(out), out_n), root, t...);
+        });
+      });
+    } else {
+      throw lacks("scatter", "scatter");
+    }
+  }
+
+  Work all_to_all(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, bool async) override {
+    if constexpr (supports_full_surface<B>) {
+      return typed(d, "all_to_all", [&]<class T>() {
+        return run_flag(async, [&](auto... t) {
+          return c_.all_to_all(std::span<const T>(static_cast<const T*>(in), in_n),
+                               std::span<T>(static_cast<T*>(out), out_n), t...);
+        });
+      });
+    } else {
+      throw lacks("all_to_all", "run all_to_all");
+    }
+  }
+
+  Work all_to_all_v(Dtype d, const void* in, std::size_t in_n, std::span<const std::size_t> in_counts, void* out,
+                    std::size_t out_n, std::span<const std::size_t> out_counts, bool async) override {
+    if constexpr (supports_full_surface<B>) {
+      return typed(d, "all_to_all_v", [&]<class T>() {
+        return run_flag(async, [&](auto... t) {
+          return c_.all_to_all_v(std::span<const T>(static_cast<const T*>(in), in_n), in_counts,
+                                 std::span<T>(static_cast<T*>(out), out_n), out_counts, t...);
+        });
+      });
+    } else {
+      throw lacks("all_to_all_v", "run all_to_all_v");
+    }
+  }
+
+  Work send(Dtype d, const void* data, std::size_t n, int peer, int tag, bool async) override {
+    if constexpr (supports_full_surface<B>) {
+      return typed(d, "send", [&]<class T>() {
+        return run_flag(async, [&](auto... t) {
+          return c_.send(std::span<const T>(static_cast<const T*>(data), n), peer, tag, t...);
+        });
+      });
+    } else {
+      throw lacks("send", "send");
+    }
+  }
+
+  Work recv(Dtype d, void* data, std::size_t n, int peer, int tag, bool async) override {
+    if constexpr (supports_full_surface<B>) {
+      return typed(d, "recv", [&]<class T>() {
+        return run_flag(async, [&](auto... t) { return c_.recv(std::span<T>(static_cast<T*>(data), n), peer, tag, t...); });
+      });
+    } else {
+      throw lacks("recv", "receive");
+    }
+  }
+
+  std::vector<Work> batch_isend_irecv(Dtype d, std::span<const P2POp<std::byte>> ops) override {
+    if constexpr (supports_full_surface<B>) {
+      return visit_dtype(d, [&]<class T>() -> std::vector<Work> {
+        if constexpr (supports_element<B, T>) {
+          std::vector<P2POp<T>> typed_ops;
+          typed_ops.reserve(ops.size());
+          for (const auto& o : ops)
+            typed_ops.push_back(P2POp<T>{o.op, std::span<T>(reinterpret_cast<T*>(o.buffer.data()), o.buffer.size()),
+                                         o.peer, o.tag});
+          return c_.batch_isend_irecv(typed_ops);
+        } else {
+          throw InvalidArgument("batch_isend_irecv", c_.rank(),
+                                "element type " + std::string(to_string(d)) + " is not supported by the " +
+                                    std::string(B::name) + " backend");
+        }
+      });
+    } else {
+      throw lacks("batch_isend_irecv", "send or receive");
+    }
+  }
+
+  std::unique_ptr<AnyCommImpl> split(int color, int key) override {
+    if constexpr (supports_split<B>) {
+      auto g = c_.split(color, key);
+      return g ? std::make_unique<AnyCommModel<B>>(std::move(*g)) : nullptr;
+    } else {
+      throw lacks("split", "split communicators");
+    }
+  }
+
+  std::unique_ptr<AnyCommImpl> new_group(std::span<const int> ranks) override {
+    if constexpr (supports_new_group<B>) {
+      auto g = c_.new_group(ranks);
+      return g ? std::make_unique<AnyCommModel<B>>(std::move(*g)) : nullptr;
+    } else {
+      throw lacks("new_group", "make groups");
+    }
+  }
+
+  void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) override {
+    if constexpr (supports_monitored_barrier<B>) {
+      if (timeout.count() > 0)
+        c_.monitored_barrier(timeout, wait_all_ranks);
+      else
+        c_.monitored_barrier();
+    } else {
+      throw lacks("monitored_barrier", "run a monitored_barrier");
+    }
+  }
+
+  FlightRecord flight_record() const override {
+    if constexpr (supports_flight_recorder<B>)
+      return c_.flight_record();
+    else
+      throw lacks("flight_record", "record operations");
+  }
+
+  void dump_flight_record(const std::string& path) const override {
+    if constexpr (supports_flight_recorder<B>)
+      c_.dump_flight_record(path);
+    else
+      throw lacks("dump_flight_record", "record operations");
+  }
+
+ private:
+  // Runs `f` with or without the comm::async tag and always returns a Work (completed when blocking).
+  template <class F>
+  static Work run_flag(bool async, F&& f) {
+    if (async) return f(comm::async);
+    f();
+    return Work{};
+  }
+  template <class F>
+  static Work run(async_t, F&& f) { return f(comm::async); }
+  template <class F>
+  static Work run(blocking_t, F&& f) {
+    f();
+    return Work{};
+  }
+
+  [[nodiscard]] InvalidArgument lacks(const char* op, const char* what) const {
+    return InvalidArgument(op, c_.rank(), "the " + std::string(B::name) + " backend cannot " + what);
+  }
+
+  template <class F>
+  Work typed(Dtype d, const char* name, F&& f) {
+    return visit_dtype(d, [&]<class T>() -> Work {
+      if constexpr (supports_element<B, T>) {
+        return f.template operator()<T>();
+      } else {
+        throw InvalidArgument(name, c_.rank(),
+                              "element type " + std::string(to_string(d)) + " is not supported by the " +
+                                  std::string(B::name) + " backend");
+      }
+    });
+  }
+
+  // Turns the erased op into what Communicator<B> takes: a ReduceOp value (checked at run time by
+  // the facade) or the user's typed callable.
+  template <class T, class F>
+  Work reduce(const ErasedOp& op, bool async, const char* name, F&& f, T*) {
+    if (op.custom == nullptr) {
+      return async ? f(op.builtin, comm::async) : f(op.builtin, blocking);
+    }
+    if constexpr (supports_custom_reduction<B>) {
+      const auto& fn = *static_cast<const std::function<T(T, T)>*>(op.custom);
+      return async ? f(fn, comm::async) : f(fn, blocking);
+    } else {
+      throw InvalidArgument(name, c_.rank(),
+                            "the " + std::string(B::name) + " backend cannot run custom reduction callables");
+    }
+  }
+
+  Communicator<B> c_;
+};
+
+}  // namespace detail
+
+}  // namespace comm
