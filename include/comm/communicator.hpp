@@ -121,14 +121,37 @@ struct reduce_tail_traits<A, B> {
 template <class... A>
 concept reduce_tail = reduce_tail_traits<A...>::valid;
 
-/// `Work` when the call ends with comm::async, else `void`.
-template <class... A>
-using reduce_result_t = std::conditional_t<reduce_tail_traits<A...>::is_async, Work, void>;
+}  // namespace detail
 
+/// What a reducing collective returns for the trailing arguments `A...` (`[op] [comm::async]`):
+/// `comm::Work` when they end with comm::async, else `void`.
+template <class... A>
+using reduce_result_t = std::conditional_t<detail::reduce_tail_traits<A...>::is_async, Work, void>;
+
+namespace detail {
+using comm::reduce_result_t;  // the old spelling, until every user names the public one
+
+/// The element type a buffer hands the backend (see canonical_element_t); naming it for a range
+/// of anything else is the element concept's message, before any other error of the call.
+template <any_buffer R>
+using element_value_t = checked_element_t<buffer_value_t<R>>;
+
+template <class In, class Out>
+inline constexpr bool same_element_v = std::is_same_v<element_value_t<In>, element_value_t<Out>>;
+
+/// The buffer as a span of the type the backend receives: `long long` elements are viewed as
+/// std::int64_t (same size and representation: what MPI_LONG_LONG and ncclInt64 read).
 template <any_buffer R>
 [[nodiscard]] constexpr auto as_span(R&& r) noexcept {
   using E = std::remove_reference_t<std::ranges::range_reference_t<R>>;
-  return std::span<E>(std::ranges::data(r), std::ranges::size(r));
+  using C = canonical_element_t<std::remove_cv_t<E>>;
+  if constexpr (std::is_same_v<C, std::remove_cv_t<E>>) {
+    return std::span<E>(std::ranges::data(r), std::ranges::size(r));
+  } else {
+    using V = std::conditional_t<std::is_const_v<E>, const C, C>;
+    static_assert(sizeof(C) == sizeof(E) && alignof(C) == alignof(E));
+    return std::span<V>(reinterpret_cast<V*>(std::ranges::data(r)), std::ranges::size(r));
+  }
 }
 
 [[nodiscard]] inline bool overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept {
@@ -208,9 +231,9 @@ class Communicator {
   /// Forms: `(data)`, `(data, op)`, `(data, comm::async)`, `(data, op, comm::async)`.
   template <class Data, class... A>
     requires detail::any_buffer<Data> && detail::reduce_tail<A...>
-  detail::reduce_result_t<A...> all_reduce(Data&& data, A&&... a) {
+  reduce_result_t<A...> all_reduce(Data&& data, A&&... a) {
+    using T = detail::element_value_t<Data>;
     check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("all_reduce");
-    using T = detail::buffer_value_t<Data>;
     const std::span<T> s = detail::as_span(data);
     return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(s), s, std::forward<A>(a)...);
   }
@@ -219,12 +242,12 @@ class Communicator {
   /// `in`. `in` and `out` may be the same buffer, not partially overlapping ones.
   template <class In, class Out, class... A>
     requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
-  detail::reduce_result_t<A...> all_reduce(In&& in, Out&& out, A&&... a) {
+  reduce_result_t<A...> all_reduce(In&& in, Out&& out, A&&... a) {
+    using T = detail::element_value_t<Out>;
     constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
     check_buffer<In, false, is_async>("all_reduce");
     check_buffer<Out, true, is_async>("all_reduce");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(detail::as_span(in)),
                            std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
   }
@@ -235,12 +258,12 @@ class Communicator {
   /// (size()-1)/size() of `in` (ring algorithm on Gloo).
   template <class In, class Out, class... A>
     requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
-  detail::reduce_result_t<A...> reduce_scatter(In&& in, Out&& out, A&&... a) {
+  reduce_result_t<A...> reduce_scatter(In&& in, Out&& out, A&&... a) {
+    using T = detail::element_value_t<Out>;
     constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
     check_buffer<In, false, is_async>("reduce_scatter");
     check_buffer<Out, true, is_async>("reduce_scatter");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     return reduce_entry<T>(detail::reduction_kind::reduce_scatter, std::span<const T>(detail::as_span(in)),
                            std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
   }
@@ -251,7 +274,7 @@ class Communicator {
   template <class In, class Out>
     requires detail::any_buffer<In> && detail::any_buffer<Out>
   void all_gather(In&& in, Out&& out) {
-    all_gather_entry<In, Out>(in, out, detail::blocking);
+    all_gather_entry<In, Out>(in, out, blocking);
   }
   template <class In, class Out>
     requires detail::any_buffer<In> && detail::any_buffer<Out>
@@ -263,7 +286,7 @@ class Communicator {
   template <class Data>
     requires detail::any_buffer<Data>
   void broadcast(Data&& data, int root) {
-    broadcast_entry<Data>(data, root, detail::blocking);
+    broadcast_entry<Data>(data, root, blocking);
   }
   template <class Data>
     requires detail::any_buffer<Data>
@@ -276,7 +299,7 @@ class Communicator {
   template <class In, class Out>
     requires detail::any_buffer<In> && detail::any_buffer<Out>
   void gather(In&& in, Out&& out, int root) {
-    gather_entry<In, Out>(in, out, root, detail::blocking);
+    gather_entry<In, Out>(in, out, root, blocking);
   }
   template <class In, class Out>
     requires detail::any_buffer<In> && detail::any_buffer<Out>
@@ -290,12 +313,12 @@ class Communicator {
   /// `(in, out, root)`, `(in, out, root, op)`, `(..., comm::async)`.
   template <class In, class Out, class... A>
     requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
-  detail::reduce_result_t<A...> reduce(In&& in, Out&& out, int root, A&&... a) {
+  reduce_result_t<A...> reduce(In&& in, Out&& out, int root, A&&... a) {
+    using T = detail::element_value_t<Out>;
     constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
     check_buffer<In, false, is_async>("reduce");
     check_buffer<Out, true, is_async>("reduce");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     return reduce_root_entry<T>(std::span<const T>(detail::as_span(in)), std::span<T>(detail::as_span(out)), root,
                                 std::forward<A>(a)...);
   }
@@ -303,9 +326,9 @@ class Communicator {
   /// as it was. Forms: `(data, root)`, `(data, root, op)`, `(..., comm::async)`.
   template <class Data, class... A>
     requires detail::any_buffer<Data> && detail::reduce_tail<A...>
-  detail::reduce_result_t<A...> reduce(Data&& data, int root, A&&... a) {
+  reduce_result_t<A...> reduce(Data&& data, int root, A&&... a) {
+    using T = detail::element_value_t<Data>;
     check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("reduce");
-    using T = detail::buffer_value_t<Data>;
     const std::span<T> d = detail::as_span(data);
     return reduce_root_entry<T>(std::span<const T>(d), d, root, std::forward<A>(a)...);
   }
@@ -316,7 +339,7 @@ class Communicator {
   template <class In, class Out>
     requires detail::any_buffer<In> && detail::any_buffer<Out>
   void scatter(In&& in, Out&& out, int root) {
-    scatter_entry<In, Out>(in, out, root, detail::blocking);
+    scatter_entry<In, Out>(in, out, root, blocking);
   }
   template <class In, class Out>
     requires detail::any_buffer<In> && detail::any_buffer<Out>
@@ -330,7 +353,7 @@ class Communicator {
   template <class In, class Out>
     requires detail::any_buffer<In> && detail::any_buffer<Out>
   void all_to_all(In&& in, Out&& out) {
-    all_to_all_entry<In, Out>(in, out, detail::blocking);
+    all_to_all_entry<In, Out>(in, out, blocking);
   }
   template <class In, class Out>
     requires detail::any_buffer<In> && detail::any_buffer<Out>
@@ -346,7 +369,7 @@ class Communicator {
     requires detail::any_buffer<In> && detail::any_buffer<Out>
   void all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out,
                     std::span<const std::size_t> out_counts) {
-    all_to_all_v_entry<In, Out>(in, in_counts, out, out_counts, detail::blocking);
+    all_to_all_v_entry<In, Out>(in, in_counts, out, out_counts, blocking);
   }
   template <class In, class Out>
     requires detail::any_buffer<In> && detail::any_buffer<Out>
@@ -366,7 +389,7 @@ class Communicator {
   template <class Data>
     requires detail::any_buffer<Data>
   void send(Data&& data, int peer, int tag = 0) {
-    send_entry<Data>(data, peer, tag, detail::blocking);
+    send_entry<Data>(data, peer, tag, blocking);
   }
   template <class Data>
     requires detail::any_buffer<Data>
@@ -383,7 +406,7 @@ class Communicator {
   template <class Data>
     requires detail::any_buffer<Data>
   void recv(Data&& data, int peer, int tag = 0) {
-    recv_entry<Data>(data, peer, tag, detail::blocking);
+    recv_entry<Data>(data, peer, tag, blocking);
   }
   template <class Data>
     requires detail::any_buffer<Data>
@@ -411,7 +434,7 @@ class Communicator {
   }
 
   /// barrier: returns once every rank has entered it (blocking form; the async one completes then).
-  void barrier() { b_.barrier(detail::blocking); }
+  void barrier() { b_.barrier(blocking); }
   Work barrier(async_t) { return b_.barrier(async); }
 
   // ---------------------------------------------------------------------------------------------
@@ -506,10 +529,7 @@ class Communicator {
 
   template <class R, bool Output, bool IsAsync>
   static constexpr void check_buffer(const char* /*op*/) {
-    using T = detail::buffer_value_t<R>;
-    static_assert(element<T>,
-                  "comm: unsupported element type; use int8_t, uint8_t, int32_t, uint32_t, int64_t, uint64_t, float, "
-                  "double, comm::half, comm::bfloat16, comm::float8_e4m3 or comm::float8_e5m2");
+    using T = detail::element_value_t<R>;
     if constexpr (element<T>)
       static_assert(supports_element<Backend, T>, "comm: this backend does not support this element type");
     if constexpr (Output)
@@ -519,12 +539,6 @@ class Communicator {
       static_assert(std::ranges::borrowed_range<R>,
                     "comm: an async collective needs buffers that outlive the call: pass an lvalue container or a "
                     "std::span, not a temporary");
-  }
-
-  template <class In, class Out>
-  static constexpr void check_same_type() {
-    static_assert(std::is_same_v<detail::buffer_value_t<In>, detail::buffer_value_t<Out>>,
-                  "comm: input and output buffers must have the same element type");
   }
 
   /// Maps the op argument to what the backend receives, checking it (at compile time for op
@@ -554,7 +568,7 @@ class Communicator {
       static_assert(!custom_reduction<O, T> || supports_custom_reduction<Backend>,
                     "comm: this backend cannot run custom reduction callables; use a comm::op::* object or a "
                     "ReduceOp");
-      return detail::custom_op<O>{std::forward<Op>(o)};
+      return custom_op<O>{std::forward<Op>(o)};
     }
   }
 
@@ -612,12 +626,12 @@ class Communicator {
   template <class T, class... A>
   auto reduce_entry(detail::reduction_kind kind, std::span<const T> in, std::span<T> out, A&&... a) {
     if constexpr (sizeof...(A) == 0) {
-      return reduce_checked<T>(kind, in, out, op::sum, detail::blocking);
+      return reduce_checked<T>(kind, in, out, op::sum, blocking);
     } else if constexpr (sizeof...(A) == 1) {
       if constexpr ((detail::async_tag<A> && ...))
         return reduce_checked<T>(kind, in, out, op::sum, async);
       else
-        return reduce_checked<T>(kind, in, out, std::forward<A>(a)..., detail::blocking);
+        return reduce_checked<T>(kind, in, out, std::forward<A>(a)..., blocking);
     } else {
       return reduce_checked<T>(kind, in, out, std::forward<A>(a)...);
     }
@@ -647,11 +661,11 @@ class Communicator {
 
   template <class In, class Out, class Launch>
   auto all_gather_entry(In& in_r, Out& out_r, Launch l) {
+    using T = detail::element_value_t<Out>;
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
     check_buffer<In, false, is_async>("all_gather");
     check_buffer<Out, true, is_async>("all_gather");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     const std::span<const T> in = detail::as_span(in_r);
     const std::span<T> out = detail::as_span(out_r);
     const auto n = static_cast<std::size_t>(size());
@@ -665,19 +679,19 @@ class Communicator {
 
   template <class Data, class Launch>
   auto broadcast_entry(Data& data_r, int root, Launch l) {
+    using T = detail::element_value_t<Data>;
     check_buffer<Data, true, std::is_same_v<Launch, async_t>>("broadcast");
-    using T = detail::buffer_value_t<Data>;
     check_root("broadcast", root);
     return b_.broadcast(std::span<T>(detail::as_span(data_r)), root, l);
   }
 
   template <class In, class Out, class Launch>
   auto gather_entry(In& in_r, Out& out_r, int root, Launch l) {
+    using T = detail::element_value_t<Out>;
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
     check_buffer<In, false, is_async>("gather");
     check_buffer<Out, true, is_async>("gather");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     const std::span<const T> in = detail::as_span(in_r);
     const std::span<T> out = detail::as_span(out_r);
     check_root("gather", root);
@@ -730,12 +744,12 @@ class Communicator {
 
   template <class In, class Out, class Launch>
   auto scatter_entry(In& in_r, Out& out_r, int root, Launch l) {
+    using T = detail::element_value_t<Out>;
     check_full_surface();
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
     check_buffer<In, false, is_async>("scatter");
     check_buffer<Out, true, is_async>("scatter");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     const std::span<const T> in = detail::as_span(in_r);
     const std::span<T> out = detail::as_span(out_r);
     check_root("scatter", root);
@@ -752,12 +766,12 @@ class Communicator {
 
   template <class In, class Out, class Launch>
   auto all_to_all_entry(In& in_r, Out& out_r, Launch l) {
+    using T = detail::element_value_t<Out>;
     check_full_surface();
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
     check_buffer<In, false, is_async>("all_to_all");
     check_buffer<Out, true, is_async>("all_to_all");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     const std::span<const T> in = detail::as_span(in_r);
     const std::span<T> out = detail::as_span(out_r);
     const auto n = static_cast<std::size_t>(size());
@@ -772,12 +786,12 @@ class Communicator {
   template <class In, class Out, class Launch>
   auto all_to_all_v_entry(In& in_r, std::span<const std::size_t> in_counts, Out& out_r,
                           std::span<const std::size_t> out_counts, Launch l) {
+    using T = detail::element_value_t<Out>;
     check_full_surface();
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
     check_buffer<In, false, is_async>("all_to_all_v");
     check_buffer<Out, true, is_async>("all_to_all_v");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     const std::span<const T> in = detail::as_span(in_r);
     const std::span<T> out = detail::as_span(out_r);
     const auto n = static_cast<std::size_t>(size());
@@ -809,9 +823,9 @@ class Communicator {
 
   template <class Data, class Launch>
   auto send_entry(Data& data_r, int peer, int tag, Launch l) {
+    using T = detail::element_value_t<Data>;
     check_full_surface();
     check_buffer<Data, false, std::is_same_v<Launch, async_t>>("send");
-    using T = detail::buffer_value_t<Data>;
     check_peer("send", peer, tag);
     if constexpr (supports_full_surface<Backend>)
       return b_.send(std::span<const T>(detail::as_span(data_r)), peer, tag, l);
@@ -819,9 +833,9 @@ class Communicator {
 
   template <class Data, class Launch>
   auto recv_entry(Data& data_r, int peer, int tag, Launch l) {
+    using T = detail::element_value_t<Data>;
     check_full_surface();
     check_buffer<Data, true, std::is_same_v<Launch, async_t>>("recv");
-    using T = detail::buffer_value_t<Data>;
     const std::span<T> data = detail::as_span(data_r);  // (not in the return: the static_assert above must show)
     check_peer("recv", peer, tag);
     if constexpr (supports_full_surface<Backend>) return b_.recv(data, peer, tag, l);
@@ -829,19 +843,29 @@ class Communicator {
 
   template <class T>
   std::vector<Work> batch_entry(std::span<const P2POp<T>> ops) {
-    check_full_surface();
-    static_assert(element<T>, "comm: unsupported element type in a P2POp");
-    if constexpr (element<T>)
-      static_assert(supports_element<Backend, T>, "comm: this backend does not support this element type");
-    for (const auto& o : ops) {
-      if (o.op != P2PKind::isend && o.op != P2PKind::irecv)
-        invalid("batch_isend_irecv", "an entry's op is neither isend nor irecv");
-      check_peer("batch_isend_irecv", o.peer, o.tag);
+    using C = detail::checked_element_t<T>;
+    if constexpr (!std::is_same_v<C, T>) {
+      // long long entries: the same buffers, viewed as the 64-bit type the backend takes.
+      std::vector<P2POp<C>> same;
+      same.reserve(ops.size());
+      for (const auto& o : ops)
+        same.push_back(P2POp<C>{o.op, std::span<C>(reinterpret_cast<C*>(o.buffer.data()), o.buffer.size()), o.peer,
+                                o.tag});
+      return batch_entry<C>(std::span<const P2POp<C>>(same));
+    } else {
+      check_full_surface();
+      if constexpr (element<T>)
+        static_assert(supports_element<Backend, T>, "comm: this backend does not support this element type");
+      for (const auto& o : ops) {
+        if (o.op != P2PKind::isend && o.op != P2PKind::irecv)
+          invalid("batch_isend_irecv", "an entry's op is neither isend nor irecv");
+        check_peer("batch_isend_irecv", o.peer, o.tag);
+      }
+      if constexpr (supports_full_surface<Backend>)
+        return b_.batch_isend_irecv(ops);
+      else
+        return std::vector<Work>{};
     }
-    if constexpr (supports_full_surface<Backend>)
-      return b_.batch_isend_irecv(ops);
-    else
-      return {};
   }
 
   Backend b_;
