@@ -1,13 +1,14 @@
 #pragma once
 // TcpStore: definitions of the client (declared in <comm/store.hpp>); the server is in
 // <comm/detail/tcp_store_server.hpp>.
+// Included by <comm/store.hpp> after the declarations, and only from there: the public header
+// declares, detail/ defines, and nothing here includes back up (include <comm/store.hpp>).
 
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
 #include <thread>
 
-#include <comm/store.hpp>
 #include <comm/detail/socket.hpp>
 #include <comm/detail/store_common.hpp>
 #include <comm/detail/store_protocol.hpp>
