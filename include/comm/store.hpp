@@ -117,6 +117,9 @@ struct TcpStoreOptions {
 
 namespace detail {
 class TcpStoreServer;
+namespace store_proto {
+enum class Op : std::uint8_t;
+}  // namespace store_proto
 }  // namespace detail
 
 /// A store served over TCP by one process (the one constructed with `is_server`), the others
@@ -185,6 +188,11 @@ class TcpStore final : public Store {
   void check_value(std::string_view op, std::string_view key, std::size_t size) const;
   [[noreturn]] void throw_reply_error(std::string_view op, const Reply& r, std::chrono::milliseconds waited,
                                       const std::vector<std::string>& keys = {}) const;
+  /// The skeleton of every call (detail/tcp_store.hpp): `write` adds the request's fields,
+  /// `read` decodes the reply's.
+  template <class Write, class Read>
+  auto request(std::string_view op, detail::store_proto::Op code, std::chrono::milliseconds budget, bool parked,
+               Write&& write, Read&& read, const std::vector<std::string>& keys = {});
 
   std::string host_;
   std::uint16_t port_;
