@@ -69,11 +69,15 @@
 
 namespace comm {
 
+/// Anything the facade accepts as a buffer: a contiguous sized range (std::span, std::vector,
+/// std::array...). Its element type is checked by the operation, with the element concept's message.
+template <class R>
+concept buffer_range = std::ranges::contiguous_range<R> && std::ranges::sized_range<R>;
+
 namespace detail {
 
-/// Anything the facade accepts as a buffer: a contiguous sized range (std::span, std::vector...).
 template <class R>
-concept any_buffer = std::ranges::contiguous_range<R> && std::ranges::sized_range<R>;
+concept any_buffer = buffer_range<R>;
 
 template <any_buffer R>
 using buffer_value_t = std::remove_cv_t<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
@@ -117,10 +121,25 @@ struct reduce_tail_traits<A, B> {
   static constexpr bool is_async = true;
 };
 
-/// What may follow the buffers of a reducing collective: `[op] [comm::async]`.
-template <class... A>
-concept reduce_tail = reduce_tail_traits<A...>::valid;
+template <class X>
+inline constexpr bool is_p2p_op = false;
+template <class T>
+inline constexpr bool is_p2p_op<P2POp<T>> = true;
 
+}  // namespace detail
+
+/// What may follow the buffers of a reducing collective: `[op] [comm::async]`, where op is a
+/// ReduceOp, a compile-time op object or a callable (checked by the operation).
+template <class... A>
+concept reduce_args = detail::reduce_tail_traits<A...>::valid;
+
+/// A range of comm::P2POp entries (comm::isend / comm::irecv), for batch_isend_irecv.
+template <class R>
+concept p2p_op_range = buffer_range<R> && detail::is_p2p_op<std::remove_cvref_t<std::ranges::range_reference_t<R>>>;
+
+namespace detail {
+template <class... A>
+concept reduce_tail = reduce_args<A...>;
 }  // namespace detail
 
 /// What a reducing collective returns for the trailing arguments `A...` (`[op] [comm::async]`):
@@ -162,11 +181,6 @@ template <any_buffer R>
 }
 
 enum class reduction_kind { all_reduce, reduce_scatter };
-
-template <class X>
-inline constexpr bool is_p2p_op = false;
-template <class T>
-inline constexpr bool is_p2p_op<P2POp<T>> = true;
 
 /// Calls f(op, launch) from the trailing arguments `[op] [comm::async]` of a reducing call.
 template <class F, class... A>
@@ -230,7 +244,7 @@ class Communicator {
   /// all_reduce in place: every rank's `data` becomes the element-wise reduction over all ranks.
   /// Forms: `(data)`, `(data, op)`, `(data, comm::async)`, `(data, op, comm::async)`.
   template <class Data, class... A>
-    requires detail::any_buffer<Data> && detail::reduce_tail<A...>
+    requires buffer_range<Data> && reduce_args<A...>
   reduce_result_t<A...> all_reduce(Data&& data, A&&... a) {
     using T = detail::element_value_t<Data>;
     check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("all_reduce");
@@ -241,7 +255,7 @@ class Communicator {
   /// all_reduce out of place: `out` (same size as `in`) receives the reduction of every rank's
   /// `in`. `in` and `out` may be the same buffer, not partially overlapping ones.
   template <class In, class Out, class... A>
-    requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
+    requires buffer_range<In> && buffer_range<Out> && reduce_args<A...>
   reduce_result_t<A...> all_reduce(In&& in, Out&& out, A&&... a) {
     using T = detail::element_value_t<Out>;
     constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
@@ -257,7 +271,7 @@ class Communicator {
   /// `in` (in place), and must not overlap `in` otherwise. Each rank sends and receives about
   /// (size()-1)/size() of `in` (ring algorithm on Gloo).
   template <class In, class Out, class... A>
-    requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
+    requires buffer_range<In> && buffer_range<Out> && reduce_args<A...>
   reduce_result_t<A...> reduce_scatter(In&& in, Out&& out, A&&... a) {
     using T = detail::element_value_t<Out>;
     constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
@@ -272,24 +286,24 @@ class Communicator {
   /// all_gather: `out` (size()*in.size() elements) receives every rank's `in`, in rank order.
   /// `in` may be exactly this rank's slot of `out` (in place), and must not overlap it otherwise.
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   void all_gather(In&& in, Out&& out) {
     all_gather_entry<In, Out>(in, out, blocking);
   }
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   Work all_gather(In&& in, Out&& out, async_t) {
     return all_gather_entry<In, Out>(in, out, async);
   }
 
   /// broadcast: every rank's `data` becomes the `root` rank's `data` (same size on every rank).
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   void broadcast(Data&& data, int root) {
     broadcast_entry<Data>(data, root, blocking);
   }
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   Work broadcast(Data&& data, int root, async_t) {
     return broadcast_entry<Data>(data, root, async);
   }
@@ -297,12 +311,12 @@ class Communicator {
   /// gather: on `root`, `out` (size()*in.size() elements) receives every rank's `in` in rank order;
   /// elsewhere `out` is not used and may be empty.
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   void gather(In&& in, Out&& out, int root) {
     gather_entry<In, Out>(in, out, root, blocking);
   }
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   Work gather(In&& in, Out&& out, int root, async_t) {
     return gather_entry<In, Out>(in, out, root, async);
   }
@@ -312,7 +326,7 @@ class Communicator {
   /// every rank's `in`; elsewhere `out` is not used and may be empty. Forms:
   /// `(in, out, root)`, `(in, out, root, op)`, `(..., comm::async)`.
   template <class In, class Out, class... A>
-    requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
+    requires buffer_range<In> && buffer_range<Out> && reduce_args<A...>
   reduce_result_t<A...> reduce(In&& in, Out&& out, int root, A&&... a) {
     using T = detail::element_value_t<Out>;
     constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
@@ -325,7 +339,7 @@ class Communicator {
   /// reduce in place: the `root` rank's `data` becomes the reduction; other ranks' `data` is left
   /// as it was. Forms: `(data, root)`, `(data, root, op)`, `(..., comm::async)`.
   template <class Data, class... A>
-    requires detail::any_buffer<Data> && detail::reduce_tail<A...>
+    requires buffer_range<Data> && reduce_args<A...>
   reduce_result_t<A...> reduce(Data&& data, int root, A&&... a) {
     using T = detail::element_value_t<Data>;
     check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("reduce");
@@ -337,12 +351,12 @@ class Communicator {
   /// `in[r*out.size(), (r+1)*out.size())`; elsewhere `in` is not used and may be empty. On the
   /// root `out` may be exactly its own slice of `in`.
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   void scatter(In&& in, Out&& out, int root) {
     scatter_entry<In, Out>(in, out, root, blocking);
   }
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   Work scatter(In&& in, Out&& out, int root, async_t) {
     return scatter_entry<In, Out>(in, out, root, async);
   }
@@ -351,12 +365,12 @@ class Communicator {
   /// rank p, and block q of `out` comes from rank q (MPI_Alltoall). `in` and `out` must not
   /// overlap.
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   void all_to_all(In&& in, Out&& out) {
     all_to_all_entry<In, Out>(in, out, blocking);
   }
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   Work all_to_all(In&& in, Out&& out, async_t) {
     return all_to_all_entry<In, Out>(in, out, async);
   }
@@ -366,13 +380,13 @@ class Communicator {
   /// (MPI_Alltoallv with packed displacements). Each count must match the peer's; a mismatch is
   /// comm::DesyncError. The counts are copied (an async call need not keep them).
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   void all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out,
                     std::span<const std::size_t> out_counts) {
     all_to_all_v_entry<In, Out>(in, in_counts, out, out_counts, blocking);
   }
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   Work all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out,
                     std::span<const std::size_t> out_counts, async_t) {
     return all_to_all_v_entry<In, Out>(in, in_counts, out, out_counts, async);
@@ -387,34 +401,34 @@ class Communicator {
   /// The blocking form returns once `data` may be reused (host backends: the message was copied
   /// or written out; Shm buffers up to two chunks). Tags are >= 0 (NCCL: 0 only).
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   void send(Data&& data, int peer, int tag = 0) {
     send_entry<Data>(data, peer, tag, blocking);
   }
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   Work send(Data&& data, int peer, async_t) {
     return send_entry<Data>(data, peer, 0, async);
   }
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   Work send(Data&& data, int peer, int tag, async_t) {
     return send_entry<Data>(data, peer, tag, async);
   }
 
   /// recv: `data` from rank `peer`'s matching send (see send).
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   void recv(Data&& data, int peer, int tag = 0) {
     recv_entry<Data>(data, peer, tag, blocking);
   }
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   Work recv(Data&& data, int peer, async_t) {
     return recv_entry<Data>(data, peer, 0, async);
   }
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   Work recv(Data&& data, int peer, int tag, async_t) {
     return recv_entry<Data>(data, peer, tag, async);
   }
@@ -423,7 +437,7 @@ class Communicator {
   /// one operation in which they all progress at once, so exchanges in both directions cannot
   /// deadlock. Returns one Work per entry (they complete together). Buffers must outlive them.
   template <class R>
-    requires detail::any_buffer<R> && detail::is_p2p_op<detail::buffer_value_t<R>>
+    requires p2p_op_range<R>
   std::vector<Work> batch_isend_irecv(R&& ops) {
     using P = detail::buffer_value_t<R>;
     return batch_entry<typename P::value_type>(std::span<const P>(std::ranges::data(ops), std::ranges::size(ops)));
