@@ -319,14 +319,14 @@ auto TcpStore::request(std::string_view op, detail::store_proto::Op code, std::c
 
 namespace detail {
 // The writers and readers the calls share.
-inline constexpr auto no_fields = [](store_proto::Writer&, Clock::time_point) {};
-inline constexpr auto read_nothing = [](store_proto::Reader&) { return 0; };
-inline constexpr auto read_bytes = [](store_proto::Reader& r) {
+inline void no_fields(store_proto::Writer&, Clock::time_point) {}
+inline int read_nothing(store_proto::Reader&) { return 0; }
+inline Store::Bytes read_bytes(store_proto::Reader& r) {
   const auto v = r.bytes();
   return Store::Bytes(v.begin(), v.end());
-};
-inline constexpr auto read_i64 = [](store_proto::Reader& r) { return r.i64(); };
-inline constexpr auto read_flag = [](store_proto::Reader& r) { return r.u8() != 0; };
+}
+inline std::int64_t read_i64(store_proto::Reader& r) { return r.i64(); }
+inline bool read_flag(store_proto::Reader& r) { return r.u8() != 0; }
 [[nodiscard]] inline std::uint64_t ms_left(Clock::time_point d) { return static_cast<std::uint64_t>(remaining(d).count()); }
 }  // namespace detail
 
