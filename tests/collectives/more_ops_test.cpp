@@ -373,6 +373,13 @@ TEST_CASE("a receive from a rank that never sends ends at the deadline, naming t
   comm::test::barrier();
 }
 
+#if defined(COMM_TEST_BACKEND_HIERARCHICAL)
+// Hierarchical stops a Gloo member's connections from another thread through the engine-neutral
+// detail/transport.hpp; the Gloo policy must be recognised there.
+static_assert(comm::detail::TransportAbort<comm::backends::Gloo>::stops);
+static_assert(!comm::detail::TransportAbort<comm::backends::Shm>::stops);
+#endif
+
 TEST_CASE("long long and unsigned long long are the 64-bit element types on every operation") {
   static_assert(comm::dtype_of<long long> == comm::Dtype::int64);
   static_assert(comm::dtype_of<unsigned long long> == comm::Dtype::uint64);

@@ -12,6 +12,7 @@ namespace comm::detail {
 /// Primary: nothing to stop from outside.
 template <class Member>
 struct TransportAbort {
+  static constexpr bool stops = false;
   static void abort(Member& /*m*/) noexcept {}
 };
 

@@ -52,6 +52,7 @@ template <class Member>
     x.num_devices();
   }
 struct TransportAbort<Member> {
+  static constexpr bool stops = true;
   static void abort(Member& m) noexcept {
     for (std::size_t i = 0; i < m.num_devices(); ++i)
       if (const auto& ctx = m.context(i)) gloo::abort_context(*ctx);
