@@ -247,9 +247,13 @@ class Communicator {
     requires buffer_range<Data> && reduce_args<A...>
   reduce_result_t<A...> all_reduce(Data&& data, A&&... a) {
     using T = detail::element_value_t<Data>;
-    check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("all_reduce");
-    const std::span<T> s = detail::as_span(data);
-    return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(s), s, std::forward<A>(a)...);
+    if constexpr (!element<T>) {
+      return reduce_result_t<A...>();  // the element message above is the only error
+    } else {
+      check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("all_reduce");
+      const std::span<T> s = detail::as_span(data);
+      return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(s), s, std::forward<A>(a)...);
+    }
   }
 
   /// all_reduce out of place: `out` (same size as `in`) receives the reduction of every rank's
@@ -258,12 +262,16 @@ class Communicator {
     requires buffer_range<In> && buffer_range<Out> && reduce_args<A...>
   reduce_result_t<A...> all_reduce(In&& in, Out&& out, A&&... a) {
     using T = detail::element_value_t<Out>;
-    constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
-    check_buffer<In, false, is_async>("all_reduce");
-    check_buffer<Out, true, is_async>("all_reduce");
-    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
-    return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(detail::as_span(in)),
-                           std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
+    if constexpr (!element<T>) {
+      return reduce_result_t<A...>();  // the element message above is the only error
+    } else {
+      constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
+      check_buffer<In, false, is_async>("all_reduce");
+      check_buffer<Out, true, is_async>("all_reduce");
+      static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
+      return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(detail::as_span(in)),
+                             std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
+    }
   }
 
   /// reduce_scatter: `in` holds size()*out.size() elements; rank r's `out` receives the reduction
@@ -274,12 +282,16 @@ class Communicator {
     requires buffer_range<In> && buffer_range<Out> && reduce_args<A...>
   reduce_result_t<A...> reduce_scatter(In&& in, Out&& out, A&&... a) {
     using T = detail::element_value_t<Out>;
-    constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
-    check_buffer<In, false, is_async>("reduce_scatter");
-    check_buffer<Out, true, is_async>("reduce_scatter");
-    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
-    return reduce_entry<T>(detail::reduction_kind::reduce_scatter, std::span<const T>(detail::as_span(in)),
-                           std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
+    if constexpr (!element<T>) {
+      return reduce_result_t<A...>();  // the element message above is the only error
+    } else {
+      constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
+      check_buffer<In, false, is_async>("reduce_scatter");
+      check_buffer<Out, true, is_async>("reduce_scatter");
+      static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
+      return reduce_entry<T>(detail::reduction_kind::reduce_scatter, std::span<const T>(detail::as_span(in)),
+                             std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
+    }
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -329,12 +341,16 @@ class Communicator {
     requires buffer_range<In> && buffer_range<Out> && reduce_args<A...>
   reduce_result_t<A...> reduce(In&& in, Out&& out, int root, A&&... a) {
     using T = detail::element_value_t<Out>;
-    constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
-    check_buffer<In, false, is_async>("reduce");
-    check_buffer<Out, true, is_async>("reduce");
-    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
-    return reduce_root_entry<T>(std::span<const T>(detail::as_span(in)), std::span<T>(detail::as_span(out)), root,
-                                std::forward<A>(a)...);
+    if constexpr (!element<T>) {
+      return reduce_result_t<A...>();  // the element message above is the only error
+    } else {
+      constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
+      check_buffer<In, false, is_async>("reduce");
+      check_buffer<Out, true, is_async>("reduce");
+      static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
+      return reduce_root_entry<T>(std::span<const T>(detail::as_span(in)), std::span<T>(detail::as_span(out)), root,
+                                  std::forward<A>(a)...);
+    }
   }
   /// reduce in place: the `root` rank's `data` becomes the reduction; other ranks' `data` is left
   /// as it was. Forms: `(data, root)`, `(data, root, op)`, `(..., comm::async)`.
@@ -342,9 +358,13 @@ class Communicator {
     requires buffer_range<Data> && reduce_args<A...>
   reduce_result_t<A...> reduce(Data&& data, int root, A&&... a) {
     using T = detail::element_value_t<Data>;
-    check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("reduce");
-    const std::span<T> d = detail::as_span(data);
-    return reduce_root_entry<T>(std::span<const T>(d), d, root, std::forward<A>(a)...);
+    if constexpr (!element<T>) {
+      return reduce_result_t<A...>();  // the element message above is the only error
+    } else {
+      check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("reduce");
+      const std::span<T> d = detail::as_span(data);
+      return reduce_root_entry<T>(std::span<const T>(d), d, root, std::forward<A>(a)...);
+    }
   }
 
   /// scatter: on `root`, `in` holds size()*out.size() elements and rank r's `out` receives
