@@ -57,6 +57,69 @@ TEST_CASE("COMM_TIMEOUT accepts seconds and suffixes, rejects junk") {
   }
 }
 
+TEST_CASE("durations: one exact syntax for COMM_TIMEOUT and comm-run, rounded up to a millisecond") {
+  using namespace std::chrono_literals;
+  using comm::detail::parse_duration;
+  // The parser comm-run includes too (tools/comm_run.cpp): usable in constant expressions.
+  static_assert(parse_duration("1.0004s") == 1001ms);
+  // Decimal, not binary: 0.3 s is 300 ms (a double times 1000 is 300.00000000000006).
+  CHECK(parse_duration("0.3s") == 300ms);
+  CHECK(parse_duration("0.3") == 300ms);
+  CHECK(parse_duration("1.0004s") == 1001ms);  // never shorter than written
+  CHECK(parse_duration("1.0000000000001s") == 1001ms);
+  CHECK(parse_duration("1.000000000000s") == 1000ms);
+  CHECK(parse_duration("0.1ms") == 1ms);  // a positive value never becomes 0
+  CHECK(parse_duration("0") == 0ms);
+  CHECK(parse_duration(".5m") == 30s);
+  CHECK(parse_duration("2.") == 2s);
+  CHECK(parse_duration(" 2 m ") == 120s);
+  CHECK(parse_duration("31536000s") == std::chrono::hours(24 * 365));  // a year is the limit
+  CHECK_FALSE(parse_duration("31536000.001s"));
+  CHECK_FALSE(parse_duration("1e3"));
+  CHECK_FALSE(parse_duration("inf"));
+  CHECK_FALSE(parse_duration("nan"));
+  CHECK_FALSE(parse_duration("+5"));
+  CHECK_FALSE(parse_duration("."));
+  CHECK_FALSE(parse_duration("1.5.2"));
+  CHECK_FALSE(parse_duration("99999999999999999999999"));
+  CHECK_FALSE(parse_duration("s"));
+  {
+    EnvGuard g{{"COMM_TIMEOUT", "1.0004s"}};
+    CHECK(comm::timeout_from_env() == 1001ms);
+  }
+  {
+    EnvGuard g{{"COMM_TIMEOUT", "0.1ms"}};  // was 0 ms, then "not a duration"
+    CHECK(comm::timeout_from_env() == 1ms);
+  }
+}
+
+TEST_CASE("a store made without a timeout follows COMM_TIMEOUT") {
+  using namespace std::chrono_literals;
+  {
+    EnvGuard g{{"COMM_TIMEOUT", "42s"}};
+    CHECK(comm::Store::timeout_from_env() == 42s);
+    CHECK(comm::HashStore().timeout() == 42s);
+    CHECK(comm::TcpStoreOptions{}.timeout == 42s);
+    const auto path = std::filesystem::temp_directory_path() / ("comm_init_test_fs_" + std::to_string(::getpid()));
+    {
+      comm::FileStore fs(path.string());
+      CHECK(fs.timeout() == 42s);
+    }
+    std::filesystem::remove(path);
+    // An explicit timeout still wins.
+    CHECK(comm::HashStore(5s).timeout() == 5s);
+  }
+  {
+    EnvGuard g{{"COMM_TIMEOUT", nullptr}};
+    CHECK(comm::HashStore().timeout() == comm::Store::default_timeout);
+    CHECK(comm::TcpStoreOptions{}.timeout == std::chrono::minutes(30));
+  }
+  {
+    EnvGuard g{{"COMM_TIMEOUT", "soon"}};
+    CHECK(contains(message_of([] { (void)comm::HashStore(); }), "COMM_TIMEOUT='soon' is not a duration"));
+  }
+}
+
 TEST_CASE("env:// rejects bad values with messages that quote them") {
   SUBCASE("port is not a number") {
     EnvGuard g{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "abc"}};

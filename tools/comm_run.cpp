@@ -23,7 +23,6 @@
 #include <cerrno>
 #include <charconv>
 #include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -36,6 +35,8 @@
 #include <string_view>
 #include <utility>
 #include <vector>
+
+#include <comm/detail/duration.hpp>
 
 #ifndef COMM_RUN_VERSION
 #define COMM_RUN_VERSION "unknown"
@@ -140,28 +141,8 @@ int parse_int_option(std::string_view name, std::string_view value, long long lo
   return static_cast<int>(*v);
 }
 
-std::optional<milliseconds> parse_duration(std::string_view s) {
-  double scale = 1000.0;
-  if (s.ends_with("ms")) {
-    scale = 1.0;
-    s.remove_suffix(2);
-  } else if (s.ends_with('s')) {
-    s.remove_suffix(1);
-  } else if (s.ends_with('m')) {
-    scale = 60'000.0;
-    s.remove_suffix(1);
-  }
-  double v = 0;
-  const char* end = s.data() + s.size();
-  auto [p, ec] = std::from_chars(s.data(), end, v);
-  if (s.empty() || ec != std::errc() || p != end || !std::isfinite(v) || v < 0) return std::nullopt;
-  const double ms = v * scale;
-  if (ms > 365.0 * 24 * 3600 * 1000) return std::nullopt;  // a year: certainly a typo
-  return milliseconds(static_cast<std::int64_t>(std::ceil(ms)));
-}
-
 milliseconds parse_duration_option(std::string_view name, std::string_view value, bool allow_zero) {
-  auto d = parse_duration(value);
+  auto d = comm::detail::parse_duration(value);  // the library's syntax, shared (COMM_TIMEOUT)
   if (!d || (!allow_zero && d->count() == 0))
     usage_error(std::string(name) + " must be a " + (allow_zero ? "non-negative" : "positive") +
                 " duration (seconds, or a number with ms, s or m), got '" + std::string(value) + "'");

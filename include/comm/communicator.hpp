@@ -69,11 +69,15 @@
 
 namespace comm {
 
+/// Anything the facade accepts as a buffer: a contiguous sized range (std::span, std::vector,
+/// std::array...). Its element type is checked by the operation, with the element concept's message.
+template <class R>
+concept buffer_range = std::ranges::contiguous_range<R> && std::ranges::sized_range<R>;
+
 namespace detail {
 
-/// Anything the facade accepts as a buffer: a contiguous sized range (std::span, std::vector...).
 template <class R>
-concept any_buffer = std::ranges::contiguous_range<R> && std::ranges::sized_range<R>;
+concept any_buffer = buffer_range<R>;
 
 template <any_buffer R>
 using buffer_value_t = std::remove_cv_t<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
@@ -117,18 +121,56 @@ struct reduce_tail_traits<A, B> {
   static constexpr bool is_async = true;
 };
 
-/// What may follow the buffers of a reducing collective: `[op] [comm::async]`.
-template <class... A>
-concept reduce_tail = reduce_tail_traits<A...>::valid;
+template <class X>
+inline constexpr bool is_p2p_op = false;
+template <class T>
+inline constexpr bool is_p2p_op<P2POp<T>> = true;
 
-/// `Work` when the call ends with comm::async, else `void`.
-template <class... A>
-using reduce_result_t = std::conditional_t<reduce_tail_traits<A...>::is_async, Work, void>;
+}  // namespace detail
 
+/// What may follow the buffers of a reducing collective: `[op] [comm::async]`, where op is a
+/// ReduceOp, a compile-time op object or a callable (checked by the operation).
+template <class... A>
+concept reduce_args = detail::reduce_tail_traits<A...>::valid;
+
+/// A range of comm::P2POp entries (comm::isend / comm::irecv), for batch_isend_irecv.
+template <class R>
+concept p2p_op_range = buffer_range<R> && detail::is_p2p_op<std::remove_cvref_t<std::ranges::range_reference_t<R>>>;
+
+namespace detail {
+template <class... A>
+concept reduce_tail = reduce_args<A...>;
+}  // namespace detail
+
+/// What a reducing collective returns for the trailing arguments `A...` (`[op] [comm::async]`):
+/// `comm::Work` when they end with comm::async, else `void`.
+template <class... A>
+using reduce_result_t = std::conditional_t<detail::reduce_tail_traits<A...>::is_async, Work, void>;
+
+namespace detail {
+using comm::reduce_result_t;  // the old spelling, until every user names the public one
+
+/// The element type a buffer hands the backend (see canonical_element_t); naming it for a range
+/// of anything else is the element concept's message, before any other error of the call.
+template <any_buffer R>
+using element_value_t = checked_element_t<buffer_value_t<R>>;
+
+template <class In, class Out>
+inline constexpr bool same_element_v = std::is_same_v<element_value_t<In>, element_value_t<Out>>;
+
+/// The buffer as a span of the type the backend receives: `long long` elements are viewed as
+/// std::int64_t (same size and representation: what MPI_LONG_LONG and ncclInt64 read).
 template <any_buffer R>
 [[nodiscard]] constexpr auto as_span(R&& r) noexcept {
   using E = std::remove_reference_t<std::ranges::range_reference_t<R>>;
-  return std::span<E>(std::ranges::data(r), std::ranges::size(r));
+  using C = canonical_element_t<std::remove_cv_t<E>>;
+  if constexpr (std::is_same_v<C, std::remove_cv_t<E>>) {
+    return std::span<E>(std::ranges::data(r), std::ranges::size(r));
+  } else {
+    using V = std::conditional_t<std::is_const_v<E>, const C, C>;
+    static_assert(sizeof(C) == sizeof(E) && alignof(C) == alignof(E));
+    return std::span<V>(reinterpret_cast<V*>(std::ranges::data(r)), std::ranges::size(r));
+  }
 }
 
 [[nodiscard]] inline bool overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept {
@@ -139,11 +181,6 @@ template <any_buffer R>
 }
 
 enum class reduction_kind { all_reduce, reduce_scatter };
-
-template <class X>
-inline constexpr bool is_p2p_op = false;
-template <class T>
-inline constexpr bool is_p2p_op<P2POp<T>> = true;
 
 /// Calls f(op, launch) from the trailing arguments `[op] [comm::async]` of a reducing call.
 template <class F, class... A>
@@ -207,26 +244,34 @@ class Communicator {
   /// all_reduce in place: every rank's `data` becomes the element-wise reduction over all ranks.
   /// Forms: `(data)`, `(data, op)`, `(data, comm::async)`, `(data, op, comm::async)`.
   template <class Data, class... A>
-    requires detail::any_buffer<Data> && detail::reduce_tail<A...>
-  detail::reduce_result_t<A...> all_reduce(Data&& data, A&&... a) {
-    check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("all_reduce");
-    using T = detail::buffer_value_t<Data>;
-    const std::span<T> s = detail::as_span(data);
-    return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(s), s, std::forward<A>(a)...);
+    requires buffer_range<Data> && reduce_args<A...>
+  reduce_result_t<A...> all_reduce(Data&& data, A&&... a) {
+    using T = detail::element_value_t<Data>;
+    if constexpr (!element<T>) {
+      return reduce_result_t<A...>();  // the element message above is the only error
+    } else {
+      check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("all_reduce");
+      const std::span<T> s = detail::as_span(data);
+      return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(s), s, std::forward<A>(a)...);
+    }
   }
 
   /// all_reduce out of place: `out` (same size as `in`) receives the reduction of every rank's
   /// `in`. `in` and `out` may be the same buffer, not partially overlapping ones.
   template <class In, class Out, class... A>
-    requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
-  detail::reduce_result_t<A...> all_reduce(In&& in, Out&& out, A&&... a) {
-    constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
-    check_buffer<In, false, is_async>("all_reduce");
-    check_buffer<Out, true, is_async>("all_reduce");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
-    return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(detail::as_span(in)),
-                           std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
+    requires buffer_range<In> && buffer_range<Out> && reduce_args<A...>
+  reduce_result_t<A...> all_reduce(In&& in, Out&& out, A&&... a) {
+    using T = detail::element_value_t<Out>;
+    if constexpr (!element<T>) {
+      return reduce_result_t<A...>();  // the element message above is the only error
+    } else {
+      constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
+      check_buffer<In, false, is_async>("all_reduce");
+      check_buffer<Out, true, is_async>("all_reduce");
+      static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
+      return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(detail::as_span(in)),
+                             std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
+    }
   }
 
   /// reduce_scatter: `in` holds size()*out.size() elements; rank r's `out` receives the reduction
@@ -234,39 +279,43 @@ class Communicator {
   /// `in` (in place), and must not overlap `in` otherwise. Each rank sends and receives about
   /// (size()-1)/size() of `in` (ring algorithm on Gloo).
   template <class In, class Out, class... A>
-    requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
-  detail::reduce_result_t<A...> reduce_scatter(In&& in, Out&& out, A&&... a) {
-    constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
-    check_buffer<In, false, is_async>("reduce_scatter");
-    check_buffer<Out, true, is_async>("reduce_scatter");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
-    return reduce_entry<T>(detail::reduction_kind::reduce_scatter, std::span<const T>(detail::as_span(in)),
-                           std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
+    requires buffer_range<In> && buffer_range<Out> && reduce_args<A...>
+  reduce_result_t<A...> reduce_scatter(In&& in, Out&& out, A&&... a) {
+    using T = detail::element_value_t<Out>;
+    if constexpr (!element<T>) {
+      return reduce_result_t<A...>();  // the element message above is the only error
+    } else {
+      constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
+      check_buffer<In, false, is_async>("reduce_scatter");
+      check_buffer<Out, true, is_async>("reduce_scatter");
+      static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
+      return reduce_entry<T>(detail::reduction_kind::reduce_scatter, std::span<const T>(detail::as_span(in)),
+                             std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
+    }
   }
 
   // ---------------------------------------------------------------------------------------------
   /// all_gather: `out` (size()*in.size() elements) receives every rank's `in`, in rank order.
   /// `in` may be exactly this rank's slot of `out` (in place), and must not overlap it otherwise.
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   void all_gather(In&& in, Out&& out) {
-    all_gather_entry<In, Out>(in, out, detail::blocking);
+    all_gather_entry<In, Out>(in, out, blocking);
   }
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   Work all_gather(In&& in, Out&& out, async_t) {
     return all_gather_entry<In, Out>(in, out, async);
   }
 
   /// broadcast: every rank's `data` becomes the `root` rank's `data` (same size on every rank).
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   void broadcast(Data&& data, int root) {
-    broadcast_entry<Data>(data, root, detail::blocking);
+    broadcast_entry<Data>(data, root, blocking);
   }
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   Work broadcast(Data&& data, int root, async_t) {
     return broadcast_entry<Data>(data, root, async);
   }
@@ -274,12 +323,12 @@ class Communicator {
   /// gather: on `root`, `out` (size()*in.size() elements) receives every rank's `in` in rank order;
   /// elsewhere `out` is not used and may be empty.
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   void gather(In&& in, Out&& out, int root) {
-    gather_entry<In, Out>(in, out, root, detail::blocking);
+    gather_entry<In, Out>(in, out, root, blocking);
   }
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   Work gather(In&& in, Out&& out, int root, async_t) {
     return gather_entry<In, Out>(in, out, root, async);
   }
@@ -289,37 +338,45 @@ class Communicator {
   /// every rank's `in`; elsewhere `out` is not used and may be empty. Forms:
   /// `(in, out, root)`, `(in, out, root, op)`, `(..., comm::async)`.
   template <class In, class Out, class... A>
-    requires detail::any_buffer<In> && detail::any_buffer<Out> && detail::reduce_tail<A...>
-  detail::reduce_result_t<A...> reduce(In&& in, Out&& out, int root, A&&... a) {
-    constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
-    check_buffer<In, false, is_async>("reduce");
-    check_buffer<Out, true, is_async>("reduce");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
-    return reduce_root_entry<T>(std::span<const T>(detail::as_span(in)), std::span<T>(detail::as_span(out)), root,
-                                std::forward<A>(a)...);
+    requires buffer_range<In> && buffer_range<Out> && reduce_args<A...>
+  reduce_result_t<A...> reduce(In&& in, Out&& out, int root, A&&... a) {
+    using T = detail::element_value_t<Out>;
+    if constexpr (!element<T>) {
+      return reduce_result_t<A...>();  // the element message above is the only error
+    } else {
+      constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
+      check_buffer<In, false, is_async>("reduce");
+      check_buffer<Out, true, is_async>("reduce");
+      static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
+      return reduce_root_entry<T>(std::span<const T>(detail::as_span(in)), std::span<T>(detail::as_span(out)), root,
+                                  std::forward<A>(a)...);
+    }
   }
   /// reduce in place: the `root` rank's `data` becomes the reduction; other ranks' `data` is left
   /// as it was. Forms: `(data, root)`, `(data, root, op)`, `(..., comm::async)`.
   template <class Data, class... A>
-    requires detail::any_buffer<Data> && detail::reduce_tail<A...>
-  detail::reduce_result_t<A...> reduce(Data&& data, int root, A&&... a) {
-    check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("reduce");
-    using T = detail::buffer_value_t<Data>;
-    const std::span<T> d = detail::as_span(data);
-    return reduce_root_entry<T>(std::span<const T>(d), d, root, std::forward<A>(a)...);
+    requires buffer_range<Data> && reduce_args<A...>
+  reduce_result_t<A...> reduce(Data&& data, int root, A&&... a) {
+    using T = detail::element_value_t<Data>;
+    if constexpr (!element<T>) {
+      return reduce_result_t<A...>();  // the element message above is the only error
+    } else {
+      check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("reduce");
+      const std::span<T> d = detail::as_span(data);
+      return reduce_root_entry<T>(std::span<const T>(d), d, root, std::forward<A>(a)...);
+    }
   }
 
   /// scatter: on `root`, `in` holds size()*out.size() elements and rank r's `out` receives
   /// `in[r*out.size(), (r+1)*out.size())`; elsewhere `in` is not used and may be empty. On the
   /// root `out` may be exactly its own slice of `in`.
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   void scatter(In&& in, Out&& out, int root) {
-    scatter_entry<In, Out>(in, out, root, detail::blocking);
+    scatter_entry<In, Out>(in, out, root, blocking);
   }
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   Work scatter(In&& in, Out&& out, int root, async_t) {
     return scatter_entry<In, Out>(in, out, root, async);
   }
@@ -328,12 +385,12 @@ class Communicator {
   /// rank p, and block q of `out` comes from rank q (MPI_Alltoall). `in` and `out` must not
   /// overlap.
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   void all_to_all(In&& in, Out&& out) {
-    all_to_all_entry<In, Out>(in, out, detail::blocking);
+    all_to_all_entry<In, Out>(in, out, blocking);
   }
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   Work all_to_all(In&& in, Out&& out, async_t) {
     return all_to_all_entry<In, Out>(in, out, async);
   }
@@ -343,13 +400,13 @@ class Communicator {
   /// (MPI_Alltoallv with packed displacements). Each count must match the peer's; a mismatch is
   /// comm::DesyncError. The counts are copied (an async call need not keep them).
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   void all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out,
                     std::span<const std::size_t> out_counts) {
-    all_to_all_v_entry<In, Out>(in, in_counts, out, out_counts, detail::blocking);
+    all_to_all_v_entry<In, Out>(in, in_counts, out, out_counts, blocking);
   }
   template <class In, class Out>
-    requires detail::any_buffer<In> && detail::any_buffer<Out>
+    requires buffer_range<In> && buffer_range<Out>
   Work all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out,
                     std::span<const std::size_t> out_counts, async_t) {
     return all_to_all_v_entry<In, Out>(in, in_counts, out, out_counts, async);
@@ -364,34 +421,34 @@ class Communicator {
   /// The blocking form returns once `data` may be reused (host backends: the message was copied
   /// or written out; Shm buffers up to two chunks). Tags are >= 0 (NCCL: 0 only).
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   void send(Data&& data, int peer, int tag = 0) {
-    send_entry<Data>(data, peer, tag, detail::blocking);
+    send_entry<Data>(data, peer, tag, blocking);
   }
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   Work send(Data&& data, int peer, async_t) {
     return send_entry<Data>(data, peer, 0, async);
   }
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   Work send(Data&& data, int peer, int tag, async_t) {
     return send_entry<Data>(data, peer, tag, async);
   }
 
   /// recv: `data` from rank `peer`'s matching send (see send).
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   void recv(Data&& data, int peer, int tag = 0) {
-    recv_entry<Data>(data, peer, tag, detail::blocking);
+    recv_entry<Data>(data, peer, tag, blocking);
   }
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   Work recv(Data&& data, int peer, async_t) {
     return recv_entry<Data>(data, peer, 0, async);
   }
   template <class Data>
-    requires detail::any_buffer<Data>
+    requires buffer_range<Data>
   Work recv(Data&& data, int peer, int tag, async_t) {
     return recv_entry<Data>(data, peer, tag, async);
   }
@@ -400,7 +457,7 @@ class Communicator {
   /// one operation in which they all progress at once, so exchanges in both directions cannot
   /// deadlock. Returns one Work per entry (they complete together). Buffers must outlive them.
   template <class R>
-    requires detail::any_buffer<R> && detail::is_p2p_op<detail::buffer_value_t<R>>
+    requires p2p_op_range<R>
   std::vector<Work> batch_isend_irecv(R&& ops) {
     using P = detail::buffer_value_t<R>;
     return batch_entry<typename P::value_type>(std::span<const P>(std::ranges::data(ops), std::ranges::size(ops)));
@@ -411,7 +468,7 @@ class Communicator {
   }
 
   /// barrier: returns once every rank has entered it (blocking form; the async one completes then).
-  void barrier() { b_.barrier(detail::blocking); }
+  void barrier() { b_.barrier(blocking); }
   Work barrier(async_t) { return b_.barrier(async); }
 
   // ---------------------------------------------------------------------------------------------
@@ -506,10 +563,7 @@ class Communicator {
 
   template <class R, bool Output, bool IsAsync>
   static constexpr void check_buffer(const char* /*op*/) {
-    using T = detail::buffer_value_t<R>;
-    static_assert(element<T>,
-                  "comm: unsupported element type; use int8_t, uint8_t, int32_t, uint32_t, int64_t, uint64_t, float, "
-                  "double, comm::half, comm::bfloat16, comm::float8_e4m3 or comm::float8_e5m2");
+    using T = detail::element_value_t<R>;
     if constexpr (element<T>)
       static_assert(supports_element<Backend, T>, "comm: this backend does not support this element type");
     if constexpr (Output)
@@ -519,12 +573,6 @@ class Communicator {
       static_assert(std::ranges::borrowed_range<R>,
                     "comm: an async collective needs buffers that outlive the call: pass an lvalue container or a "
                     "std::span, not a temporary");
-  }
-
-  template <class In, class Out>
-  static constexpr void check_same_type() {
-    static_assert(std::is_same_v<detail::buffer_value_t<In>, detail::buffer_value_t<Out>>,
-                  "comm: input and output buffers must have the same element type");
   }
 
   /// Maps the op argument to what the backend receives, checking it (at compile time for op
@@ -554,7 +602,7 @@ class Communicator {
       static_assert(!custom_reduction<O, T> || supports_custom_reduction<Backend>,
                     "comm: this backend cannot run custom reduction callables; use a comm::op::* object or a "
                     "ReduceOp");
-      return detail::custom_op<O>{std::forward<Op>(o)};
+      return custom_op<O>{std::forward<Op>(o)};
     }
   }
 
@@ -612,12 +660,12 @@ class Communicator {
   template <class T, class... A>
   auto reduce_entry(detail::reduction_kind kind, std::span<const T> in, std::span<T> out, A&&... a) {
     if constexpr (sizeof...(A) == 0) {
-      return reduce_checked<T>(kind, in, out, op::sum, detail::blocking);
+      return reduce_checked<T>(kind, in, out, op::sum, blocking);
     } else if constexpr (sizeof...(A) == 1) {
       if constexpr ((detail::async_tag<A> && ...))
         return reduce_checked<T>(kind, in, out, op::sum, async);
       else
-        return reduce_checked<T>(kind, in, out, std::forward<A>(a)..., detail::blocking);
+        return reduce_checked<T>(kind, in, out, std::forward<A>(a)..., blocking);
     } else {
       return reduce_checked<T>(kind, in, out, std::forward<A>(a)...);
     }
@@ -647,11 +695,11 @@ class Communicator {
 
   template <class In, class Out, class Launch>
   auto all_gather_entry(In& in_r, Out& out_r, Launch l) {
+    using T = detail::element_value_t<Out>;
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
     check_buffer<In, false, is_async>("all_gather");
     check_buffer<Out, true, is_async>("all_gather");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     const std::span<const T> in = detail::as_span(in_r);
     const std::span<T> out = detail::as_span(out_r);
     const auto n = static_cast<std::size_t>(size());
@@ -665,19 +713,19 @@ class Communicator {
 
   template <class Data, class Launch>
   auto broadcast_entry(Data& data_r, int root, Launch l) {
+    using T = detail::element_value_t<Data>;
     check_buffer<Data, true, std::is_same_v<Launch, async_t>>("broadcast");
-    using T = detail::buffer_value_t<Data>;
     check_root("broadcast", root);
     return b_.broadcast(std::span<T>(detail::as_span(data_r)), root, l);
   }
 
   template <class In, class Out, class Launch>
   auto gather_entry(In& in_r, Out& out_r, int root, Launch l) {
+    using T = detail::element_value_t<Out>;
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
     check_buffer<In, false, is_async>("gather");
     check_buffer<Out, true, is_async>("gather");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     const std::span<const T> in = detail::as_span(in_r);
     const std::span<T> out = detail::as_span(out_r);
     check_root("gather", root);
@@ -730,12 +778,12 @@ class Communicator {
 
   template <class In, class Out, class Launch>
   auto scatter_entry(In& in_r, Out& out_r, int root, Launch l) {
+    using T = detail::element_value_t<Out>;
     check_full_surface();
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
     check_buffer<In, false, is_async>("scatter");
     check_buffer<Out, true, is_async>("scatter");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     const std::span<const T> in = detail::as_span(in_r);
     const std::span<T> out = detail::as_span(out_r);
     check_root("scatter", root);
@@ -752,12 +800,12 @@ class Communicator {
 
   template <class In, class Out, class Launch>
   auto all_to_all_entry(In& in_r, Out& out_r, Launch l) {
+    using T = detail::element_value_t<Out>;
     check_full_surface();
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
     check_buffer<In, false, is_async>("all_to_all");
     check_buffer<Out, true, is_async>("all_to_all");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     const std::span<const T> in = detail::as_span(in_r);
     const std::span<T> out = detail::as_span(out_r);
     const auto n = static_cast<std::size_t>(size());
@@ -772,12 +820,12 @@ class Communicator {
   template <class In, class Out, class Launch>
   auto all_to_all_v_entry(In& in_r, std::span<const std::size_t> in_counts, Out& out_r,
                           std::span<const std::size_t> out_counts, Launch l) {
+    using T = detail::element_value_t<Out>;
     check_full_surface();
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
     check_buffer<In, false, is_async>("all_to_all_v");
     check_buffer<Out, true, is_async>("all_to_all_v");
-    check_same_type<In, Out>();
-    using T = detail::buffer_value_t<Out>;
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
     const std::span<const T> in = detail::as_span(in_r);
     const std::span<T> out = detail::as_span(out_r);
     const auto n = static_cast<std::size_t>(size());
@@ -809,9 +857,9 @@ class Communicator {
 
   template <class Data, class Launch>
   auto send_entry(Data& data_r, int peer, int tag, Launch l) {
+    using T = detail::element_value_t<Data>;
     check_full_surface();
     check_buffer<Data, false, std::is_same_v<Launch, async_t>>("send");
-    using T = detail::buffer_value_t<Data>;
     check_peer("send", peer, tag);
     if constexpr (supports_full_surface<Backend>)
       return b_.send(std::span<const T>(detail::as_span(data_r)), peer, tag, l);
@@ -819,9 +867,9 @@ class Communicator {
 
   template <class Data, class Launch>
   auto recv_entry(Data& data_r, int peer, int tag, Launch l) {
+    using T = detail::element_value_t<Data>;
     check_full_surface();
     check_buffer<Data, true, std::is_same_v<Launch, async_t>>("recv");
-    using T = detail::buffer_value_t<Data>;
     const std::span<T> data = detail::as_span(data_r);  // (not in the return: the static_assert above must show)
     check_peer("recv", peer, tag);
     if constexpr (supports_full_surface<Backend>) return b_.recv(data, peer, tag, l);
@@ -829,19 +877,29 @@ class Communicator {
 
   template <class T>
   std::vector<Work> batch_entry(std::span<const P2POp<T>> ops) {
-    check_full_surface();
-    static_assert(element<T>, "comm: unsupported element type in a P2POp");
-    if constexpr (element<T>)
-      static_assert(supports_element<Backend, T>, "comm: this backend does not support this element type");
-    for (const auto& o : ops) {
-      if (o.op != P2PKind::isend && o.op != P2PKind::irecv)
-        invalid("batch_isend_irecv", "an entry's op is neither isend nor irecv");
-      check_peer("batch_isend_irecv", o.peer, o.tag);
+    using C = detail::checked_element_t<T>;
+    if constexpr (!std::is_same_v<C, T>) {
+      // long long entries: the same buffers, viewed as the 64-bit type the backend takes.
+      std::vector<P2POp<C>> same;
+      same.reserve(ops.size());
+      for (const auto& o : ops)
+        same.push_back(P2POp<C>{o.op, std::span<C>(reinterpret_cast<C*>(o.buffer.data()), o.buffer.size()), o.peer,
+                                o.tag});
+      return batch_entry<C>(std::span<const P2POp<C>>(same));
+    } else {
+      check_full_surface();
+      if constexpr (element<T>)
+        static_assert(supports_element<Backend, T>, "comm: this backend does not support this element type");
+      for (const auto& o : ops) {
+        if (o.op != P2PKind::isend && o.op != P2PKind::irecv)
+          invalid("batch_isend_irecv", "an entry's op is neither isend nor irecv");
+        check_peer("batch_isend_irecv", o.peer, o.tag);
+      }
+      if constexpr (supports_full_surface<Backend>)
+        return b_.batch_isend_irecv(ops);
+      else
+        return std::vector<Work>{};
     }
-    if constexpr (supports_full_surface<Backend>)
-      return b_.batch_isend_irecv(ops);
-    else
-      return {};
   }
 
   Backend b_;

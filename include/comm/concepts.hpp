@@ -21,7 +21,7 @@
 ///    returns a connected `B`. Other factories (`B::adopt(...)`) are backend-specific and are
 ///    forwarded by `Communicator<B>::adopt`.
 /// 6. **Object:** `B` is move-constructible; `b.rank()` and `b.size()` on a `const B` return `int`.
-/// 7. **Operations,** each taking a launch tag last — `comm::detail::blocking_t{}` (returns `void`
+/// 7. **Operations,** each taking a launch tag last — `comm::blocking` (returns `void`
 ///    once the operation is complete on this rank) or `comm::async` (returns `comm::Work`):
 ///    - `b.all_reduce(std::span<const T> in, std::span<T> out, Red, launch)`
 ///    - `b.reduce_scatter(std::span<const T> in, std::span<T> out, Red, launch)`
@@ -30,7 +30,7 @@
 ///    - `b.gather(std::span<const T> in, std::span<T> out, int root, launch)`
 ///    - `b.barrier(launch)`
 ///    where `Red` is a `ReduceOp` value, a `comm::op::builtin<R>` object or, when
-///    `B::custom_reductions`, a `comm::detail::custom_op<F>`.
+///    `B::custom_reductions`, a `comm::custom_op<F>`.
 ///
 /// ### Optional capabilities
 /// Detected with requires-expressions, not part of `comm::backend<B>`; the facade method that
@@ -46,7 +46,7 @@
 /// 9. **Monitored barrier** (`comm::supports_monitored_barrier<B>`):
 ///    `b.monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks)` (timeout 0:
 ///    the communicator's), throwing comm::Timeout naming the ranks that did not arrive
-///    (`comm::detail::monitored_barrier` implements it over a Store).
+///    (comm's engine core implements it over the communicator's Store).
 /// 11. **The rest of the surface** (`comm::supports_full_surface<B>`), each with a launch tag last:
 ///    `b.reduce(in, out, root, Red, l)` (in place: in.data() == out.data(); off the root `out` may
 ///    be empty), `b.scatter(in, out, root, l)`, `b.all_to_all(in, out, l)`,
@@ -56,11 +56,13 @@
 ///    lacks in the engine core).
 /// 10. **Flight recorder** (`comm::supports_flight_recorder<B>`): `cb.flight_record() ->
 ///    comm::FlightRecord` and `cb.dump_flight_record(const std::string& path)`
-///    (`comm::detail::FlightRecorder` implements the ring).
+///    (comm's engine core keeps the ring; the record's format is in <comm/diagnostics.hpp>).
 ///
 /// ### What the concept does *not* check
 /// - Requirement 7 is checked for `T = float` with `Red = ReduceOp` and `comm::op::sum_t` only; the
 ///   other element types and ops are templates the concept cannot enumerate.
+/// - Element types: a backend only ever receives the <cstdint> 64-bit integers; the facade passes
+///   a user's `long long` / `unsigned long long` buffer as std::int64_t / std::uint64_t.
 /// - Semantics: the facade has already validated sizes, roots, overlap and (type, op) pairs before
 ///   calling the backend; the backend may assume valid arguments. Operations issued on one backend
 ///   object must run in issue order; blocking and completion semantics are the backend's documented
@@ -89,27 +91,22 @@ namespace comm {
 struct backend_t {};
 
 namespace detail {
+// The launch tag and the custom-op wrapper are public (types.hpp); these keep the old spellings
+// compiling until every user of them names the public ones.
+using comm::blocking;
+using comm::blocking_t;
+using comm::custom_op;
+}  // namespace detail
 
-/// Launch tag for the blocking form of a backend operation (the public `comm::async` is the other).
-struct blocking_t {
-  explicit blocking_t() = default;
-};
-inline constexpr blocking_t blocking{};
+// The parts of comm::backend, public so that a backend author can assert them one at a time and
+// read which one fails.
 
-/// A user reduction callable `T(T, T)` after the facade has checked it; backends with
-/// `custom_reductions` receive this (never a bare callable).
-template <class F>
-struct custom_op {
-  F fn;
-};
-
+/// Requirement 1.
 template <class B>
 concept backend_opted_in = requires { typename B::backend_concept; } &&
                            std::derived_from<typename B::backend_concept, backend_t>;
 
-template <bool>
-struct require_constant {};
-
+/// Requirements 2 and 4.
 template <class B>
 concept backend_capabilities = requires {
   { B::name } -> std::convertible_to<std::string_view>;
@@ -117,22 +114,25 @@ concept backend_capabilities = requires {
   { B::supports_reduction(ReduceOp::sum, Dtype::float32) } -> std::same_as<bool>;
   { B::custom_reductions } -> std::convertible_to<bool>;
   // Usable in constant expressions (a non-constexpr function makes this ill-formed).
-  typename require_constant<B::supports_dtype(Dtype::float32)>;
-  typename require_constant<B::supports_reduction(ReduceOp::sum, Dtype::float32)>;
-  typename require_constant<static_cast<bool>(B::custom_reductions)>;
+  typename std::bool_constant<B::supports_dtype(Dtype::float32)>;
+  typename std::bool_constant<B::supports_reduction(ReduceOp::sum, Dtype::float32)>;
+  typename std::bool_constant<static_cast<bool>(B::custom_reductions)>;
 };
 
+/// Requirement 3.
 template <class B>
 concept backend_options = requires(typename B::Options o) {
   requires std::default_initializable<typename B::Options>;
   { o.timeout } -> std::convertible_to<std::chrono::milliseconds>;
 };
 
+/// Requirement 5.
 template <class B>
 concept backend_construction = requires(std::shared_ptr<Store> s, const typename B::Options& o) {
   { B::create(s, 0, 1, o) } -> std::same_as<B>;
 };
 
+/// Requirements 6 (rank and size) and 7.
 template <class B>
 concept backend_operations =
     requires(B& b, const B& cb, std::span<const float> in, std::span<float> out, ReduceOp r, op::sum_t s) {
@@ -152,12 +152,10 @@ concept backend_operations =
       { b.barrier(async) } -> std::same_as<Work>;
     };
 
-}  // namespace detail
-
 /// A communication backend policy: see the numbered requirements at the top of this header.
 template <class B>
-concept backend = detail::backend_opted_in<B> && std::move_constructible<B> && detail::backend_capabilities<B> &&
-                  detail::backend_options<B> && detail::backend_construction<B> && detail::backend_operations<B>;
+concept backend = backend_opted_in<B> && std::move_constructible<B> && backend_capabilities<B> && backend_options<B> &&
+                  backend_construction<B> && backend_operations<B>;
 
 /// Backend `B` moves elements of type `T`.
 template <class B, class T>
@@ -197,17 +195,17 @@ template <class B>
 concept supports_full_surface =
     backend<B> && requires(B& b, std::span<const float> in, std::span<float> out, std::span<const std::size_t> counts,
                            std::span<const P2POp<float>> ops, op::sum_t s) {
-      { b.reduce(in, out, 0, s, detail::blocking) } -> std::same_as<void>;
+      { b.reduce(in, out, 0, s, blocking) } -> std::same_as<void>;
       { b.reduce(in, out, 0, s, async) } -> std::same_as<Work>;
-      { b.scatter(in, out, 0, detail::blocking) } -> std::same_as<void>;
+      { b.scatter(in, out, 0, blocking) } -> std::same_as<void>;
       { b.scatter(in, out, 0, async) } -> std::same_as<Work>;
-      { b.all_to_all(in, out, detail::blocking) } -> std::same_as<void>;
+      { b.all_to_all(in, out, blocking) } -> std::same_as<void>;
       { b.all_to_all(in, out, async) } -> std::same_as<Work>;
-      { b.all_to_all_v(in, counts, out, counts, detail::blocking) } -> std::same_as<void>;
+      { b.all_to_all_v(in, counts, out, counts, blocking) } -> std::same_as<void>;
       { b.all_to_all_v(in, counts, out, counts, async) } -> std::same_as<Work>;
-      { b.send(in, 0, 0, detail::blocking) } -> std::same_as<void>;
+      { b.send(in, 0, 0, blocking) } -> std::same_as<void>;
       { b.send(in, 0, 0, async) } -> std::same_as<Work>;
-      { b.recv(out, 0, 0, detail::blocking) } -> std::same_as<void>;
+      { b.recv(out, 0, 0, blocking) } -> std::same_as<void>;
       { b.recv(out, 0, 0, async) } -> std::same_as<Work>;
       { b.batch_isend_irecv(ops) } -> std::same_as<std::vector<Work>>;
     };

@@ -47,6 +47,61 @@ enum class OpState : std::uint8_t { queued, started, completed, failed };
   return "unknown";
 }
 
+/// The operations a communicator records and checks. The values are stable: they travel in
+/// desync fingerprints; new operations get new numbers.
+enum class OpKind : std::uint8_t {
+  all_reduce = 1,
+  reduce_scatter = 2,
+  all_gather = 3,
+  broadcast = 4,
+  gather = 5,
+  barrier = 6,
+  split = 7,
+  monitored_barrier = 8,
+  reduce = 9,
+  scatter = 10,
+  all_to_all = 11,
+  all_to_all_v = 12,
+  send = 13,  // point-to-point: OpDesc::root is the peer
+  recv = 14,
+  p2p_batch = 15,  // batch_isend_irecv: several sends and receives that progress together
+};
+
+/// The operation's name as OpRecord::op shows it ("all_reduce", "batch_isend_irecv").
+[[nodiscard]] constexpr std::string_view to_string(OpKind k) noexcept {
+  switch (k) {
+    case OpKind::all_reduce: return "all_reduce";
+    case OpKind::reduce_scatter: return "reduce_scatter";
+    case OpKind::all_gather: return "all_gather";
+    case OpKind::broadcast: return "broadcast";
+    case OpKind::gather: return "gather";
+    case OpKind::barrier: return "barrier";
+    case OpKind::split: return "split";
+    case OpKind::monitored_barrier: return "monitored_barrier";
+    case OpKind::reduce: return "reduce";
+    case OpKind::scatter: return "scatter";
+    case OpKind::all_to_all: return "all_to_all";
+    case OpKind::all_to_all_v: return "all_to_all_v";
+    case OpKind::send: return "send";
+    case OpKind::recv: return "recv";
+    case OpKind::p2p_batch: return "batch_isend_irecv";
+  }
+  return "unknown_op";
+}
+
+/// What is known of an operation when it is issued: what a backend hands the flight recorder
+/// and the desync check. `count` is the per-rank-invariant element count (see OpRecord::count).
+struct OpDesc {
+  static constexpr std::uint8_t none = 0xff;
+  static constexpr std::uint8_t custom = 0xfe;  ///< reduce: a user callable
+
+  OpKind kind = OpKind::barrier;
+  std::uint8_t dtype = none;   ///< a Dtype value or none
+  std::uint8_t reduce = none;  ///< a ReduceOp value, custom or none
+  int root = -1;
+  std::uint64_t count = 0;
+};
+
 /// One operation as the flight recorder saw it.
 struct OpRecord {
   using time_point = std::chrono::system_clock::time_point;

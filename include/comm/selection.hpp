@@ -24,6 +24,7 @@
 #include <comm/backends/registry.hpp>
 #include <comm/communicator.hpp>
 #include <comm/detail/discovery.hpp>
+#include <comm/detail/host.hpp>
 #include <comm/detail/logging.hpp>
 #include <comm/init.hpp>
 #include <comm/store.hpp>
@@ -109,7 +110,7 @@ inline void export_env(const char* name, const std::string& value) {
 /// Whether every rank of the store's world runs on this host (Shm's identity: boot id and
 /// namespaces). Collective over the store: every rank publishes its identity and reads the others'.
 [[nodiscard]] inline bool all_on_one_host(Store& store, int rank, int size, std::chrono::milliseconds timeout) {
-  const std::string me = shm::host_identity();
+  const std::string me = host_identity();
   store.set("comm/cdb/host/" + std::to_string(rank), me);
   bool same = true;
   for (int p = 0; p < size; ++p) {

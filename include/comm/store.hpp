@@ -18,6 +18,7 @@
 #include <string_view>
 #include <vector>
 
+#include <comm/detail/env.hpp>
 #include <comm/detail/socket.hpp>
 #include <comm/error.hpp>
 
@@ -27,7 +28,14 @@ namespace comm {
 class Store {
  public:
   using Bytes = std::vector<std::uint8_t>;
+  /// The timeout of a store made without one when COMM_TIMEOUT is not set.
   static constexpr std::chrono::milliseconds default_timeout = std::chrono::minutes(30);
+
+  /// The timeout of a store made without one (TcpStoreOptions, FileStore, HashStore): COMM_TIMEOUT
+  /// when set (seconds, or a number with ms, s or m; an invalid value is comm::InvalidArgument
+  /// naming it), else default_timeout. The communicators' default, so that one variable bounds
+  /// the rendezvous and the operations alike.
+  [[nodiscard]] static std::chrono::milliseconds timeout_from_env() { return detail::default_timeout(); }
 
   virtual ~Store() = default;
 
@@ -78,7 +86,7 @@ struct TcpStoreOptions {
   /// Host the server in this process (a thread; this store is also a client of it).
   bool is_server = false;
   /// Deadline of every call (get() and wait() without an explicit timeout, connect, replies).
-  std::chrono::milliseconds timeout = Store::default_timeout;
+  std::chrono::milliseconds timeout = Store::timeout_from_env();
   /// The rank named in error messages (-1: unknown).
   int rank = -1;
   /// Shared secret checked at connect. Empty: COMM_STORE_TOKEN from the environment; if that is
@@ -109,6 +117,9 @@ struct TcpStoreOptions {
 
 namespace detail {
 class TcpStoreServer;
+namespace store_proto {
+enum class Op : std::uint8_t;
+}  // namespace store_proto
 }  // namespace detail
 
 /// A store served over TCP by one process (the one constructed with `is_server`), the others
@@ -177,6 +188,11 @@ class TcpStore final : public Store {
   void check_value(std::string_view op, std::string_view key, std::size_t size) const;
   [[noreturn]] void throw_reply_error(std::string_view op, const Reply& r, std::chrono::milliseconds waited,
                                       const std::vector<std::string>& keys = {}) const;
+  /// The skeleton of every call (detail/tcp_store.hpp): `write` adds the request's fields,
+  /// `read` decodes the reply's.
+  template <class Write, class Read>
+  auto request(std::string_view op, detail::store_proto::Op code, std::chrono::milliseconds budget, bool parked,
+               Write&& write, Read&& read, const std::vector<std::string>& keys = {});
 
   std::string host_;
   std::uint16_t port_;
@@ -197,7 +213,7 @@ class FileStore final : public Store {
  public:
   /// Opens (creating if needed, mode 0600) the store file at `path`. Throws comm::BackendError
   /// when it cannot be opened and comm::Error when it is not a store file.
-  explicit FileStore(std::string path, std::chrono::milliseconds timeout = Store::default_timeout);
+  explicit FileStore(std::string path, std::chrono::milliseconds timeout = Store::timeout_from_env());
   ~FileStore() override;
   FileStore(const FileStore&) = delete;
   FileStore& operator=(const FileStore&) = delete;
@@ -234,7 +250,7 @@ class FileStore final : public Store {
 /// until their deadline, then throw comm::Timeout naming the keys.
 class HashStore final : public Store {
  public:
-  explicit HashStore(std::chrono::milliseconds timeout = Store::default_timeout) : Store(timeout) {}
+  explicit HashStore(std::chrono::milliseconds timeout = Store::timeout_from_env()) : Store(timeout) {}
 
   using Store::set;
   using Store::wait;

@@ -124,9 +124,6 @@ struct bfloat16 {
 
 static_assert(sizeof(half) == 2 && sizeof(bfloat16) == 2);
 
-/// 1: comm::float8_e4m3 and comm::float8_e5m2 exist (backends test it to compile their fp8 paths).
-#define COMM_HAS_FLOAT8 1
-
 namespace detail {
 /// Encoding of an OCP 8-bit float with `E` exponent and `M` mantissa bits (bias 2^(E-1) - 1), as
 /// CUDA's `__nv_fp8_*` constructors do it (__NV_SATFINITE), so that host and device agree bit for
@@ -271,11 +268,69 @@ template <> struct dtype_of_impl<float> { static constexpr Dtype value = Dtype::
 template <> struct dtype_of_impl<double> { static constexpr Dtype value = Dtype::float64; };
 template <> struct dtype_of_impl<float8_e4m3> { static constexpr Dtype value = Dtype::float8_e4m3; };
 template <> struct dtype_of_impl<float8_e5m2> { static constexpr Dtype value = Dtype::float8_e5m2; };
+
+// The 64-bit integers a user spells otherwise: `long long` is not int64_t on LP64 Linux (int64_t is
+// `long` there), `long` is not int64_t where int64_t is `long long`. MPI and NCCL users pass them
+// as the 64-bit types; the facade hands backends the <cstdint> type (see canonical_element_t).
+template <class T>
+inline constexpr bool is_other_int64 = (std::is_same_v<T, long> || std::is_same_v<T, long long>) &&
+                                       sizeof(T) == 8 && !std::is_same_v<T, std::int64_t>;
+template <class T>
+inline constexpr bool is_other_uint64 = (std::is_same_v<T, unsigned long> || std::is_same_v<T, unsigned long long>) &&
+                                        sizeof(T) == 8 && !std::is_same_v<T, std::uint64_t>;
+template <class T>
+  requires is_other_int64<T>
+struct dtype_of_impl<T> {
+  static constexpr Dtype value = Dtype::int64;
+};
+template <class T>
+  requires is_other_uint64<T>
+struct dtype_of_impl<T> {
+  static constexpr Dtype value = Dtype::uint64;
+};
 }  // namespace detail
 
-/// The element types comm moves: int8..uint64, float, double, half, bfloat16, float8_e4m3, float8_e5m2.
+/// The element types comm moves: int8..uint64 (`long long` and `unsigned long long` are the
+/// 64-bit ones), float, double, half, bfloat16, float8_e4m3, float8_e5m2.
 template <class T>
 concept element = requires { detail::dtype_of_impl<std::remove_cv_t<T>>::value; };
+
+namespace detail {
+/// The type a backend receives for element `T`: `T` itself, except the 64-bit integers spelt
+/// otherwise (`long long` on LP64), which become std::int64_t / std::uint64_t of the same size
+/// and representation, so no backend needs a second type map.
+template <class T>
+struct canonical_element {
+  using type = T;
+};
+template <class T>
+  requires is_other_int64<T>
+struct canonical_element<T> {
+  using type = std::int64_t;
+};
+template <class T>
+  requires is_other_uint64<T>
+struct canonical_element<T> {
+  using type = std::uint64_t;
+};
+template <class T>
+using canonical_element_t = typename canonical_element<T>::type;
+
+/// canonical_element_t<T> with the element concept's message when `T` is no element. An alias
+/// to a class template's member: naming it instantiates the class at once, so this message comes
+/// before any error that the rest of the operation would cause with the wrong type (a static_assert
+/// in a function body would be instantiated only at the end of the translation unit).
+template <class T>
+struct checked_element {
+  static_assert(element<T>,
+                "comm: unsupported element type; use int8_t, uint8_t, int32_t, uint32_t, int64_t (long long), "
+                "uint64_t (unsigned long long), float, double, comm::half, comm::bfloat16, comm::float8_e4m3 or "
+                "comm::float8_e5m2");
+  using type = canonical_element_t<T>;
+};
+template <class T>
+using checked_element_t = typename checked_element<std::remove_cv_t<T>>::type;
+}  // namespace detail
 
 template <element T>
 inline constexpr Dtype dtype_of = detail::dtype_of_impl<std::remove_cv_t<T>>::value;
@@ -352,6 +407,20 @@ struct async_t {
   explicit async_t() = default;
 };
 inline constexpr async_t async{};
+
+/// Tag: the blocking form of a backend operation (returns once the operation is complete on this
+/// rank, on NCCL once enqueued). Backend authors receive it (see concepts.hpp); users never pass it.
+struct blocking_t {
+  explicit blocking_t() = default;
+};
+inline constexpr blocking_t blocking{};
+
+/// A user reduction callable `T(T, T)` after the facade has checked it; backends with
+/// `custom_reductions` receive this (never a bare callable).
+template <class F>
+struct custom_op {
+  F fn;
+};
 
 /// Compile-time reduction ops: each is an object of its own type, checked against
 /// (element type, backend) when the call is compiled.

@@ -14,10 +14,9 @@
 
 namespace comm {
 
-namespace detail {
-
 /// Shared completion state between the thread that runs an operation and the Work that waits on
-/// it. Backends with extra wait semantics (NCCL: make the caller's stream wait) derive from it.
+/// it: what a backend makes a comm::Work from. Backends with extra wait semantics (NCCL: make the
+/// caller's stream wait) derive from it.
 class WorkState {
  public:
   WorkState(std::string op, int rank, std::chrono::milliseconds timeout)
@@ -86,6 +85,8 @@ class WorkState {
   std::exception_ptr error_;
 };
 
+namespace detail {
+using comm::WorkState;  // the old spelling, until every user names the public one
 }  // namespace detail
 
 /// Handle to an operation started with `comm::async`. Move-only.
@@ -102,7 +103,7 @@ class WorkState {
 class [[nodiscard]] Work {
  public:
   Work() = default;
-  explicit Work(std::shared_ptr<detail::WorkState> state) noexcept : state_(std::move(state)) {}
+  explicit Work(std::shared_ptr<WorkState> state) noexcept : state_(std::move(state)) {}
   Work(Work&&) noexcept = default;
   Work& operator=(Work&&) noexcept = default;
   Work(const Work&) = delete;
@@ -177,7 +178,7 @@ class [[nodiscard]] Work {
     state_->on_waited();
   }
 
-  std::shared_ptr<detail::WorkState> state_;
+  std::shared_ptr<WorkState> state_;
 };
 
 }  // namespace comm

@@ -372,3 +372,53 @@ TEST_CASE("a receive from a rank that never sends ends at the deadline, naming t
   // 1 is done, through the harness's own barrier.
   comm::test::barrier();
 }
+
+#if defined(COMM_TEST_BACKEND_HIERARCHICAL)
+// Hierarchical stops a Gloo member's connections from another thread through the engine-neutral
+// detail/transport.hpp; the Gloo policy must be recognised there.
+static_assert(comm::detail::TransportAbort<comm::backends::Gloo>::stops);
+static_assert(!comm::detail::TransportAbort<comm::backends::Shm>::stops);
+#endif
+
+TEST_CASE("long long and unsigned long long are the 64-bit element types on every operation") {
+  static_assert(comm::dtype_of<long long> == comm::Dtype::int64);
+  static_assert(comm::dtype_of<unsigned long long> == comm::Dtype::uint64);
+  auto c = make_comm();
+  const int n = c.size();
+  const auto un = static_cast<std::size_t>(n);
+  const long long big = 1LL << 40;  // beyond 32 bits: a narrowed type would lose it
+  std::vector<long long> v(5);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = big * (c.rank() + 1) + static_cast<long long>(i);
+  c.all_reduce(v);
+  for (std::size_t i = 0; i < v.size(); ++i)
+    CHECK(v[i] == big * n * (n + 1) / 2 + static_cast<long long>(i) * n);
+  c.all_reduce(v, comm::op::max, comm::async).wait();
+
+  std::vector<unsigned long long> u(3, 1ULL << c.rank());
+  c.all_reduce(u, comm::ReduceOp::bor);
+  CHECK(u[0] == (1ULL << n) - 1);
+  c.all_reduce(u, [](unsigned long long a, unsigned long long b) { return a & b; });
+  CHECK(u[2] == (1ULL << n) - 1);
+
+  std::vector<long long> b(2, c.rank() == 0 ? -big : 0);
+  c.broadcast(b, 0);
+  CHECK(b[1] == -big);
+
+  std::vector<long long> in(un * 2), out(un * 2);
+  for (std::size_t p = 0; p < un; ++p) in[2 * p] = in[2 * p + 1] = big * c.rank() + static_cast<long long>(p);
+  c.all_to_all(std::span<const long long>(in), out);
+  for (std::size_t q = 0; q < un; ++q) CHECK(out[2 * q] == big * static_cast<long long>(q) + c.rank());
+
+  std::vector<long long> g(un);
+  c.all_gather(std::span<const long long>(&in[0], 1), g);
+  for (std::size_t q = 0; q < un; ++q) CHECK(g[q] == big * static_cast<long long>(q));
+
+  if (n >= 2 && c.rank() < 2) {
+    std::vector<long long> s(4, big + c.rank()), r(4);
+    const int peer = 1 - c.rank();
+    auto works = c.batch_isend_irecv({comm::isend(s, peer), comm::irecv(r, peer)});
+    for (auto& w : works) w.wait();
+    CHECK(r[3] == big + peer);
+  }
+  c.barrier();
+}

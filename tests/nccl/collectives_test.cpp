@@ -250,7 +250,6 @@ TEST_CASE("premul_sum: each rank's input times its own scalar, summed") {
   CHECK_THROWS_AS(c.backend().all_reduce_premul_sum<float>(d.span(), d.span().subspan(1), 1.0f), comm::InvalidArgument);
 }
 
-#if defined(COMM_HAS_FLOAT8)
 TEST_CASE("fp8: moved everywhere, reduced where NCCL >= 2.24 and compute capability >= 9.0") {
   NCCL_REQUIRE_GPU();
   auto c = make_comm();
@@ -271,4 +270,3 @@ TEST_CASE("fp8: moved everywhere, reduced where NCCL >= 2.24 and compute capabil
     CHECK_THROWS_AS(c.all_reduce(in.span(), ReduceOp::sum), comm::InvalidArgument);
   }
 }
-#endif

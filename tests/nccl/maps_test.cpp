@@ -76,7 +76,6 @@ TEST_CASE("maps: every element type has its NCCL datatype") {
   CHECK(sizeof(comm::bfloat16) == 2);
 }
 
-#if defined(COMM_HAS_FLOAT8)
 TEST_CASE("maps: fp8 element types") {
   CHECK(dn::is_fp8(Dtype::float8_e4m3));
   CHECK(dn::is_fp8(Dtype::float8_e5m2));
@@ -90,11 +89,6 @@ TEST_CASE("maps: fp8 element types") {
   CHECK_FALSE(Nccl::supports_reduction(ReduceOp::sum, Dtype::float8_e4m3));
 #endif
 }
-#else
-TEST_CASE("maps: fp8 is compiled out while comm has no fp8 element types") {
-  CHECK(COMM_NCCL_FP8_REDUCTIONS == 0);
-}
-#endif
 
 TEST_CASE("maps: reductions") {
   CHECK(dn::nccl_op(ReduceOp::sum) == ncclSum);

@@ -77,7 +77,7 @@
 #include <comm/detail/flight_recorder.hpp>
 #include <comm/detail/groups.hpp>
 #include <comm/detail/hierarchical/engine.hpp>
-#include <comm/detail/shm/segment.hpp>
+#include <comm/detail/host.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
@@ -273,7 +273,7 @@ class Hierarchical : public comm::detail::BackendDiagnostics<Hierarchical<Intra,
     c.desync_check = o.desync_check;
     c.flight_recorder_size = o.flight_recorder_size;
     c.node_id_given = !o.node_id.empty();
-    c.node_id = c.node_id_given ? "id=" + o.node_id : comm::detail::shm::host_identity();
+    c.node_id = c.node_id_given ? "id=" + o.node_id : comm::detail::host_identity();
     c.intra = o.intra;
     c.inter = o.inter;
     c.small_max = o.small_max;

@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 
+#include <comm/detail/duration.hpp>
 #include <comm/error.hpp>
 
 namespace comm::detail {
@@ -61,31 +62,6 @@ template <class Int>
   auto n = parse_int<long>(value);
   if (!n || *n < (allow_zero ? 0 : 1) || *n > 65535) bad_env(op, -1, name, value, "not a port number");
   return static_cast<std::uint16_t>(*n);
-}
-
-/// Parses a duration: a number of seconds, or a number with suffix `ms`, `s` or `m`
-/// (fractions allowed: "1.5s"). nullopt on anything else, negatives, or absurd values.
-[[nodiscard]] inline std::optional<std::chrono::milliseconds> parse_duration(std::string_view s) {
-  s = trim(s);
-  double scale = 1000.0;
-  if (s.ends_with("ms")) {
-    scale = 1.0;
-    s.remove_suffix(2);
-  } else if (s.ends_with('s')) {
-    s.remove_suffix(1);
-  } else if (s.ends_with('m')) {
-    scale = 60'000.0;
-    s.remove_suffix(1);
-  }
-  s = trim(s);
-  if (s.empty()) return std::nullopt;
-  double v = 0;
-  const auto* end = s.data() + s.size();
-  auto [p, ec] = std::from_chars(s.data(), end, v);
-  if (ec != std::errc() || p != end || !(v >= 0)) return std::nullopt;
-  const double ms = v * scale;
-  if (ms > 365.0 * 24 * 3600 * 1000) return std::nullopt;  // a year: certainly a mistake
-  return std::chrono::milliseconds(static_cast<std::int64_t>(ms + 0.5));
 }
 
 /// The default timeout: COMM_TIMEOUT if set (errors name it), else 30 minutes.

@@ -1,5 +1,7 @@
 #pragma once
 // FileStore: definitions (declared in <comm/store.hpp>).
+// Included by <comm/store.hpp> after the declarations, and only from there: the public header
+// declares, detail/ defines, and nothing here includes back up (include <comm/store.hpp>).
 //
 // The file is a header "COMMFS1\n" followed by an append-only log of records
 //   u8 type ('S' set, 'D' delete) | u32 key_len | u64 value_len | key | value
@@ -18,7 +20,6 @@
 #include <cstring>
 #include <thread>
 
-#include <comm/store.hpp>
 #include <comm/detail/socket.hpp>
 #include <comm/detail/store_common.hpp>
 #include <comm/detail/store_protocol.hpp>

@@ -25,24 +25,10 @@
 
 namespace comm::detail {
 
-/// Operation codes, stable: they travel in desync fingerprints. New operations get new numbers.
-enum class OpKind : std::uint8_t {
-  all_reduce = 1,
-  reduce_scatter = 2,
-  all_gather = 3,
-  broadcast = 4,
-  gather = 5,
-  barrier = 6,
-  split = 7,
-  monitored_barrier = 8,
-  reduce = 9,
-  scatter = 10,
-  all_to_all = 11,
-  all_to_all_v = 12,
-  send = 13,  // point-to-point: desc.root is the peer
-  recv = 14,
-  p2p_batch = 15,  // batch_isend_irecv: several sends and receives that progress together
-};
+// OpKind and OpDesc are public (<comm/diagnostics.hpp>); the old spellings stay until every user
+// names the public ones.
+using comm::OpDesc;
+using comm::OpKind;
 
 /// Point-to-point operations involve two ranks, not the whole group: they take no collective
 /// sequence number (see OpQueue) and are never in the desync check's all-rank exchange.
@@ -50,39 +36,7 @@ enum class OpKind : std::uint8_t {
   return k == OpKind::send || k == OpKind::recv || k == OpKind::p2p_batch;
 }
 
-[[nodiscard]] constexpr const char* op_name(OpKind k) noexcept {
-  switch (k) {
-    case OpKind::all_reduce: return "all_reduce";
-    case OpKind::reduce_scatter: return "reduce_scatter";
-    case OpKind::all_gather: return "all_gather";
-    case OpKind::broadcast: return "broadcast";
-    case OpKind::gather: return "gather";
-    case OpKind::barrier: return "barrier";
-    case OpKind::split: return "split";
-    case OpKind::monitored_barrier: return "monitored_barrier";
-    case OpKind::reduce: return "reduce";
-    case OpKind::scatter: return "scatter";
-    case OpKind::all_to_all: return "all_to_all";
-    case OpKind::all_to_all_v: return "all_to_all_v";
-    case OpKind::send: return "send";
-    case OpKind::recv: return "recv";
-    case OpKind::p2p_batch: return "batch_isend_irecv";
-  }
-  return "unknown_op";
-}
-
-/// What is known of an operation when it is issued. `count` is the per-rank-invariant element
-/// count (see OpRecord::count).
-struct OpDesc {
-  static constexpr std::uint8_t none = 0xff;
-  static constexpr std::uint8_t custom = 0xfe;  // reduce: a user callable
-
-  OpKind kind = OpKind::barrier;
-  std::uint8_t dtype = none;   // a Dtype value or none
-  std::uint8_t reduce = none;  // a ReduceOp value, custom or none
-  int root = -1;
-  std::uint64_t count = 0;
-};
+[[nodiscard]] constexpr const char* op_name(OpKind k) noexcept { return to_string(k).data(); }
 
 template <class T>
 [[nodiscard]] constexpr std::uint8_t dtype_code() noexcept {

@@ -1,7 +1,8 @@
 #pragma once
 // HashStore: definitions (declared in <comm/store.hpp>).
+// Included by <comm/store.hpp> after the declarations, and only from there: the public header
+// declares, detail/ defines, and nothing here includes back up (include <comm/store.hpp>).
 
-#include <comm/store.hpp>
 #include <comm/detail/socket.hpp>
 #include <comm/detail/store_common.hpp>
 

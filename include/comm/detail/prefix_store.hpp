@@ -1,7 +1,7 @@
 #pragma once
 // PrefixStore: definitions (declared in <comm/store.hpp>).
-
-#include <comm/store.hpp>
+// Included by <comm/store.hpp> after the declarations, and only from there: the public header
+// declares, detail/ defines, and nothing here includes back up (include <comm/store.hpp>).
 
 namespace comm {
 

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <gsl/assert>
+
 #include <comm/types.hpp>
 
 namespace comm::detail {
@@ -131,6 +133,7 @@ using reduce_many_fn = void (*)(void* out, const void* const* srcs, int n, std::
 /// combine in their own type (integers wrap, as in combine()).
 template <ReduceOp R, class T>
 void reduce_many_kernel(void* out, const void* const* srcs, int n, std::size_t count) noexcept {
+  Expects(n >= 1);  // srcs[0] seeds the accumulator
   using A = std::conditional_t<is_half_like_v<T>, float, T>;
   auto* o = static_cast<T*>(out);
   std::size_t i = 0;
@@ -196,6 +199,7 @@ template <class T>
 /// integers use floor division (so the result is the floor of the exact mean of the wrapped sum).
 template <element T>
 void finish_avg(T* __restrict data, std::size_t n, int size) noexcept {
+  Expects(size >= 1);  // a communicator's size; the integer path divides by it
   if constexpr (is_half_like_v<T>) {
     const float scale = 1.0f / static_cast<float>(size);
     for (std::size_t i = 0; i < n; ++i) data[i] = T(static_cast<float>(data[i]) * scale);

@@ -1,13 +1,16 @@
 #pragma once
 // TcpStore: definitions of the client (declared in <comm/store.hpp>); the server is in
 // <comm/detail/tcp_store_server.hpp>.
+// Included by <comm/store.hpp> after the declarations, and only from there: the public header
+// declares, detail/ defines, and nothing here includes back up (include <comm/store.hpp>).
 
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
 #include <thread>
 
-#include <comm/store.hpp>
+#include <gsl/assert>
+
 #include <comm/detail/socket.hpp>
 #include <comm/detail/store_common.hpp>
 #include <comm/detail/store_protocol.hpp>
@@ -191,6 +194,7 @@ inline TcpStore::Reply TcpStore::call(std::string_view op, std::vector<std::uint
                                       detail::Clock::time_point deadline,
                                       detail::Clock::time_point reply_deadline) {
   namespace sp = detail::store_proto;
+  Expects(frame.size() > sp::frame_header_size);  // request() built a whole frame: header and op code
   detail::Fd fd;
   {
     std::lock_guard g(mu_);
@@ -289,208 +293,162 @@ inline void TcpStore::throw_reply_error(std::string_view op, const Reply& r, std
                     address_);
 }
 
-namespace detail {
-inline std::vector<std::uint8_t> start_request(store_proto::Op op, std::size_t& at) {
+// One request/reply exchange. The request is the frame of `code` with the fields `write(w,
+// deadline)` adds (a parked get/wait sends the time it has left); the call ends by `budget` from
+// now, a `parked` one's reply up to a grace later (the server times it out itself). A status other
+// than ok throws, naming `keys` on a timeout; `read(r)` decodes an ok reply's fields, all of them,
+// else the reply is malformed (RemoteError).
+template <class Write, class Read>
+auto TcpStore::request(std::string_view op, detail::store_proto::Op code, std::chrono::milliseconds budget, bool parked,
+                       Write&& write, Read&& read, const std::vector<std::string>& keys) {
+  namespace sp = detail::store_proto;
   std::vector<std::uint8_t> f;
-  at = store_proto::begin_frame(f);
-  f.push_back(static_cast<std::uint8_t>(op));
-  return f;
+  const std::size_t at = sp::begin_frame(f);
+  f.push_back(static_cast<std::uint8_t>(code));
+  const auto d = detail::deadline_after(budget);
+  sp::Writer w(f);
+  write(w, d);
+  sp::finish_frame(f, at);
+  const auto r = call(op, f, d, parked ? detail::with_grace(d, budget) : d);
+  if (r.status != sp::Status::ok) throw_reply_error(op, r, budget, keys);
+  auto rd = r.fields();
+  auto v = read(rd);
+  if (!rd.done()) throw RemoteError(std::string(op), rank(), "malformed reply from the store server", address_);
+  return v;
 }
+
+namespace detail {
+// The writers and readers the calls share.
+inline void no_fields(store_proto::Writer&, Clock::time_point) {}
+inline int read_nothing(store_proto::Reader&) { return 0; }
+inline Store::Bytes read_bytes(store_proto::Reader& r) {
+  const auto v = r.bytes();
+  return Store::Bytes(v.begin(), v.end());
+}
+inline std::int64_t read_i64(store_proto::Reader& r) { return r.i64(); }
+inline bool read_flag(store_proto::Reader& r) { return r.u8() != 0; }
+[[nodiscard]] inline std::uint64_t ms_left(Clock::time_point d) { return static_cast<std::uint64_t>(remaining(d).count()); }
 }  // namespace detail
 
 inline void TcpStore::set(std::string_view key, std::span<const std::uint8_t> value) {
-  namespace sp = detail::store_proto;
   check_key("store.set", key);
   check_value("store.set", key, value.size());
-  std::size_t at = 0;
-  auto f = detail::start_request(sp::Op::set, at);
-  f.reserve(f.size() + 16 + key.size() + value.size());
-  sp::Writer w(f);
-  w.str(key);
-  w.bytes(value);
-  sp::finish_frame(f, at);
-  const auto t = timeout();
-  const auto d = detail::deadline_after(t);
-  const auto r = call("store.set", f, d, d);
-  if (r.status != sp::Status::ok) throw_reply_error("store.set", r, t);
+  (void)request(
+      "store.set", detail::store_proto::Op::set, timeout(), false,
+      [&](detail::store_proto::Writer& w, detail::Clock::time_point) {
+        w.str(key);
+        w.bytes(value);
+      },
+      detail::read_nothing);
 }
 
 inline Store::Bytes TcpStore::get(std::string_view key) {
-  namespace sp = detail::store_proto;
   check_key("store.get", key);
-  const auto t = timeout();
-  const auto d = detail::deadline_after(t);
-  std::size_t at = 0;
-  auto f = detail::start_request(sp::Op::get, at);
-  sp::Writer w(f);
-  w.str(key);
-  w.u64(static_cast<std::uint64_t>(detail::remaining(d).count()));
-  sp::finish_frame(f, at);
-  const auto r = call("store.get", f, d, detail::with_grace(d, t));
-  if (r.status != sp::Status::ok) throw_reply_error("store.get", r, t, {std::string(key)});
-  auto rd = r.fields();
-  const auto v = rd.bytes();
-  if (!rd.done()) throw RemoteError("store.get", rank(), "malformed reply from the store server", address_);
-  return Bytes(v.begin(), v.end());
+  return request(
+      "store.get", detail::store_proto::Op::get, timeout(), true,
+      [&](detail::store_proto::Writer& w, detail::Clock::time_point d) {
+        w.str(key);
+        w.u64(detail::ms_left(d));
+      },
+      detail::read_bytes, {std::string(key)});
 }
 
 inline std::int64_t TcpStore::add(std::string_view key, std::int64_t delta) {
-  namespace sp = detail::store_proto;
   check_key("store.add", key);
-  std::size_t at = 0;
-  auto f = detail::start_request(sp::Op::add, at);
-  sp::Writer w(f);
-  w.str(key);
-  w.i64(delta);
-  sp::finish_frame(f, at);
-  const auto t = timeout();
-  const auto d = detail::deadline_after(t);
-  const auto r = call("store.add", f, d, d);
-  if (r.status != sp::Status::ok) throw_reply_error("store.add", r, t);
-  auto rd = r.fields();
-  const auto v = rd.i64();
-  if (!rd.done()) throw RemoteError("store.add", rank(), "malformed reply from the store server", address_);
-  return v;
+  return request(
+      "store.add", detail::store_proto::Op::add, timeout(), false,
+      [&](detail::store_proto::Writer& w, detail::Clock::time_point) {
+        w.str(key);
+        w.i64(delta);
+      },
+      detail::read_i64);
 }
 
 inline Store::Bytes TcpStore::compare_set(std::string_view key, std::span<const std::uint8_t> expected,
                                           std::span<const std::uint8_t> desired) {
-  namespace sp = detail::store_proto;
   check_key("store.compare_set", key);
   check_value("store.compare_set", key, expected.size());
   check_value("store.compare_set", key, desired.size());
-  std::size_t at = 0;
-  auto f = detail::start_request(sp::Op::compare_set, at);
-  sp::Writer w(f);
-  w.str(key);
-  w.bytes(expected);
-  w.bytes(desired);
-  sp::finish_frame(f, at);
-  const auto t = timeout();
-  const auto d = detail::deadline_after(t);
-  const auto r = call("store.compare_set", f, d, d);
-  if (r.status != sp::Status::ok) throw_reply_error("store.compare_set", r, t);
-  auto rd = r.fields();
-  const auto v = rd.bytes();
-  if (!rd.done()) throw RemoteError("store.compare_set", rank(), "malformed reply from the store server", address_);
-  return Bytes(v.begin(), v.end());
+  return request(
+      "store.compare_set", detail::store_proto::Op::compare_set, timeout(), false,
+      [&](detail::store_proto::Writer& w, detail::Clock::time_point) {
+        w.str(key);
+        w.bytes(expected);
+        w.bytes(desired);
+      },
+      detail::read_bytes);
 }
 
 inline void TcpStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
-  namespace sp = detail::store_proto;
   if (keys.empty()) return;
   std::size_t bytes = 0;
   for (const auto& k : keys) {
     check_key("store.wait", k);
     bytes += k.size() + 8;
   }
-  if (keys.size() > UINT32_MAX || bytes + 16 > sp::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes))
+  if (keys.size() > UINT32_MAX || bytes + 16 > detail::store_proto::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes))
     throw InvalidArgument("store.wait", rank(),
                           "waiting on " + std::to_string(keys.size()) + " keys (" + std::to_string(bytes) +
                               " bytes) exceeds the request size limit",
                           address_);
-  const auto d = detail::deadline_after(timeout);
-  std::size_t at = 0;
-  auto f = detail::start_request(sp::Op::wait, at);
-  sp::Writer w(f);
-  w.u32(static_cast<std::uint32_t>(keys.size()));
-  for (const auto& k : keys) w.str(k);
-  w.u64(static_cast<std::uint64_t>(detail::remaining(d).count()));
-  sp::finish_frame(f, at);
-  const auto r = call("store.wait", f, d, detail::with_grace(d, timeout));
-  if (r.status != sp::Status::ok) throw_reply_error("store.wait", r, timeout, keys);
+  (void)request(
+      "store.wait", detail::store_proto::Op::wait, timeout, true,
+      [&](detail::store_proto::Writer& w, detail::Clock::time_point d) {
+        w.u32(static_cast<std::uint32_t>(keys.size()));
+        for (const auto& k : keys) w.str(k);
+        w.u64(detail::ms_left(d));
+      },
+      detail::read_nothing, keys);
 }
 
 inline std::int64_t TcpStore::num_keys() {
-  namespace sp = detail::store_proto;
-  std::size_t at = 0;
-  auto f = detail::start_request(sp::Op::num_keys, at);
-  sp::finish_frame(f, at);
-  const auto t = timeout();
-  const auto d = detail::deadline_after(t);
-  const auto r = call("store.num_keys", f, d, d);
-  if (r.status != sp::Status::ok) throw_reply_error("store.num_keys", r, t);
-  auto rd = r.fields();
-  const auto v = rd.i64();
-  if (!rd.done()) throw RemoteError("store.num_keys", rank(), "malformed reply from the store server", address_);
-  return v;
+  return request("store.num_keys", detail::store_proto::Op::num_keys, timeout(), false, detail::no_fields,
+                 detail::read_i64);
 }
 
 inline bool TcpStore::delete_key(std::string_view key) {
-  namespace sp = detail::store_proto;
   check_key("store.delete_key", key);
-  std::size_t at = 0;
-  auto f = detail::start_request(sp::Op::delete_key, at);
-  sp::Writer w(f);
-  w.str(key);
-  sp::finish_frame(f, at);
-  const auto t = timeout();
-  const auto d = detail::deadline_after(t);
-  const auto r = call("store.delete_key", f, d, d);
-  if (r.status != sp::Status::ok) throw_reply_error("store.delete_key", r, t);
-  auto rd = r.fields();
-  const auto v = rd.u8();
-  if (!rd.done()) throw RemoteError("store.delete_key", rank(), "malformed reply from the store server", address_);
-  return v != 0;
+  return request(
+      "store.delete_key", detail::store_proto::Op::delete_key, timeout(), false,
+      [&](detail::store_proto::Writer& w, detail::Clock::time_point) { w.str(key); }, detail::read_flag);
 }
 
 inline bool TcpStore::check(std::string_view key) {
-  namespace sp = detail::store_proto;
   check_key("store.check", key);
-  std::size_t at = 0;
-  auto f = detail::start_request(sp::Op::check, at);
-  sp::Writer w(f);
-  w.u32(1);
-  w.str(key);
-  sp::finish_frame(f, at);
-  const auto t = timeout();
-  const auto d = detail::deadline_after(t);
-  const auto r = call("store.check", f, d, d);
-  if (r.status != sp::Status::ok) throw_reply_error("store.check", r, t);
-  auto rd = r.fields();
-  const auto v = rd.u8();
-  if (!rd.done()) throw RemoteError("store.check", rank(), "malformed reply from the store server", address_);
-  return v != 0;
+  return request(
+      "store.check", detail::store_proto::Op::check, timeout(), false,
+      [&](detail::store_proto::Writer& w, detail::Clock::time_point) {
+        w.u32(1);
+        w.str(key);
+      },
+      detail::read_flag);
 }
 
 inline int TcpStore::watch(std::string_view key, std::string_view value, std::chrono::milliseconds silence) {
-  namespace sp = detail::store_proto;
   check_key("store.watch", key);
   check_value("store.watch", key, value.size());
-  std::size_t at = 0;
-  auto f = detail::start_request(sp::Op::watch, at);
-  sp::Writer w(f);
-  w.str(key);
-  w.str(value);
-  w.u64(static_cast<std::uint64_t>(std::max<std::int64_t>(silence.count(), key.empty() ? 1 : 0)));
-  sp::finish_frame(f, at);
-  const auto t = timeout();
-  const auto d = detail::deadline_after(t);
-  const auto r = call("store.watch", f, d, d);
-  if (r.status != sp::Status::ok) throw_reply_error("store.watch", r, t);
-  auto rd = r.fields();
-  const auto host = rd.i32();
-  if (!rd.done()) throw RemoteError("store.watch", rank(), "malformed reply from the store server", address_);
-  return host;
+  return request(
+      "store.watch", detail::store_proto::Op::watch, timeout(), false,
+      [&](detail::store_proto::Writer& w, detail::Clock::time_point) {
+        w.str(key);
+        w.str(value);
+        w.u64(static_cast<std::uint64_t>(std::max<std::int64_t>(silence.count(), key.empty() ? 1 : 0)));
+      },
+      [](detail::store_proto::Reader& r) { return r.i32(); });
 }
 
 inline std::optional<Store::Bytes> TcpStore::heartbeat(std::chrono::milliseconds timeout,
                                                       std::chrono::milliseconds wait) {
-  namespace sp = detail::store_proto;
-  std::size_t at = 0;
-  auto f = detail::start_request(sp::Op::heartbeat, at);
-  sp::Writer w(f);
-  w.u64(static_cast<std::uint64_t>(std::max<std::int64_t>(wait.count(), 0)));
-  sp::finish_frame(f, at);
-  const auto d = detail::deadline_after(timeout + std::max(wait, std::chrono::milliseconds(0)));
-  const auto r = call("store.heartbeat", f, d, d);
-  if (r.status != sp::Status::ok) throw_reply_error("store.heartbeat", r, timeout);
-  auto rd = r.fields();
-  const bool set = rd.u8() != 0;
-  const auto v = rd.bytes();
-  if (!rd.done()) throw RemoteError("store.heartbeat", rank(), "malformed reply from the store server", address_);
-  if (!set) return std::nullopt;
-  return Bytes(v.begin(), v.end());
+  const auto held = std::max(wait, std::chrono::milliseconds(0));
+  return request(
+      "store.heartbeat", detail::store_proto::Op::heartbeat, timeout + held, false,
+      [&](detail::store_proto::Writer& w, detail::Clock::time_point) { w.u64(static_cast<std::uint64_t>(held.count())); },
+      [](detail::store_proto::Reader& r) -> std::optional<Bytes> {
+        const bool set = r.u8() != 0;
+        const auto v = r.bytes();
+        if (!set) return std::nullopt;
+        return Bytes(v.begin(), v.end());
+      });
 }
 
 }  // namespace comm

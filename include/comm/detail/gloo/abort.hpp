@@ -14,9 +14,14 @@
 // not woken; its wait ends by its own timeout.
 
 #include <chrono>
+#include <cstddef>
+#include <memory>
+#include <type_traits>
 
 #include <gloo/context.h>
 #include <gloo/transport/unbound_buffer.h>
+
+#include <comm/detail/transport.hpp>
 
 namespace comm::detail::gloo {
 
@@ -36,3 +41,22 @@ inline void abort_context(::gloo::Context& ctx) noexcept {
 }
 
 }  // namespace comm::detail::gloo
+
+namespace comm::detail {
+
+/// A communicator that exposes its gloo contexts (comm::backends::Gloo) is stopped by aborting
+/// each one (see detail/transport.hpp).
+template <class Member>
+  requires requires(Member& x) {
+    { x.context(std::size_t{0}) } -> std::convertible_to<const std::shared_ptr<::gloo::Context>&>;
+    x.num_devices();
+  }
+struct TransportAbort<Member> {
+  static constexpr bool stops = true;
+  static void abort(Member& m) noexcept {
+    for (std::size_t i = 0; i < m.num_devices(); ++i)
+      if (const auto& ctx = m.context(i)) gloo::abort_context(*ctx);
+  }
+};
+
+}  // namespace comm::detail

@@ -60,14 +60,11 @@
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/hierarchical/topology.hpp>
 #include <comm/detail/logging.hpp>
+#include <comm/detail/transport.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
-
-#if defined(COMM_HAS_GLOO)
-#include <comm/detail/gloo/abort.hpp>
-#endif
 
 namespace comm::detail::hierarchical {
 
@@ -408,17 +405,8 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   }
 
   template <class M>
-  static void abort_member([[maybe_unused]] std::optional<M>& m) noexcept {
-#if defined(COMM_HAS_GLOO)
-    if constexpr (requires(M& x) {
-                    { x.context(std::size_t{0}) } -> std::convertible_to<const std::shared_ptr<::gloo::Context>&>;
-                    x.num_devices();
-                  }) {
-      if (!m) return;
-      for (std::size_t i = 0; i < m->num_devices(); ++i)
-        if (const auto& ctx = m->context(i)) comm::detail::gloo::abort_context(*ctx);
-    }
-#endif
+  static void abort_member(std::optional<M>& m) noexcept {
+    if (m) abort_transport(*m);
   }
 
   /// Runs `f` (steps of one operation, on the executing thread); on any exception destroys the

@@ -59,6 +59,7 @@
 #include <comm/detail/mpi/errors.hpp>
 #include <comm/detail/mpi/runtime.hpp>
 #include <comm/detail/mpi/types.hpp>
+#include <comm/detail/narrow.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
@@ -273,7 +274,7 @@ class Engine : public EngineCore<Engine> {
           const std::size_t off = done * es;
           MPI_Request req = MPI_REQUEST_NULL;
           COMM_MPI_CHECK(MPI_Iallreduce(in_place ? MPI_IN_PLACE : static_cast<const std::byte*>(op.in) + off,
-                                        static_cast<std::byte*>(op.out) + off, static_cast<int>(n), red.type, red.op,
+                                        static_cast<std::byte*>(op.out) + off, narrow_count(name, rank(), n), red.type, red.op,
                                         comm_, &req),
                          name, rank());
           await(req, name, seq, deadline);
@@ -296,7 +297,7 @@ class Engine : public EngineCore<Engine> {
           recv = scratch_.data();
         }
         MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Ireduce_scatter_block(op.in, recv, static_cast<int>(op.out_count), red.type, red.op, comm_,
+        COMM_MPI_CHECK(MPI_Ireduce_scatter_block(op.in, recv, narrow_count(name, rank(), op.out_count), red.type, red.op, comm_,
                                                  &req),
                        name, rank());
         await(req, name, seq, deadline);
@@ -314,8 +315,8 @@ class Engine : public EngineCore<Engine> {
         const bool in_place =
             op.in == static_cast<const std::byte*>(op.out) + static_cast<std::size_t>(rank()) * op.in_count * es;
         MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : op.in, static_cast<int>(op.in_count), type, op.out,
-                                      static_cast<int>(op.in_count), type, comm_, &req),
+        COMM_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : op.in, narrow_count(name, rank(), op.in_count), type, op.out,
+                                      narrow_count(name, rank(), op.in_count), type, comm_, &req),
                        name, rank());
         await(req, name, seq, deadline);
         return;
@@ -326,7 +327,7 @@ class Engine : public EngineCore<Engine> {
         for (std::size_t done = 0; done < op.out_count;) {
           const std::size_t n = std::min(op.out_count - done, kMaxCount);
           MPI_Request req = MPI_REQUEST_NULL;
-          COMM_MPI_CHECK(MPI_Ibcast(static_cast<std::byte*>(op.out) + done * es, static_cast<int>(n), type,
+          COMM_MPI_CHECK(MPI_Ibcast(static_cast<std::byte*>(op.out) + done * es, narrow_count(name, rank(), n), type,
                                     op.desc.root, comm_, &req),
                          name, rank());
           await(req, name, seq, deadline);
@@ -343,8 +344,8 @@ class Engine : public EngineCore<Engine> {
             is_root &&
             op.in == static_cast<const std::byte*>(op.out) + static_cast<std::size_t>(root) * op.in_count * es;
         MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Igather(in_place ? MPI_IN_PLACE : op.in, static_cast<int>(op.in_count), type,
-                                   is_root ? op.out : nullptr, static_cast<int>(op.in_count), type, root, comm_, &req),
+        COMM_MPI_CHECK(MPI_Igather(in_place ? MPI_IN_PLACE : op.in, narrow_count(name, rank(), op.in_count), type,
+                                   is_root ? op.out : nullptr, narrow_count(name, rank(), op.in_count), type, root, comm_, &req),
                        name, rank());
         await(req, name, seq, deadline);
         return;
@@ -361,7 +362,7 @@ class Engine : public EngineCore<Engine> {
           const std::size_t off = done * es;
           MPI_Request req = MPI_REQUEST_NULL;
           COMM_MPI_CHECK(MPI_Ireduce(in_place ? MPI_IN_PLACE : static_cast<const std::byte*>(op.in) + off,
-                                     is_root ? static_cast<std::byte*>(op.out) + off : nullptr, static_cast<int>(n),
+                                     is_root ? static_cast<std::byte*>(op.out) + off : nullptr, narrow_count(name, rank(), n),
                                      red.type, red.op, root, comm_, &req),
                          name, rank());
           await(req, name, seq, deadline);
@@ -379,7 +380,7 @@ class Engine : public EngineCore<Engine> {
         const bool in_place =
             is_root &&
             op.out == static_cast<const std::byte*>(op.in) + static_cast<std::size_t>(root) * op.out_count * es;
-        const int n = static_cast<int>(op.out_count);  // the backend refuses larger blocks
+        const int n = narrow_count(name, rank(), op.out_count);  // the backend refuses larger blocks
         MPI_Request req = MPI_REQUEST_NULL;
         COMM_MPI_CHECK(MPI_Iscatter(is_root ? op.in : nullptr, n, type, in_place ? MPI_IN_PLACE : op.out, n, type,
                                     root, comm_, &req),
@@ -391,7 +392,7 @@ class Engine : public EngineCore<Engine> {
         const std::size_t block = op.in_count / static_cast<std::size_t>(size());
         if (block == 0) return;
         const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
-        const int n = static_cast<int>(block);  // the backend refuses larger blocks
+        const int n = narrow_count(name, rank(), block);  // the backend refuses larger blocks
         MPI_Request req = MPI_REQUEST_NULL;
         COMM_MPI_CHECK(MPI_Ialltoall(op.in, n, type, op.out, n, type, comm_, &req), name, rank());
         await(req, name, seq, deadline);
@@ -410,10 +411,10 @@ class Engine : public EngineCore<Engine> {
         int* rdispls = rcounts + p;
         std::size_t soff = 0, roff = 0;
         for (std::size_t i = 0; i < p; ++i) {
-          scounts[i] = static_cast<int>(op.counts[i]);
-          rcounts[i] = static_cast<int>(op.counts[p + i]);
-          sdispls[i] = static_cast<int>(soff);
-          rdispls[i] = static_cast<int>(roff);
+          scounts[i] = narrow_count(name, rank(), op.counts[i]);
+          rcounts[i] = narrow_count(name, rank(), op.counts[p + i]);
+          sdispls[i] = narrow_count(name, rank(), soff, "displacement");
+          rdispls[i] = narrow_count(name, rank(), roff, "displacement");
           soff += op.counts[i];
           roff += op.counts[p + i];
         }
@@ -459,10 +460,10 @@ class Engine : public EngineCore<Engine> {
         const std::size_t c = std::min(it.count - done, kMaxCount);
         MPI_Request r = MPI_REQUEST_NULL;
         if (send)
-          COMM_MPI_CHECK(MPI_Isend(buf + done * es, static_cast<int>(c), type, it.peer, kPayloadTag, p2p_, &r), name,
+          COMM_MPI_CHECK(MPI_Isend(buf + done * es, narrow_count(name, rank(), c), type, it.peer, kPayloadTag, p2p_, &r), name,
                          rank());
         else
-          COMM_MPI_CHECK(MPI_Irecv(buf + done * es, static_cast<int>(c), type, it.peer, kPayloadTag, p2p_, &r), name,
+          COMM_MPI_CHECK(MPI_Irecv(buf + done * es, narrow_count(name, rank(), c), type, it.peer, kPayloadTag, p2p_, &r), name,
                          rank());
         reqs.push_back(r);
         done += c;

@@ -3,8 +3,7 @@
 // Everything here is usable without a GPU.
 //
 // fp8: NCCL has ncclFloat8e4m3/ncclFloat8e5m2 from 2.24 (reductions on compute capability >= 9.0
-// only). comm supports them once types.hpp defines comm::float8_e4m3 / comm::float8_e5m2 and
-// COMM_HAS_FLOAT8; without those this file compiles without fp8.
+// only); with an older nccl.h comm's fp8 types (always there, types.hpp) are moved as bytes only.
 
 #include <nccl.h>
 
@@ -17,8 +16,8 @@
 #include <comm/error.hpp>
 #include <comm/types.hpp>
 
-/// 1 when fp8 reductions can be compiled: comm has the element types and nccl.h has the dtypes.
-#if defined(COMM_HAS_FLOAT8) && NCCL_VERSION_CODE >= 22400
+/// 1 when fp8 reductions can be compiled: nccl.h has the dtypes.
+#if NCCL_VERSION_CODE >= 22400
 #define COMM_NCCL_FP8_REDUCTIONS 1
 #else
 #define COMM_NCCL_FP8_REDUCTIONS 0
@@ -91,7 +90,7 @@ inline constexpr int multi_rank_gpu_version = version_code(2, 30, 0);
 #if COMM_NCCL_FP8_REDUCTIONS
     case Dtype::float8_e4m3: return ncclFloat8e4m3;
     case Dtype::float8_e5m2: return ncclFloat8e5m2;
-#elif defined(COMM_HAS_FLOAT8)
+#else
     // Older nccl.h: fp8 is only moved (as bytes), never reduced; see transfer_dtype.
     case Dtype::float8_e4m3:
     case Dtype::float8_e5m2: return ncclUint8;
@@ -101,12 +100,8 @@ inline constexpr int multi_rank_gpu_version = version_code(2, 30, 0);
 }
 
 /// Whether `d` is one of the fp8 types.
-[[nodiscard]] constexpr bool is_fp8([[maybe_unused]] Dtype d) noexcept {
-#if defined(COMM_HAS_FLOAT8)
+[[nodiscard]] constexpr bool is_fp8(Dtype d) noexcept {
   return d == Dtype::float8_e4m3 || d == Dtype::float8_e5m2;
-#else
-  return false;
-#endif
 }
 
 /// The datatype used by collectives that only move data (all_gather, broadcast, gather): the

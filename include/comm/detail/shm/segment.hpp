@@ -19,9 +19,7 @@
 // rendezvous fails (a rank never comes), every rank that knows the name unlinks it before it
 // throws. The one window left: rank 0 killed between creating the name and publishing it.
 //
-// Host identity: boot id + the IPC, PID and network namespaces. Ranks on one machine but in
-// different network namespaces count as different hosts: that is how containers (and comm's
-// multi-node test bed) separate nodes, and their /dev/shm may differ.
+// Which ranks share a host: detail/host.hpp.
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -42,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include <comm/detail/host.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 
@@ -109,23 +108,7 @@ struct Layout {
   }
 };
 
-/// This process's host identity (see the file comment).
-[[nodiscard]] inline std::string host_identity() {
-  std::string id;
-  {
-    std::ifstream f("/proc/sys/kernel/random/boot_id");
-    std::string b;
-    if (f >> b) id += "boot=" + b;
-  }
-  for (const char* ns : {"ipc", "pid", "net"}) {
-    struct stat st {};
-    const std::string path = std::string("/proc/self/ns/") + ns;
-    if (::stat(path.c_str(), &st) == 0) id += std::string(" ") + ns + "=" + std::to_string(st.st_ino);
-  }
-  char host[256] = {};
-  if (::gethostname(host, sizeof(host) - 1) == 0) id += std::string(" host=") + host;
-  return id;
-}
+using detail::host_identity;  // engine-neutral now (detail/host.hpp); the old spelling stays for its users
 
 /// A mapped segment; unmaps on destruction.
 class Mapping {
