@@ -4,6 +4,7 @@
 
 #include <span>
 #include <string>
+#include <type_traits>
 
 using namespace suite;
 
@@ -144,4 +145,30 @@ TEST_CASE("arguments: construction") {
   expect([&] { (void)Comm::create(comm::test::fresh_store(), w.rank, w.size, bad); }, "comm-no-such-if0");
   expect([&] { (void)Comm::adopt(std::shared_ptr<gloo::Context>()); }, "null");
 #endif
+}
+
+// create() checks its arguments in one place (detail/engine/policy.hpp) for every backend: the
+// same message, naming the backend's init step, the rank and the value.
+TEST_CASE("arguments: construction, one message for every backend") {
+  static_assert(std::is_base_of_v<comm::CommonOptions, Options>, "a backend's options derive from CommonOptions");
+  const auto& w = comm::test::world();
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const comm::InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("(nothing thrown)");
+  };
+  const std::string init = "comm: " + std::string(Backend::name) + ".init on rank ";
+  CHECK(message([&] { (void)Comm::create(nullptr, 0, 1); }) == init + "0: store is null");
+  CHECK(message([&] { (void)Comm::create(comm::test::fresh_store(), 0, 0); }) == init + "0: size 0 must be at least 1");
+  CHECK(message([&] { (void)Comm::create(comm::test::fresh_store(), -1, 2); }) ==
+        "comm: " + std::string(Backend::name) + ".init: rank -1 is out of range [0, 2)");
+  CHECK(message([&] { (void)Comm::create(comm::test::fresh_store(), 3, 2); }) ==
+        init + "3: rank 3 is out of range [0, 2)");
+  Options o;
+  o.timeout = std::chrono::milliseconds(-5);
+  CHECK(message([&] { (void)Comm::create(comm::test::fresh_store(), w.rank, w.size, o); }) ==
+        init + std::to_string(w.rank) + ": timeout -5 ms must be positive");
 }

@@ -92,16 +92,14 @@
 
 #include <comm/concepts.hpp>
 #include <comm/detail/backend_diagnostics.hpp>
-#include <comm/detail/desync.hpp>
 #include <comm/detail/engine/forward.hpp>
+#include <comm/detail/engine/policy.hpp>
 #include <comm/detail/engine/subgroups.hpp>
-#include <comm/detail/env.hpp>
-#include <comm/detail/flight_recorder.hpp>
 #include <comm/detail/gloo/device_staging.hpp>
 #include <comm/detail/gloo/engine.hpp>
-#include <comm/detail/groups.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
+#include <comm/options.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
@@ -109,26 +107,14 @@
 namespace comm::backends {
 
 /// Options of comm::backends::Gloo (also spelled `comm::backends::Gloo::Options`).
-struct GlooOptions {
-  /// Deadline of every operation and of rendezvous (default: COMM_TIMEOUT, else 30 minutes).
-  std::chrono::milliseconds timeout = comm::detail::default_timeout();
+/// The common ones (timeout, desync_check, flight_recorder_size) are comm::CommonOptions'; Gloo's
+/// desync check is one small gloo allgather (or direct exchange) per operation.
+struct GlooOptions : CommonOptions {
   /// Network interfaces to use, one gloo device each (operations go round-robin over them);
   /// overrides GLOO_SOCKET_IFNAME.
   std::vector<std::string> interfaces;
   /// Host name or address to bind to when `interfaces` is empty; overrides GLOO_SOCKET_IFNAME.
   std::string hostname;
-  /// Before each operation, compare (sequence number, operation, element type, count, root,
-  /// reduction) across ranks and throw comm::DesyncError on every rank when they differ (one small
-  /// gloo allgather per operation). Must be the same on every rank. Default: on with
-  /// COMM_DEBUG=DETAIL.
-  bool desync_check = comm::detail::desync_check_default();
-  /// How many operations the flight recorder keeps (0: none). Default: COMM_FLIGHT_RECORDER_SIZE,
-  /// else 256.
-  std::size_t flight_recorder_size = comm::detail::flight_recorder_size_default();
-  /// For a communicator that is a member of another (Hierarchical's): the rank in its flight-record
-  /// dump file names (-1: its own) and its name in records and file names. Users leave them.
-  int record_file_rank = -1;
-  std::string record_name;
   /// Nice value added to gloo's event-loop threads (0..19; 0: same priority as the process).
   /// A loop thread that spins on a busy connection lock at the caller's priority keeps the caller
   /// off the CPU until the next scheduler tick (4 ms stalls on a loaded machine); at a lower
@@ -160,19 +146,14 @@ class Gloo : public comm::detail::ForwardOps<Gloo>,
 
   /// Connects `size` ranks through `store` (blocking; ends by `options.timeout`).
   [[nodiscard]] static Gloo create(std::shared_ptr<Store> store, int rank, int size, const Options& options = {}) {
-    if (!store) throw InvalidArgument("gloo.init", rank, "store is null");
-    if (size < 1) throw InvalidArgument("gloo.init", rank, "size " + std::to_string(size) + " must be at least 1");
-    if (rank < 0 || rank >= size)
-      throw InvalidArgument("gloo.init", rank,
-                            "rank " + std::to_string(rank) + " is out of range [0, " + std::to_string(size) + ")");
-    check_timeout(options, rank);
+    comm::detail::check_create("gloo.init", store, rank, size, options);
     return Gloo(std::make_unique<detail::gloo::Engine>(std::move(store), rank, size, config(options)), options);
   }
 
   /// Wraps an already connected gloo context (e.g. one shared with other code).
   [[nodiscard]] static Gloo adopt(std::shared_ptr<::gloo::Context> context, const Options& options = {}) {
     if (!context) throw InvalidArgument("gloo.adopt", -1, "gloo context is null");
-    check_timeout(options, context->rank);
+    comm::detail::check_timeout("gloo.adopt", context->rank, options);
     return Gloo(std::make_unique<detail::gloo::Engine>(std::move(context), config(options)), options);
   }
 
@@ -180,9 +161,8 @@ class Gloo : public comm::detail::ForwardOps<Gloo>,
   Gloo& operator=(Gloo&&) noexcept = default;
   ~Gloo() = default;
 
-  [[nodiscard]] int rank() const noexcept { return engine_->rank(); }
-  [[nodiscard]] int size() const noexcept { return engine_->size(); }
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return engine_->timeout(); }
+  // rank(), size() and timeout() come from ForwardOps.
+
   /// The gloo context of device `i` (escape hatch for code that talks to gloo directly; do not
   /// use it concurrently with this communicator's operations).
   [[nodiscard]] const std::shared_ptr<::gloo::Context>& context(std::size_t i = 0) const { return engine_->context(i); }
@@ -221,13 +201,8 @@ class Gloo : public comm::detail::ForwardOps<Gloo>,
       return engine_->gather<T>(s->in, s->out, root, l, std::move(s->hooks));
     return engine_->gather<T>(in, out, root, l);
   }
-  template <class Launch>
-  auto barrier(Launch l) {
-    return engine_->barrier(l);
-  }
-
-  // reduce, scatter, all_to_all(_v), send, recv and batch_isend_irecv come from ForwardOps (the
-  // engine rejects device buffers for them; it stages only the five above).
+  // barrier, reduce, scatter, all_to_all(_v), send, recv and batch_isend_irecv come from
+  // ForwardOps (the engine rejects device buffers for them; it stages only the five above).
 
   // Optional capabilities (concepts.hpp): split/new_group from Subgroups, monitored_barrier and
   // the flight recorder from BackendDiagnostics.
@@ -240,32 +215,18 @@ class Gloo : public comm::detail::ForwardOps<Gloo>,
   Gloo(std::unique_ptr<detail::gloo::Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
 
   static detail::gloo::EngineConfig config(const Options& o) {
-    detail::gloo::EngineConfig c;
-    c.timeout = o.timeout;
+    auto c = comm::detail::engine_config<detail::gloo::EngineConfig>(o);
     c.interfaces = o.interfaces;
     c.hostname = o.hostname;
-    c.desync_check = o.desync_check;
-    c.flight_recorder_size = o.flight_recorder_size;
-    c.file_rank = o.record_file_rank;
-    c.name = o.record_name;
     c.loop_nice = o.loop_nice;
     c.direct = o.direct.value_or(false);
     return c;
   }
 
-  /// Connects subgroup `group` (this rank is `rank` of `size`) under `prefix` in this store.
-  Gloo child(const std::string& prefix, const std::string& group, int rank, int size) const {
-    auto c = config(options_);
-    c.file_rank = engine_->file_rank();
-    c.name = engine_->name().empty() ? group : engine_->name() + "." + group;
-    auto store = std::make_shared<PrefixStore>(prefix, engine_->store());
-    return Gloo(std::make_unique<detail::gloo::Engine>(std::move(store), rank, size, c), options_);
-  }
-
-  static void check_timeout(const Options& o, int rank) {
-    if (o.timeout.count() <= 0)
-      throw InvalidArgument("gloo.init", rank,
-                            "timeout " + std::to_string(o.timeout.count()) + " ms must be positive");
+  /// Connects subgroup `g` among its members (see Subgroups).
+  Gloo child(const comm::detail::Subgroup& g) const {
+    auto c = g.configured(config(options_));
+    return Gloo(std::make_unique<detail::gloo::Engine>(g.store, g.place.rank, g.place.size, c), options_);
   }
 
   std::unique_ptr<detail::gloo::Engine> engine_;

@@ -71,14 +71,14 @@
 
 #include <comm/concepts.hpp>
 #include <comm/detail/backend_diagnostics.hpp>
-#include <comm/detail/desync.hpp>
+#include <comm/detail/engine/forward.hpp>
+#include <comm/detail/engine/policy.hpp>
 #include <comm/detail/engine/subgroups.hpp>
 #include <comm/detail/env.hpp>
-#include <comm/detail/flight_recorder.hpp>
-#include <comm/detail/groups.hpp>
 #include <comm/detail/hierarchical/engine.hpp>
 #include <comm/detail/host.hpp>
 #include <comm/error.hpp>
+#include <comm/options.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
@@ -101,11 +101,11 @@ namespace detail_hierarchical {
 }  // namespace detail_hierarchical
 
 /// Options of comm::backends::Hierarchical<Intra, Inter> (also spelled `Hierarchical<...>::Options`).
+/// The common ones are comm::CommonOptions': `timeout` bounds rendezvous and every step of an
+/// operation, for this communicator and its members (it replaces `intra.timeout` and
+/// `inter.timeout`); `desync_check` checks the composed operation (the members' own check is off).
 template <class Intra, class Inter>
-struct HierarchicalOptions {
-  /// Deadline of rendezvous and of every step of an operation, for this communicator and its
-  /// members (it replaces `intra.timeout` and `inter.timeout`). Default: COMM_TIMEOUT, else 30 min.
-  std::chrono::milliseconds timeout = comm::detail::default_timeout();
+struct HierarchicalOptions : CommonOptions {
   /// Which node this rank is on: ranks with the same non-empty id form one node. Empty: the host
   /// identity. Default: COMM_NODE_ID.
   std::string node_id = detail_hierarchical::env_node_id();
@@ -124,19 +124,13 @@ struct HierarchicalOptions {
   /// another. Must be the same on every rank. Default: COMM_HIERARCHICAL_SEGMENT, else 256 KiB
   /// (at least 4 KiB).
   std::size_t segment_bytes = detail_hierarchical::env_segment();
-  /// Compare (sequence number, operation, element type, count, root, reduction) across ranks
-  /// before each operation; comm::DesyncError on every rank when they differ. Must be the same on
-  /// every rank. Default: on with COMM_DEBUG=DETAIL.
-  bool desync_check = comm::detail::desync_check_default();
-  /// How many operations the flight recorder keeps (0: none). Default: COMM_FLIGHT_RECORDER_SIZE,
-  /// else 256.
-  std::size_t flight_recorder_size = comm::detail::flight_recorder_size_default();
 };
 
 /// The Hierarchical backend policy over an on-node backend `Intra` and a cross-node backend
 /// `Inter`. Move-only; its moved-from state may only be destroyed or assigned.
 template <class Intra, class Inter>
-class Hierarchical : public comm::detail::BackendDiagnostics<Hierarchical<Intra, Inter>>,
+class Hierarchical : public comm::detail::ForwardOps<Hierarchical<Intra, Inter>>,
+                     public comm::detail::BackendDiagnostics<Hierarchical<Intra, Inter>>,
                      public comm::detail::Subgroups<Hierarchical<Intra, Inter>> {
   static_assert(comm::backend<Intra> && comm::backend<Inter>,
                 "comm: Hierarchical<Intra, Inter>: both must satisfy the comm::backend concept (see concepts.hpp)");
@@ -160,27 +154,21 @@ class Hierarchical : public comm::detail::BackendDiagnostics<Hierarchical<Intra,
     return Intra::supports_reduction(op, d) && Inter::supports_reduction(op, d);
   }
   static constexpr bool custom_reductions = Intra::custom_reductions && Inter::custom_reductions;
+  /// reduce, scatter, all_to_all(_v), send, recv and batch_isend_irecv run on an `Inter`
+  /// communicator of every rank (see the file comment), so they exist where `Inter` has them.
+  static constexpr bool forwards_full_surface = comm::supports_full_surface<Inter>;
 
   /// Joins `size` ranks through `store`: exchanges node identities, then creates the members
   /// (blocking; each part ends by `options.timeout`).
   [[nodiscard]] static Hierarchical create(std::shared_ptr<Store> store, int rank, int size,
                                            const Options& options = {}) {
-    check(store != nullptr, rank, "store is null");
-    check(size >= 1, rank, "size " + std::to_string(size) + " must be at least 1");
-    check(rank >= 0 && rank < size, rank,
-          "rank " + std::to_string(rank) + " is out of range [0, " + std::to_string(size) + ")");
-    check(options.timeout.count() > 0, rank,
-          "timeout " + std::to_string(options.timeout.count()) + " ms must be positive");
+    comm::detail::check_create("hierarchical.init", store, rank, size, options);
     return Hierarchical(std::make_unique<Engine>(std::move(store), rank, size, config(options)), options);
   }
 
   Hierarchical(Hierarchical&&) noexcept = default;
   Hierarchical& operator=(Hierarchical&&) noexcept = default;
   ~Hierarchical() = default;
-
-  [[nodiscard]] int rank() const noexcept { return engine_->rank(); }
-  [[nodiscard]] int size() const noexcept { return engine_->size(); }
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return engine_->timeout(); }
 
   /// The node structure: this rank's node (numbered by lowest rank), the number of nodes, this
   /// rank's place on its node, and whether every node has the same number of ranks.
@@ -190,88 +178,21 @@ class Hierarchical : public comm::detail::BackendDiagnostics<Hierarchical<Intra,
   [[nodiscard]] int local_size() const noexcept { return engine_->local_size(); }
   [[nodiscard]] bool uniform_nodes() const noexcept { return engine_->topology().uniform; }
 
-  template <element T, class Red, class Launch>
-  auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l) {
-    return engine_->template all_reduce<T>(in, out, std::move(red), l);
-  }
-  template <element T, class Red, class Launch>
-  auto reduce_scatter(std::span<const T> in, std::span<T> out, Red red, Launch l) {
-    return engine_->template reduce_scatter<T>(in, out, std::move(red), l);
-  }
-  template <element T, class Launch>
-  auto all_gather(std::span<const T> in, std::span<T> out, Launch l) {
-    return engine_->template all_gather<T>(in, out, l);
-  }
-  template <element T, class Launch>
-  auto broadcast(std::span<T> data, int root, Launch l) {
-    return engine_->template broadcast<T>(data, root, l);
-  }
-  template <element T, class Launch>
-  auto gather(std::span<const T> in, std::span<T> out, int root, Launch l) {
-    return engine_->template gather<T>(in, out, root, l);
-  }
-  template <class Launch>
-  auto barrier(Launch l) {
-    return engine_->barrier(l);
-  }
-
-  // ---- the rest of the surface (capability 11), where Inter has it (see the file comment) ----
-
-  template <element T, class Red, class Launch>
-    requires comm::supports_full_surface<Inter>
-  auto reduce(std::span<const T> in, std::span<T> out, int root, Red red, Launch l) {
-    return engine_->template reduce<T>(in, out, root, std::move(red), l);
-  }
-  template <element T, class Launch>
-    requires comm::supports_full_surface<Inter>
-  auto scatter(std::span<const T> in, std::span<T> out, int root, Launch l) {
-    return engine_->template scatter<T>(in, out, root, l);
-  }
-  template <element T, class Launch>
-    requires comm::supports_full_surface<Inter>
-  auto all_to_all(std::span<const T> in, std::span<T> out, Launch l) {
-    return engine_->template all_to_all<T>(in, out, l);
-  }
-  template <element T, class Launch>
-    requires comm::supports_full_surface<Inter>
-  auto all_to_all_v(std::span<const T> in, std::span<const std::size_t> in_counts, std::span<T> out,
-                    std::span<const std::size_t> out_counts, Launch l) {
-    return engine_->template all_to_all_v<T>(in, in_counts, out, out_counts, l);
-  }
-  template <element T, class Launch>
-    requires comm::supports_full_surface<Inter>
-  auto send(std::span<const T> data, int peer, int tag, Launch l) {
-    return engine_->template send<T>(data, peer, tag, l);
-  }
-  template <element T, class Launch>
-    requires comm::supports_full_surface<Inter>
-  auto recv(std::span<T> data, int peer, int tag, Launch l) {
-    return engine_->template recv<T>(data, peer, tag, l);
-  }
-  template <element T>
-    requires comm::supports_full_surface<Inter>
-  std::vector<Work> batch_isend_irecv(std::span<const P2POp<T>> ops) {
-    return engine_->template batch_isend_irecv<T>(ops);
-  }
+  // rank(), size(), timeout() and the operations come from ForwardOps (detail/engine/forward.hpp);
+  // the rest of the surface (capability 11) where Inter has it (forwards_full_surface).
 
   // Optional capabilities (concepts.hpp): split/new_group from Subgroups, monitored_barrier and
   // the flight recorder from BackendDiagnostics.
 
  private:
+  friend class comm::detail::ForwardOps<Hierarchical>;
   friend class comm::detail::BackendDiagnostics<Hierarchical>;
   friend class comm::detail::Subgroups<Hierarchical>;
 
   Hierarchical(std::unique_ptr<Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
 
-  static void check(bool ok, int rank, const std::string& what) {
-    if (!ok) throw InvalidArgument("hierarchical.init", rank, what);
-  }
-
   static typename Engine::Config config(const Options& o) {
-    typename Engine::Config c;
-    c.timeout = o.timeout;
-    c.desync_check = o.desync_check;
-    c.flight_recorder_size = o.flight_recorder_size;
+    auto c = comm::detail::engine_config<typename Engine::Config>(o);
     c.node_id_given = !o.node_id.empty();
     c.node_id = c.node_id_given ? "id=" + o.node_id : comm::detail::host_identity();
     c.intra = o.intra;
@@ -281,13 +202,10 @@ class Hierarchical : public comm::detail::BackendDiagnostics<Hierarchical<Intra,
     return c;
   }
 
-  /// Connects subgroup `group` (this rank is `rank` of `size`) under `prefix` in this store.
-  Hierarchical child(const std::string& prefix, const std::string& group, int rank, int size) const {
-    auto c = config(options_);
-    c.file_rank = engine_->file_rank();
-    c.name = comm::detail::child_name(engine_->name(), group);
-    auto store = std::make_shared<PrefixStore>(prefix, engine_->store());
-    return Hierarchical(std::make_unique<Engine>(std::move(store), rank, size, c), options_);
+  /// Connects subgroup `g`, with members of its own (see Subgroups).
+  Hierarchical child(const comm::detail::Subgroup& g) const {
+    auto c = g.configured(config(options_));
+    return Hierarchical(std::make_unique<Engine>(g.store, g.place.rank, g.place.size, c), options_);
   }
 
   std::unique_ptr<Engine> engine_;

@@ -92,38 +92,32 @@
 
 #include <comm/concepts.hpp>
 #include <comm/detail/backend_diagnostics.hpp>
-#include <comm/detail/desync.hpp>
-#include <comm/detail/env.hpp>
+#include <comm/detail/engine/forward.hpp>
+#include <comm/detail/engine/policy.hpp>
+#include <comm/detail/engine/subgroups.hpp>
 #include <comm/detail/flight_recorder.hpp>
-#include <comm/detail/groups.hpp>
 #include <comm/detail/mpi/engine.hpp>
 #include <comm/detail/mpi/errors.hpp>
 #include <comm/detail/mpi/runtime.hpp>
 #include <comm/detail/mpi/types.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
+#include <comm/options.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
 
 namespace comm::backends {
 
-/// Options of comm::backends::Mpi (also spelled `comm::backends::Mpi::Options`).
-struct MpiOptions {
-  /// Deadline of every operation and of creation (default: COMM_TIMEOUT, else 30 minutes).
-  std::chrono::milliseconds timeout = comm::detail::default_timeout();
-  /// Before each operation, compare (sequence number, operation, element type, count, root,
-  /// reduction) across ranks and throw comm::DesyncError on every rank when they differ (one
-  /// MPI_Iallgather of 32 bytes per rank and operation). Must be the same on every rank. Default: on
-  /// with COMM_DEBUG=DETAIL.
-  bool desync_check = comm::detail::desync_check_default();
-  /// How many operations the flight recorder keeps (0: none). Default: COMM_FLIGHT_RECORDER_SIZE,
-  /// else 256.
-  std::size_t flight_recorder_size = comm::detail::flight_recorder_size_default();
-};
+/// Options of comm::backends::Mpi (also spelled `comm::backends::Mpi::Options`): the common ones,
+/// comm::CommonOptions (the timeout bounds creation too; the desync check is one MPI_Iallgather of
+/// 32 bytes per rank and operation).
+struct MpiOptions : CommonOptions {};
 
 /// The MPI backend policy. Move-only; its moved-from state may only be destroyed or assigned.
-class Mpi : public comm::detail::BackendDiagnostics<Mpi> {
+class Mpi : public comm::detail::ForwardOps<Mpi>,
+            public comm::detail::BackendDiagnostics<Mpi>,
+            public comm::detail::Subgroups<Mpi> {
   using Engine = comm::detail::mpi::Engine;
 
  public:
@@ -139,12 +133,7 @@ class Mpi : public comm::detail::BackendDiagnostics<Mpi> {
   /// This process as rank `rank` of `size` in MPI_COMM_WORLD, rendezvoused through `store`
   /// (blocking; ends by `options.timeout`). Initializes MPI when nobody has.
   [[nodiscard]] static Mpi create(std::shared_ptr<Store> store, int rank, int size, const Options& options = {}) {
-    if (!store) throw InvalidArgument("mpi.init", rank, "store is null");
-    if (size < 1) throw InvalidArgument("mpi.init", rank, "size " + std::to_string(size) + " must be at least 1");
-    if (rank < 0 || rank >= size)
-      throw InvalidArgument("mpi.init", rank,
-                            "rank " + std::to_string(rank) + " is out of range [0, " + std::to_string(size) + ")");
-    check_timeout(options, rank, "mpi.init");
+    comm::detail::check_create("mpi.init", store, rank, size, options);
     (void)comm::detail::mpi::ensure_initialized("mpi.init", rank);
     int world_rank = -1, world_size = -1;
     COMM_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank), "mpi.init", rank);
@@ -156,7 +145,7 @@ class Mpi : public comm::detail::BackendDiagnostics<Mpi> {
                                 " of " + std::to_string(world_size) + "): start every rank with mpirun -np " +
                                 std::to_string(size) + " (or srun), or adopt() a communicator of the right ranks");
     comm::detail::mpi::CommSource src{MPI_COMM_WORLD, {}, 0, "mpi.init"};
-    return Mpi(std::make_unique<Engine>(std::move(store), rank, size, config(options), src), options);
+    return Mpi(std::make_unique<Engine>(std::move(store), rank, size, comm::detail::core_config(options), src), options);
   }
 
   /// Duplicates `comm` (an intracommunicator of an initialized MPI; collective over it, ends by
@@ -174,178 +163,64 @@ class Mpi : public comm::detail::BackendDiagnostics<Mpi> {
     int rank = -1, size = -1;
     COMM_MPI_CHECK(MPI_Comm_rank(comm, &rank), "mpi.adopt", -1);
     COMM_MPI_CHECK(MPI_Comm_size(comm, &size), "mpi.adopt", -1);
-    check_timeout(options, rank, "mpi.adopt");
+    comm::detail::check_timeout("mpi.adopt", rank, options);
     comm::detail::mpi::CommSource src{comm, {}, 0, "mpi.adopt"};
-    return Mpi(std::make_unique<Engine>(rank, size, config(options), "adopted", src), options);
+    return Mpi(std::make_unique<Engine>(rank, size, comm::detail::core_config(options), "adopted", src), options);
   }
 
   Mpi(Mpi&&) noexcept = default;
   Mpi& operator=(Mpi&&) noexcept = default;
   ~Mpi() = default;
 
-  [[nodiscard]] int rank() const noexcept { return engine_->rank(); }
-  [[nodiscard]] int size() const noexcept { return engine_->size(); }
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return engine_->timeout(); }
+  // rank(), size(), timeout() and the operations come from ForwardOps (detail/engine/forward.hpp),
+  // which runs admit() below first; split/new_group from Subgroups, monitored_barrier and the
+  // flight recorder from BackendDiagnostics.
+
   /// The MPI communicator the collectives run on (comm's duplicate; see the file comment).
   [[nodiscard]] MPI_Comm native_handle() const noexcept { return engine_->comm(); }
   /// The thread level MPI runs at (async operations need MPI_THREAD_MULTIPLE).
   [[nodiscard]] int thread_level() const noexcept { return engine_->thread_level(); }
 
-  template <element T, class Red, class Launch>
-  auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l) {
-    check_launch<Launch>("all_reduce");
-    return engine_->all_reduce<T>(in, out, std::move(red), l);
-  }
-  template <element T, class Red, class Launch>
-  auto reduce_scatter(std::span<const T> in, std::span<T> out, Red red, Launch l) {
-    check_launch<Launch>("reduce_scatter");
-    check_count("reduce_scatter", out.size(), "output");
-    return engine_->reduce_scatter<T>(in, out, std::move(red), l);
-  }
-  template <element T, class Launch>
-  auto all_gather(std::span<const T> in, std::span<T> out, Launch l) {
-    check_launch<Launch>("all_gather");
-    check_count("all_gather", in.size(), "input");
-    return engine_->all_gather<T>(in, out, l);
-  }
-  template <element T, class Launch>
-  auto broadcast(std::span<T> data, int root, Launch l) {
-    check_launch<Launch>("broadcast");
-    return engine_->broadcast<T>(data, root, l);
-  }
-  template <element T, class Launch>
-  auto gather(std::span<const T> in, std::span<T> out, int root, Launch l) {
-    check_launch<Launch>("gather");
-    check_count("gather", in.size(), "input");
-    return engine_->gather<T>(in, out, root, l);
-  }
-  template <class Launch>
-  auto barrier(Launch l) {
-    check_launch<Launch>("barrier");
-    return engine_->barrier(l);
-  }
-
-  // ---- the rest of the surface (capability 11) ----
-
-  template <element T, class Red, class Launch>
-  auto reduce(std::span<const T> in, std::span<T> out, int root, Red red, Launch l) {
-    check_launch<Launch>("reduce");
-    return engine_->reduce<T>(in, out, root, std::move(red), l);
-  }
-  template <element T, class Launch>
-  auto scatter(std::span<const T> in, std::span<T> out, int root, Launch l) {
-    check_launch<Launch>("scatter");
-    check_count("scatter", out.size(), "output");
-    return engine_->scatter<T>(in, out, root, l);
-  }
-  template <element T, class Launch>
-  auto all_to_all(std::span<const T> in, std::span<T> out, Launch l) {
-    check_launch<Launch>("all_to_all");
-    check_count("all_to_all", in.size() / static_cast<std::size_t>(size()), "input");
-    return engine_->all_to_all<T>(in, out, l);
-  }
-  template <element T, class Launch>
-  auto all_to_all_v(std::span<const T> in, std::span<const std::size_t> in_counts, std::span<T> out,
-                    std::span<const std::size_t> out_counts, Launch l) {
-    check_launch<Launch>("all_to_all_v");
-    check_counts_v(in_counts, "in_counts");
-    check_counts_v(out_counts, "out_counts");
-    return engine_->all_to_all_v<T>(in, in_counts, out, out_counts, l);
-  }
-  template <element T, class Launch>
-  auto send(std::span<const T> data, int peer, int tag, Launch l) {
-    check_launch<Launch>("send");
-    return engine_->send<T>(data, peer, tag, l);
-  }
-  template <element T, class Launch>
-  auto recv(std::span<T> data, int peer, int tag, Launch l) {
-    check_launch<Launch>("recv");
-    return engine_->recv<T>(data, peer, tag, l);
-  }
-  /// Always async (runs on the worker thread): needs MPI_THREAD_MULTIPLE.
-  template <element T>
-  std::vector<Work> batch_isend_irecv(std::span<const P2POp<T>> ops) {
-    check_launch<async_t>("batch_isend_irecv");
-    return engine_->batch_isend_irecv<T>(ops);
-  }
-
-  // ---- optional capabilities (see concepts.hpp): subgroups and diagnostics ----
-
-  /// Collective over every rank of this communicator (an operation "split" in its sequence):
-  /// ranks with the same `color` >= 0 form a new communicator, ordered by (key, rank here); a
-  /// negative color gives nullopt. The new communicator inherits these options.
-  [[nodiscard]] std::optional<Mpi> split(int color, int key) {
-    const auto all = engine_->exchange_color_key(color, key);
-    const auto k = engine_->next_group_index();
-    const auto place = comm::detail::split_place(all, color, key, rank());
-    if (!place) return std::nullopt;
-    // The members in the new communicator's order: (key, rank here), as split_place ranks them.
-    std::vector<std::pair<std::int64_t, int>> order;
-    for (std::size_t r = 0; 2 * r + 1 < all.size(); ++r)
-      if (all[2 * r] == color) order.emplace_back(all[2 * r + 1], static_cast<int>(r));
-    std::sort(order.begin(), order.end());
-    std::vector<int> members;
-    members.reserve(order.size());
-    for (const auto& m : order) members.push_back(m.second);
-    const std::string group = comm::detail::group_name(k);
-    return child(std::move(members), *place, group,
-                 comm::detail::split_prefix(engine_->key_prefix(), group, color), k);
-  }
-
-  /// A communicator of `ranks` (validated by the facade: in range, no duplicates), ranked in
-  /// that order. Every rank calls it in the same order; non-members return nullopt at once
-  /// (without communicating), members meet and make it among themselves only.
-  [[nodiscard]] std::optional<Mpi> new_group(std::span<const int> ranks) {
-    const auto k = engine_->next_group_index();
-    const auto place = comm::detail::group_place(ranks, rank());
-    if (!place) return std::nullopt;
-    std::vector<int> members(ranks.begin(), ranks.end());
-    // With a store the child's membership check is where the members meet.
-    if (!engine_->store()) engine_->gate(members, k);
-    const std::string group = comm::detail::group_name(k);
-    return child(std::move(members), *place, group, comm::detail::group_prefix(engine_->key_prefix(), group), k);
-  }
+  /// Subgroups connect through the control communicator, with or without a store.
+  static constexpr bool subgroups_without_store = true;
 
  private:
-  friend class comm::detail::BackendDiagnostics<Mpi>;  // monitored_barrier, flight_record, options
+  friend class comm::detail::ForwardOps<Mpi>;
+  friend class comm::detail::BackendDiagnostics<Mpi>;
+  friend class comm::detail::Subgroups<Mpi>;
 
   Mpi(std::unique_ptr<Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
 
-  static comm::detail::CoreConfig config(const Options& o) {
-    comm::detail::CoreConfig c;
-    c.timeout = o.timeout;
-    c.desync_check = o.desync_check;
-    c.flight_recorder_size = o.flight_recorder_size;
-    return c;
+  /// Subgroup `g` by MPI_Comm_create_group on the control communicator. A new_group's members
+  /// meet first: through the child's membership check on the store, else on the control
+  /// communicator (MPI_Comm_create_group has no deadline).
+  Mpi child(const comm::detail::Subgroup& g) const {
+    if (!g.met && !g.store) engine_->gate(g.members, g.index);
+    const auto c = g.configured(comm::detail::core_config(options_));
+    comm::detail::mpi::CommSource src{engine_->control(), g.members, Engine::group_tag(g.index), "mpi.group"};
+    if (g.store) return Mpi(std::make_unique<Engine>(g.store, g.place.rank, g.place.size, c, src), options_);
+    return Mpi(std::make_unique<Engine>(g.place.rank, g.place.size, c, c.name, src), options_);
   }
 
-  /// Subgroup `group` (number `k`) of `members` (ranks here, in its order); this rank is `place`.
-  Mpi child(std::vector<int> members, comm::detail::GroupPlace place, const std::string& group,
-            const std::string& prefix, std::uint64_t k) const {
-    auto c = config(options_);
-    c.file_rank = engine_->file_rank();
-    c.name = comm::detail::child_name(engine_->name(), group);
-    comm::detail::mpi::CommSource src{engine_->control(), std::move(members), Engine::group_tag(k),
-                                      "mpi.group"};
-    if (engine_->store()) {
-      auto store = std::make_shared<PrefixStore>(prefix, engine_->store());
-      return Mpi(std::make_unique<Engine>(std::move(store), place.rank, place.size, c, src), options_);
+  /// What MPI cannot take, refused before anything is queued, so the communicator stays usable:
+  /// async operations run on the worker thread, so MPI must allow calls from any thread; and MPI
+  /// counts are int.
+  void admit(const comm::detail::ForwardCall& call) const {
+    using comm::detail::OpKind;
+    const char* op = comm::detail::op_name(call.kind);
+    if (call.async && !engine_->multi_threaded())
+      throw InvalidArgument(op, rank(),
+                            std::string("async operations need MPI initialized with MPI_THREAD_MULTIPLE; this "
+                                        "process runs ") +
+                                comm::detail::mpi::thread_level_name(engine_->thread_level()) +
+                                " (use the blocking form, or MPI_Init_thread with MPI_THREAD_MULTIPLE)");
+    if (call.kind == OpKind::all_to_all_v) {
+      check_counts_v(call.in_counts, "in_counts");
+      check_counts_v(call.out_counts, "out_counts");
+      return;
     }
-    return Mpi(std::make_unique<Engine>(place.rank, place.size, c, c.name, src), options_);
-  }
-
-  /// Async operations run on the communicator's worker thread: MPI must allow calls from any
-  /// thread. Checked before anything is queued, so the communicator stays usable.
-  template <class Launch>
-  void check_launch(const char* op) const {
-    if constexpr (std::is_same_v<Launch, async_t>) {
-      if (!engine_->multi_threaded())
-        throw InvalidArgument(op, rank(),
-                              std::string("async operations need MPI initialized with MPI_THREAD_MULTIPLE; this "
-                                          "process runs ") +
-                                  comm::detail::mpi::thread_level_name(engine_->thread_level()) +
-                                  " (use the blocking form, or MPI_Init_thread with MPI_THREAD_MULTIPLE)");
-    }
+    const bool out_block = call.kind == OpKind::reduce_scatter || call.kind == OpKind::scatter;
+    check_count(op, call.block, out_block ? "output" : "input");
   }
 
   /// MPI counts are int: one rank's block of these operations must fit.
@@ -373,11 +248,6 @@ class Mpi : public comm::detail::BackendDiagnostics<Mpi> {
                                   "; MPI_Alltoallv displacements are int): split the call");
       displ += counts[p];
     }
-  }
-
-  static void check_timeout(const Options& o, int rank, const char* op) {
-    if (o.timeout.count() <= 0)
-      throw InvalidArgument(op, rank, "timeout " + std::to_string(o.timeout.count()) + " ms must be positive");
   }
 
   std::unique_ptr<Engine> engine_;

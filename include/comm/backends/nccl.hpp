@@ -195,7 +195,8 @@
 
 #include <comm/concepts.hpp>
 #include <comm/detail/backend_diagnostics.hpp>
-#include <comm/detail/desync.hpp>
+#include <comm/detail/engine/forward.hpp>
+#include <comm/detail/engine/policy.hpp>
 #include <comm/detail/env.hpp>
 #include <comm/detail/flight_recorder.hpp>
 #include <comm/detail/groups.hpp>
@@ -207,6 +208,7 @@
 #include <comm/detail/nccl/types.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
+#include <comm/options.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
@@ -226,11 +228,10 @@ inline constexpr int compiled_version = comm::detail::nccl::compiled_version;
 
 namespace comm::backends {
 
-/// Options of comm::backends::Nccl (also spelled `comm::backends::Nccl::Options`).
-struct NcclOptions {
-  /// Deadline of construction and of every operation, counted from when it is issued (default:
-  /// COMM_TIMEOUT, else 30 minutes).
-  std::chrono::milliseconds timeout = comm::detail::default_timeout();
+/// Options of comm::backends::Nccl (also spelled `comm::backends::Nccl::Options`). The common ones
+/// are comm::CommonOptions': `timeout` bounds construction and every operation, counted from when
+/// it is issued; the desync check is an ncclAllGather of 32 bytes per rank, waited for on the host.
+struct NcclOptions : CommonOptions {
   /// CUDA device; -1: LOCAL_RANK % device count (else rank % device count).
   int device = -1;
   /// Stream the operations run on (not owned; it must belong to the device). Default: a
@@ -255,18 +256,10 @@ struct NcclOptions {
   /// Called with the ncclConfig_t before ncclCommInitRankConfig (and ncclCommSplit), for fields
   /// not named here (`blocking` stays 0: construction depends on it).
   std::function<void(ncclConfig_t&)> configure;
-  /// Before each operation, compare (sequence number, operation, element type, count, root,
-  /// reduction) across ranks and throw comm::DesyncError on every rank when they differ (an
-  /// ncclAllGather of 32 bytes per rank, waited for on the host). Must be the same on every rank.
-  /// Default: on with COMM_DEBUG=DETAIL.
-  bool desync_check = comm::detail::desync_check_default();
-  /// How many operations the flight recorder keeps (0: none). Default: COMM_FLIGHT_RECORDER_SIZE,
-  /// else 256.
-  std::size_t flight_recorder_size = comm::detail::flight_recorder_size_default();
 };
 
 /// The NCCL backend policy. Move-only; its moved-from state may only be destroyed or assigned.
-class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
+class Nccl : public comm::detail::ForwardOps<Nccl>, public comm::detail::BackendDiagnostics<Nccl> {
  public:
   using backend_concept = comm::backend_t;
   static constexpr std::string_view name = "nccl";
@@ -282,13 +275,8 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
   /// Connects `size` ranks through `store` (blocking; ends by `options.timeout`). Throws
   /// comm::BackendError when no CUDA device is usable.
   [[nodiscard]] static Nccl create(std::shared_ptr<Store> store, int rank, int size, const Options& options = {}) {
-    const std::string op = "nccl.init";
-    if (!store) throw InvalidArgument(op, rank, "store is null");
-    if (size < 1) throw InvalidArgument(op, rank, "size " + std::to_string(size) + " must be at least 1");
-    if (rank < 0 || rank >= size)
-      throw InvalidArgument(op, rank,
-                            "rank " + std::to_string(rank) + " is out of range [0, " + std::to_string(size) + ")");
-    check_options(options, rank, op);
+    comm::detail::check_create("nccl.init", store, rank, size, options);
+    check_options(options, rank, "nccl.init");
     return connect(std::move(store), rank, size, options, nullptr);
   }
 
@@ -310,6 +298,7 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
     COMM_NCCL_CHECK(ncclCommUserRank(comm, &rank), op, -1, comm);
     COMM_NCCL_CHECK(ncclCommCount(comm, &size), op, rank, comm);
     COMM_NCCL_CHECK(ncclCommCuDevice(comm, &device), op, rank, comm);
+    comm::detail::check_timeout("nccl.adopt", rank, options);
     check_options(options, rank, op);
     const auto gather = dn::choose_gather(options.gather, COMM_NCCL_HAS_GATHER != 0, dn::runtime_version(), rank);
     dn::check_stream_device(stream, device, op, rank);
@@ -326,13 +315,13 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
   Nccl& operator=(Nccl&&) noexcept = default;
   ~Nccl() = default;
 
-  [[nodiscard]] int rank() const noexcept { return engine_->rank(); }
-  [[nodiscard]] int size() const noexcept { return engine_->size(); }
+  // rank(), size(), timeout() and the operations (concepts.hpp, requirement 7 and capability 11;
+  // see "More operations" above) come from ForwardOps (detail/engine/forward.hpp).
+
   /// The CUDA device of this rank.
   [[nodiscard]] int device() const noexcept { return engine_->device(); }
   /// The stream the operations run on.
   [[nodiscard]] cudaStream_t stream() const noexcept { return engine_->stream(); }
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return engine_->timeout(); }
   /// The gather path in use (native or p2p).
   [[nodiscard]] comm::nccl::GatherAlgorithm gather_algorithm() const noexcept { return engine_->gather_algorithm(); }
   /// The NCCL communicator, for direct NCCL calls on `stream()` (null once aborted after a
@@ -344,63 +333,6 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
   /// Blocks the host until every operation issued so far completed on the device (bounded by the
   /// timeout); throws the communicator's failure if it has one.
   void synchronize() { engine_->synchronize(); }
-
-  template <element T, class Red, class Launch>
-  auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l) {
-    return engine_->all_reduce<T>(in, out, red, l);
-  }
-  template <element T, class Red, class Launch>
-  auto reduce_scatter(std::span<const T> in, std::span<T> out, Red red, Launch l) {
-    return engine_->reduce_scatter<T>(in, out, red, l);
-  }
-  template <element T, class Launch>
-  auto all_gather(std::span<const T> in, std::span<T> out, Launch l) {
-    return engine_->all_gather<T>(in, out, l);
-  }
-  template <element T, class Launch>
-  auto broadcast(std::span<T> data, int root, Launch l) {
-    return engine_->broadcast<T>(data, root, l);
-  }
-  template <element T, class Launch>
-  auto gather(std::span<const T> in, std::span<T> out, int root, Launch l) {
-    return engine_->gather<T>(in, out, root, l);
-  }
-  template <class Launch>
-  auto barrier(Launch l) {
-    return engine_->barrier(l);
-  }
-
-  // ---- the rest of the surface (concepts.hpp, capability 11; see "More operations" above) ----
-
-  template <element T, class Red, class Launch>
-  auto reduce(std::span<const T> in, std::span<T> out, int root, Red red, Launch l) {
-    return engine_->reduce<T>(in, out, root, red, l);
-  }
-  template <element T, class Launch>
-  auto scatter(std::span<const T> in, std::span<T> out, int root, Launch l) {
-    return engine_->scatter<T>(in, out, root, l);
-  }
-  template <element T, class Launch>
-  auto all_to_all(std::span<const T> in, std::span<T> out, Launch l) {
-    return engine_->all_to_all<T>(in, out, l);
-  }
-  template <element T, class Launch>
-  auto all_to_all_v(std::span<const T> in, std::span<const std::size_t> in_counts, std::span<T> out,
-                    std::span<const std::size_t> out_counts, Launch l) {
-    return engine_->all_to_all_v<T>(in, in_counts, out, out_counts, l);
-  }
-  template <element T, class Launch>
-  auto send(std::span<const T> data, int peer, int tag, Launch l) {
-    return engine_->send<T>(data, peer, tag, l);
-  }
-  template <element T, class Launch>
-  auto recv(std::span<T> data, int peer, int tag, Launch l) {
-    return engine_->recv<T>(data, peer, tag, l);
-  }
-  template <element T>
-  [[nodiscard]] std::vector<Work> batch_isend_irecv(std::span<const P2POp<T>> ops) {
-    return engine_->batch_isend_irecv<T>(ops);
-  }
 
   /// all_reduce with NCCL's pre-multiplied sum: `out` = sum over ranks of (scalar_r * in_r), each
   /// rank passing its own `scalar`. `in` and `out` have equal sizes (may be the same buffer).
@@ -479,6 +411,7 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
 
 
  private:
+  friend class comm::detail::ForwardOps<Nccl>;
   friend class comm::detail::BackendDiagnostics<Nccl>;  // monitored_barrier, flight_record, options
 
   Nccl(std::unique_ptr<comm::detail::nccl::Engine> e, Options o) noexcept
@@ -501,7 +434,7 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
     const auto deadline = dn::Clock::now() + options.timeout;
     // Its number and key prefix on the store, and the membership check (ranks started with
     // different world sizes fail here, before any device is touched).
-    const auto core = parent ? core_config(options, parent->file_rank, parent->name) : core_config(options, -1, {});
+    const auto core = parent ? core_config(options, parent->file_rank, parent->name) : core_config(options, options.record_file_rank, options.record_name);
     comm::detail::CommPlace place = comm::detail::join_store(std::move(store), rank, size, core, "nccl");
     const dn::Rendezvous rv{place.store, place.key_prefix, place.number};
     int device = -1;
@@ -537,8 +470,6 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
   }
 
   static void check_options(const Options& o, int rank, const std::string& op) {
-    if (o.timeout.count() <= 0)
-      throw InvalidArgument(op, rank, "timeout " + std::to_string(o.timeout.count()) + " ms must be positive");
     if (o.watchdog_interval.count() <= 0)
       throw InvalidArgument(op, rank,
                             "watchdog_interval " + std::to_string(o.watchdog_interval.count()) +
@@ -561,7 +492,10 @@ class Nccl : public comm::detail::BackendDiagnostics<Nccl> {
 
   /// The core's part of the options; `file_rank` -1: a root communicator (see CoreConfig).
   static comm::detail::CoreConfig core_config(const Options& o, int file_rank, std::string name) {
-    return {o.timeout, o.desync_check, o.flight_recorder_size, file_rank, std::move(name)};
+    auto c = comm::detail::core_config(o);
+    c.file_rank = file_rank;
+    c.name = std::move(name);
+    return c;
   }
 
   std::unique_ptr<comm::detail::nccl::Engine> engine_;

@@ -48,13 +48,13 @@
 
 #include <comm/concepts.hpp>
 #include <comm/detail/backend_diagnostics.hpp>
-#include <comm/detail/desync.hpp>
 #include <comm/detail/engine/forward.hpp>
+#include <comm/detail/engine/policy.hpp>
 #include <comm/detail/engine/subgroups.hpp>
 #include <comm/detail/env.hpp>
-#include <comm/detail/flight_recorder.hpp>
 #include <comm/detail/shm/engine.hpp>
 #include <comm/error.hpp>
+#include <comm/options.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
@@ -68,10 +68,10 @@ namespace detail_shm {
 }
 }  // namespace detail_shm
 
-/// Options of comm::backends::Shm (also spelled `comm::backends::Shm::Options`).
-struct ShmOptions {
-  /// Deadline of every operation and of rendezvous (default: COMM_TIMEOUT, else 30 minutes).
-  std::chrono::milliseconds timeout = comm::detail::default_timeout();
+/// Options of comm::backends::Shm (also spelled `comm::backends::Shm::Options`). The common ones
+/// (timeout, desync_check, flight_recorder_size) are comm::CommonOptions'; Shm compares the
+/// desync fingerprint in every step anyway, so desync_check adds one exchange.
+struct ShmOptions : CommonOptions {
   /// Payload bytes each rank publishes per step (the pipeline's chunk); the segment holds
   /// 2 * size() chunks. Must be the same on every rank. Default: COMM_SHM_CHUNK, else 256 KiB.
   std::size_t chunk_bytes = detail_shm::env_bytes("COMM_SHM_CHUNK", std::size_t{256} << 10);
@@ -81,17 +81,6 @@ struct ShmOptions {
   /// Spins before a waiter yields (-1: 2000 when every rank can have a core, else 16;
   /// COMM_SHM_SPIN overrides).
   int spin = -1;
-  /// As on Gloo: compare (sequence number, operation, element type, count, root, reduction)
-  /// across ranks before each operation (Shm compares them in every step anyway; the option adds
-  /// one exchange). Default: on with COMM_DEBUG=DETAIL.
-  bool desync_check = comm::detail::desync_check_default();
-  /// How many operations the flight recorder keeps (0: none). Default: COMM_FLIGHT_RECORDER_SIZE,
-  /// else 256.
-  std::size_t flight_recorder_size = comm::detail::flight_recorder_size_default();
-  /// For a communicator that is a member of another (Hierarchical's): the rank in its flight-record
-  /// dump file names (-1: its own) and its name in records and file names. Users leave them.
-  int record_file_rank = -1;
-  std::string record_name;
 };
 
 /// The Shm backend policy. Move-only; its moved-from state may only be destroyed or assigned.
@@ -111,14 +100,11 @@ class Shm : public comm::detail::ForwardOps<Shm>,
   /// Maps the segment of `size` ranks of this host through `store` (blocking; ends by
   /// `options.timeout`).
   [[nodiscard]] static Shm create(std::shared_ptr<Store> store, int rank, int size, const Options& options = {}) {
-    check(store != nullptr, rank, "store is null");
-    check(size >= 1, rank, "size " + std::to_string(size) + " must be at least 1");
-    check(rank >= 0 && rank < size, rank,
-          "rank " + std::to_string(rank) + " is out of range [0, " + std::to_string(size) + ")");
-    check(options.timeout.count() > 0, rank,
-          "timeout " + std::to_string(options.timeout.count()) + " ms must be positive");
-    check(options.chunk_bytes >= 4096 && options.chunk_bytes <= (std::size_t{1} << 30), rank,
-          "chunk_bytes " + std::to_string(options.chunk_bytes) + " must be in [4096, 1 GiB] (COMM_SHM_CHUNK)");
+    comm::detail::check_create("shm.init", store, rank, size, options);
+    if (options.chunk_bytes < 4096 || options.chunk_bytes > (std::size_t{1} << 30))
+      throw InvalidArgument("shm.init", rank,
+                            "chunk_bytes " + std::to_string(options.chunk_bytes) +
+                                " must be in [4096, 1 GiB] (COMM_SHM_CHUNK)");
     return Shm(std::make_unique<detail::shm::Engine>(std::move(store), rank, size, config(options)), options);
   }
 
@@ -126,11 +112,7 @@ class Shm : public comm::detail::ForwardOps<Shm>,
   Shm& operator=(Shm&&) noexcept = default;
   ~Shm() = default;
 
-  [[nodiscard]] int rank() const noexcept { return engine_->rank(); }
-  [[nodiscard]] int size() const noexcept { return engine_->size(); }
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return engine_->timeout(); }
-
-  // The operations come from ForwardOps (detail/engine/forward.hpp).
+  // rank(), size(), timeout() and the operations come from ForwardOps (detail/engine/forward.hpp).
 
   // Optional capabilities (concepts.hpp): split/new_group from Subgroups, monitored_barrier and
   // the flight recorder from BackendDiagnostics.
@@ -142,30 +124,18 @@ class Shm : public comm::detail::ForwardOps<Shm>,
 
   Shm(std::unique_ptr<detail::shm::Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
 
-  static void check(bool ok, int rank, const std::string& what) {
-    if (!ok) throw InvalidArgument("shm.init", rank, what);
-  }
-
   static detail::shm::EngineConfig config(const Options& o) {
-    detail::shm::EngineConfig c;
-    c.timeout = o.timeout;
-    c.desync_check = o.desync_check;
-    c.flight_recorder_size = o.flight_recorder_size;
-    c.file_rank = o.record_file_rank;
-    c.name = o.record_name;
+    auto c = comm::detail::engine_config<detail::shm::EngineConfig>(o);
     c.chunk = (o.chunk_bytes + detail::shm::kLine - 1) / detail::shm::kLine * detail::shm::kLine;
     c.small_max = o.small_max;
     c.spin = o.spin;
     return c;
   }
 
-  /// Maps subgroup `group` (this rank is `rank` of `size`) under `prefix` in this store.
-  Shm child(const std::string& prefix, const std::string& group, int rank, int size) const {
-    auto c = config(options_);
-    c.file_rank = engine_->file_rank();
-    c.name = comm::detail::child_name(engine_->name(), group);
-    auto store = std::make_shared<PrefixStore>(prefix, engine_->store());
-    return Shm(std::make_unique<detail::shm::Engine>(std::move(store), rank, size, c), options_);
+  /// Maps subgroup `g`'s own segment (see Subgroups).
+  Shm child(const comm::detail::Subgroup& g) const {
+    auto c = g.configured(config(options_));
+    return Shm(std::make_unique<detail::shm::Engine>(g.store, g.place.rank, g.place.size, c), options_);
   }
 
   std::unique_ptr<detail::shm::Engine> engine_;

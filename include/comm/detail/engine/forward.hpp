@@ -1,80 +1,152 @@
 #pragma once
-// The operations of a policy whose engine takes them as they are (concepts.hpp, requirement 7):
-// each forwards to `engine_`, written once for every such backend. A policy that must adapt its
-// buffers first (Gloo's device staging) defines its own.
+// The operations of a backend policy (concepts.hpp, requirements 7 and 11), each forwarded to
+// `engine_`: written once for every backend, so a policy is its engine, its options and what
+// only it does. A policy that must adapt the buffers of some operations first (Gloo's device
+// staging) defines those operations itself; its own hide these.
 //
 // The policy derives from ForwardOps<Policy>, befriends it and has `engine_` (a pointer to an
-// engine with the EngineCore entry points).
+// engine with the EngineCore entry points); rank(), size() and timeout() come from here too. Two
+// optional hooks, both read where an operation is used (the policy is complete by then), cost
+// nothing where absent:
+// - `static constexpr bool forwards_full_surface`: false leaves out capability 11 (reduce,
+//   scatter, all_to_all(_v), send, recv, batch_isend_irecv), so that `supports_full_surface`
+//   answers for the policy (Hierarchical: only where its Inter member has them). Default: true.
+// - `void admit(const ForwardCall&) const`: checks an operation before the engine queues it (so a
+//   refusal leaves the communicator usable) — what the policy's engine cannot take, e.g. Mpi's
+//   thread level for async calls and MPI's int counts.
 
+#include <chrono>
 #include <cstddef>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include <comm/detail/flight_recorder.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
 
 namespace comm::detail {
 
+/// An operation as a policy's `admit` hook sees it.
+struct ForwardCall {
+  OpKind kind;
+  bool async = false;
+  /// The elements of one rank's block, for the operations whose buffer is one block per rank
+  /// (reduce_scatter's output, all_gather's and gather's input, scatter's output, all_to_all's
+  /// input divided by the size); 0 for the others.
+  std::size_t block = 0;
+  /// all_to_all_v's counts (empty for the others).
+  std::span<const std::size_t> in_counts{};
+  std::span<const std::size_t> out_counts{};
+};
+
+/// Whether ForwardOps<Policy> forwards capability 11 (see the file comment).
+template <class Policy>
+[[nodiscard]] consteval bool forwards_full_surface() {
+  if constexpr (requires { Policy::forwards_full_surface; })
+    return Policy::forwards_full_surface;
+  else
+    return true;
+}
+
 template <class Policy>
 class ForwardOps {
  public:
+  [[nodiscard]] int rank() const noexcept { return engine().rank(); }
+  [[nodiscard]] int size() const noexcept { return engine().size(); }
+  /// The deadline of each operation.
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return engine().timeout(); }
+
   template <element T, class Red, class Launch>
   auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l) {
+    check_call<Launch>({OpKind::all_reduce});
     return engine().template all_reduce<T>(in, out, std::move(red), l);
   }
   template <element T, class Red, class Launch>
   auto reduce_scatter(std::span<const T> in, std::span<T> out, Red red, Launch l) {
+    check_call<Launch>({OpKind::reduce_scatter, false, out.size()});
     return engine().template reduce_scatter<T>(in, out, std::move(red), l);
   }
   template <element T, class Launch>
   auto all_gather(std::span<const T> in, std::span<T> out, Launch l) {
+    check_call<Launch>({OpKind::all_gather, false, in.size()});
     return engine().template all_gather<T>(in, out, l);
   }
   template <element T, class Launch>
   auto broadcast(std::span<T> data, int root, Launch l) {
+    check_call<Launch>({OpKind::broadcast});
     return engine().template broadcast<T>(data, root, l);
   }
   template <element T, class Launch>
   auto gather(std::span<const T> in, std::span<T> out, int root, Launch l) {
+    check_call<Launch>({OpKind::gather, false, in.size()});
     return engine().template gather<T>(in, out, root, l);
   }
   template <class Launch>
   auto barrier(Launch l) {
+    check_call<Launch>({OpKind::barrier});
     return engine().barrier(l);
   }
+
+  // ---- capability 11 ----
+
   template <element T, class Red, class Launch>
+    requires(forwards_full_surface<Policy>())
   auto reduce(std::span<const T> in, std::span<T> out, int root, Red red, Launch l) {
+    check_call<Launch>({OpKind::reduce});
     return engine().template reduce<T>(in, out, root, std::move(red), l);
   }
   template <element T, class Launch>
+    requires(forwards_full_surface<Policy>())
   auto scatter(std::span<const T> in, std::span<T> out, int root, Launch l) {
+    check_call<Launch>({OpKind::scatter, false, out.size()});
     return engine().template scatter<T>(in, out, root, l);
   }
   template <element T, class Launch>
+    requires(forwards_full_surface<Policy>())
   auto all_to_all(std::span<const T> in, std::span<T> out, Launch l) {
+    check_call<Launch>({OpKind::all_to_all, false, in.size() / static_cast<std::size_t>(engine().size())});
     return engine().template all_to_all<T>(in, out, l);
   }
   template <element T, class Launch>
+    requires(forwards_full_surface<Policy>())
   auto all_to_all_v(std::span<const T> in, std::span<const std::size_t> in_counts, std::span<T> out,
                     std::span<const std::size_t> out_counts, Launch l) {
+    check_call<Launch>({OpKind::all_to_all_v, false, 0, in_counts, out_counts});
     return engine().template all_to_all_v<T>(in, in_counts, out, out_counts, l);
   }
   template <element T, class Launch>
+    requires(forwards_full_surface<Policy>())
   auto send(std::span<const T> data, int peer, int tag, Launch l) {
+    check_call<Launch>({OpKind::send});
     return engine().template send<T>(data, peer, tag, l);
   }
   template <element T, class Launch>
+    requires(forwards_full_surface<Policy>())
   auto recv(std::span<T> data, int peer, int tag, Launch l) {
+    check_call<Launch>({OpKind::recv});
     return engine().template recv<T>(data, peer, tag, l);
   }
+  /// Always async: its operations progress together on the worker thread.
   template <element T>
+    requires(forwards_full_surface<Policy>())
   std::vector<Work> batch_isend_irecv(std::span<const P2POp<T>> ops) {
+    check_call<async_t>({OpKind::p2p_batch});
     return engine().template batch_isend_irecv<T>(ops);
   }
 
  private:
-  [[nodiscard]] auto& engine() { return *static_cast<Policy&>(*this).engine_; }
+  [[nodiscard]] auto& engine() noexcept { return *static_cast<Policy&>(*this).engine_; }
+  [[nodiscard]] const auto& engine() const noexcept { return *static_cast<const Policy&>(*this).engine_; }
+
+  template <class Launch>
+  void check_call(ForwardCall call) const {
+    if constexpr (requires(const Policy& p) { p.admit(call); }) {
+      call.async = std::is_same_v<Launch, async_t>;
+      static_cast<const Policy&>(*this).admit(call);
+    }
+  }
 };
 
 }  // namespace comm::detail
