@@ -1,6 +1,6 @@
 // comm-bench-kernel-*: the element-wise reduction kernels alone, single thread.
 //
-// Gloo calls the reduction function it is given; comm passes its own kernels (detail/reduce.hpp),
+// Gloo calls the reduction function it is given; comm passes its own kernels (detail/engine/reduce.hpp),
 // compiled in the user's translation unit with the user's flags; raw Gloo users pass gloo::sum<T>
 // (gloo/math.h), also compiled in the caller. This measures both at three compiler settings
 // (the same source built as comm-bench-kernel-O2, -O3 and -native) so the effect of the flags and of
@@ -15,7 +15,7 @@
 
 #include <gloo/math.h>
 
-#include <comm/detail/reduce.hpp>
+#include <comm/detail/engine/reduce.hpp>
 
 #ifndef COMM_KERNEL_FLAGS
 #define COMM_KERNEL_FLAGS "?"

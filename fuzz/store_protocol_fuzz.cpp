@@ -1,4 +1,4 @@
-// libFuzzer target for the TcpStore wire protocol (include/comm/detail/store_protocol.hpp), both
+// libFuzzer target for the TcpStore wire protocol (include/comm/detail/store/protocol.hpp), both
 // ends, through the production code paths:
 //
 //   server  the bytes go to a live TcpStoreServer over a loopback connection: the handshake
@@ -35,9 +35,9 @@
 #include <thread>
 #include <vector>
 
-#include <comm/detail/socket.hpp>
-#include <comm/detail/store_protocol.hpp>
-#include <comm/detail/tcp_store_server.hpp>
+#include <comm/detail/net/socket.hpp>
+#include <comm/detail/store/protocol.hpp>
+#include <comm/detail/store/tcp_store_server.hpp>
 #include <comm/store.hpp>
 
 namespace {

@@ -15,8 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include <comm/detail/socket.hpp>
-#include <comm/detail/store_protocol.hpp>
+#include <comm/detail/net/socket.hpp>
+#include <comm/detail/store/protocol.hpp>
 #include <comm/store.hpp>
 #include <support/multirank.hpp>
 

@@ -36,7 +36,7 @@
 #include <utility>
 #include <vector>
 
-#include <comm/detail/duration.hpp>
+#include <comm/detail/init/duration.hpp>
 
 #ifndef COMM_RUN_VERSION
 #define COMM_RUN_VERSION "unknown"

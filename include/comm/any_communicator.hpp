@@ -23,7 +23,7 @@
 #include <vector>
 
 #include <comm/communicator.hpp>
-#include <comm/detail/any_comm.hpp>
+#include <comm/detail/cdb/any_comm.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>

@@ -76,13 +76,10 @@ concept buffer_range = std::ranges::contiguous_range<R> && std::ranges::sized_ra
 
 namespace detail {
 
-template <class R>
-concept any_buffer = buffer_range<R>;
-
-template <any_buffer R>
+template <buffer_range R>
 using buffer_value_t = std::remove_cv_t<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
 
-template <any_buffer R>
+template <buffer_range R>
 inline constexpr bool is_mutable_buffer_v = !std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
 
 template <class X>
@@ -94,7 +91,7 @@ concept runtime_op = std::same_as<std::remove_cvref_t<X>, ReduceOp>;
 /// A compile-time reduction argument: a built-in op object or a would-be custom callable (checked
 /// later with a clear message). Buffers, tags, numbers and ReduceOp values are not.
 template <class X>
-concept op_object = !runtime_op<X> && !async_tag<X> && !any_buffer<X> &&
+concept op_object = !runtime_op<X> && !async_tag<X> && !buffer_range<X> &&
                     !std::is_arithmetic_v<std::remove_cvref_t<X>> && std::is_object_v<std::remove_cvref_t<X>>;
 
 template <class X>
@@ -137,22 +134,16 @@ concept reduce_args = detail::reduce_tail_traits<A...>::valid;
 template <class R>
 concept p2p_op_range = buffer_range<R> && detail::is_p2p_op<std::remove_cvref_t<std::ranges::range_reference_t<R>>>;
 
-namespace detail {
-template <class... A>
-concept reduce_tail = reduce_args<A...>;
-}  // namespace detail
-
 /// What a reducing collective returns for the trailing arguments `A...` (`[op] [comm::async]`):
 /// `comm::Work` when they end with comm::async, else `void`.
 template <class... A>
 using reduce_result_t = std::conditional_t<detail::reduce_tail_traits<A...>::is_async, Work, void>;
 
 namespace detail {
-using comm::reduce_result_t;  // the old spelling, until every user names the public one
 
 /// The element type a buffer hands the backend (see canonical_element_t); naming it for a range
 /// of anything else is the element concept's message, before any other error of the call.
-template <any_buffer R>
+template <buffer_range R>
 using element_value_t = checked_element_t<buffer_value_t<R>>;
 
 template <class In, class Out>
@@ -160,7 +151,7 @@ inline constexpr bool same_element_v = std::is_same_v<element_value_t<In>, eleme
 
 /// The buffer as a span of the type the backend receives: `long long` elements are viewed as
 /// std::int64_t (same size and representation: what MPI_LONG_LONG and ncclInt64 read).
-template <any_buffer R>
+template <buffer_range R>
 [[nodiscard]] constexpr auto as_span(R&& r) noexcept {
   using E = std::remove_reference_t<std::ranges::range_reference_t<R>>;
   using C = canonical_element_t<std::remove_cv_t<E>>;

@@ -90,14 +90,6 @@ namespace comm {
 /// The tag a backend names as `using backend_concept = comm::backend_t;` to opt in.
 struct backend_t {};
 
-namespace detail {
-// The launch tag and the custom-op wrapper are public (types.hpp); these keep the old spellings
-// compiling until every user of them names the public ones.
-using comm::blocking;
-using comm::blocking_t;
-using comm::custom_op;
-}  // namespace detail
-
 // The parts of comm::backend, public so that a backend author can assert them one at a time and
 // read which one fails.
 

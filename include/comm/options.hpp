@@ -8,9 +8,9 @@
 #include <cstddef>
 #include <string>
 
-#include <comm/detail/desync.hpp>
-#include <comm/detail/env.hpp>
-#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/diagnostics/desync.hpp>
+#include <comm/detail/init/env.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
 
 namespace comm {
 

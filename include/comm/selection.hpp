@@ -23,9 +23,9 @@
 #include <comm/any_communicator.hpp>
 #include <comm/backends/registry.hpp>
 #include <comm/communicator.hpp>
-#include <comm/detail/discovery.hpp>
-#include <comm/detail/host.hpp>
-#include <comm/detail/logging.hpp>
+#include <comm/detail/init/discovery.hpp>
+#include <comm/detail/init/host.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
 #include <comm/init.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>

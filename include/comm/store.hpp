@@ -18,8 +18,8 @@
 #include <string_view>
 #include <vector>
 
-#include <comm/detail/env.hpp>
-#include <comm/detail/socket.hpp>
+#include <comm/detail/init/env.hpp>
+#include <comm/detail/net/socket.hpp>
 #include <comm/error.hpp>
 
 namespace comm {
@@ -165,7 +165,7 @@ class TcpStore final : public Store {
   /// The options in effect (token and job id filled in from the environment where they were empty).
   [[nodiscard]] const TcpStoreOptions& options() const noexcept { return opts_; }
 
-  /// Liveness (what communicators use, detail/liveness.hpp; call from one thread only, on a
+  /// Liveness (what communicators use, detail/engine/liveness.hpp; call from one thread only, on a
   /// TcpStore of its own, so that every call uses the same connection): gives this client's
   /// connection a will. When the connection closes, errs, or makes no call for `silence`, the
   /// server sets `key` (unless already set) to `value` followed by the reason, and drops the
@@ -188,7 +188,7 @@ class TcpStore final : public Store {
   void check_value(std::string_view op, std::string_view key, std::size_t size) const;
   [[noreturn]] void throw_reply_error(std::string_view op, const Reply& r, std::chrono::milliseconds waited,
                                       const std::vector<std::string>& keys = {}) const;
-  /// The skeleton of every call (detail/tcp_store.hpp): `write` adds the request's fields,
+  /// The skeleton of every call (detail/store/tcp_store.hpp): `write` adds the request's fields,
   /// `read` decodes the reply's.
   template <class Write, class Read>
   auto request(std::string_view op, detail::store_proto::Op code, std::chrono::milliseconds budget, bool parked,
@@ -305,7 +305,7 @@ class PrefixStore final : public Store {
 
 }  // namespace comm
 
-#include <comm/detail/hash_store.hpp>
-#include <comm/detail/prefix_store.hpp>
-#include <comm/detail/file_store.hpp>
-#include <comm/detail/tcp_store.hpp>
+#include <comm/detail/store/hash_store.hpp>
+#include <comm/detail/store/prefix_store.hpp>
+#include <comm/detail/store/file_store.hpp>
+#include <comm/detail/store/tcp_store.hpp>

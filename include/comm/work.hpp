@@ -85,10 +85,6 @@ class WorkState {
   std::exception_ptr error_;
 };
 
-namespace detail {
-using comm::WorkState;  // the old spelling, until every user names the public one
-}  // namespace detail
-
 /// Handle to an operation started with `comm::async`. Move-only.
 ///
 /// - `wait()` on host backends (Gloo) blocks until the operation finished, then rethrows its error

@@ -375,7 +375,7 @@ TEST_CASE("a receive from a rank that never sends ends at the deadline, naming t
 
 #if defined(COMM_TEST_BACKEND_HIERARCHICAL)
 // Hierarchical stops a Gloo member's connections from another thread through the engine-neutral
-// detail/transport.hpp; the Gloo policy must be recognised there.
+// detail/engine/transport.hpp; the Gloo policy must be recognised there.
 static_assert(comm::detail::TransportAbort<comm::backends::Gloo>::stops);
 static_assert(!comm::detail::TransportAbort<comm::backends::Shm>::stops);
 #endif

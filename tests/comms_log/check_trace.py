@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks comm's Chrome trace files (COMM_TRACE, include/comm/detail/comms_log.hpp).
+"""Checks comm's Chrome trace files (COMM_TRACE, include/comm/detail/diagnostics/comms_log.hpp).
 
   check_trace.py file TRACE --rank R [--min-events N] [--track NAME]...
       TRACE is one rank's file: valid JSON, every event of pid R, at least N complete ("X") events,

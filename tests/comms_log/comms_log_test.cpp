@@ -1,4 +1,4 @@
-// The comms log and the trace (include/comm/detail/comms_log.hpp), on the backend this suite is
+// The comms log and the trace (include/comm/detail/diagnostics/comms_log.hpp), on the backend this suite is
 // built for (tests/comms_log/CMakeLists.txt): one CSV line per operation with nccl-tests' bytes and
 // bandwidths, a summary table by op and size at destroy, subgroups in the same per-rank file, and
 // a per-rank Chrome trace that python3's json module reads. Off, nothing is written.
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include <comm/detail/comms_log.hpp>
+#include <comm/detail/diagnostics/comms_log.hpp>
 #include <support/env_guard.hpp>
 
 using namespace suite;
@@ -138,7 +138,7 @@ unsigned long long total_out_of(int n) { return static_cast<unsigned long long>(
 }  // namespace
 
 TEST_CASE("nccl-tests bytes and bus factors") {
-  using comm::detail::OpKind;
+  using comm::OpKind;
   using comm::detail::traffic;
   CHECK(traffic(OpKind::all_reduce, 1024, 4, 4).bytes == 4096);
   CHECK(traffic(OpKind::all_reduce, 1024, 4, 4).bus_factor == doctest::Approx(1.5));

@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include <comm/detail/socket.hpp>
+#include <comm/detail/net/socket.hpp>
 #include <comm/store.hpp>
 
 #include "process.hpp"

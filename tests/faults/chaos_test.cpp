@@ -1,5 +1,5 @@
 // Chaos soak (issue 16): random faults at random points of random collective loops, and the
-// liveness watch (detail/liveness.hpp) that ends every survivor's operation within a second.
+// liveness watch (detail/engine/liveness.hpp) that ends every survivor's operation within a second.
 //
 // Each trial draws a fault, a backend (gloo, shm), a world of 2-4 fault_peer ranks, a collective,
 // its size, sync or async, a victim and a point (after 1-16 operations, plus 0-20 ms). Faults, and

@@ -58,7 +58,7 @@
 #include <comm/cdb.hpp>
 #include <comm/communicator.hpp>
 #endif
-#include <comm/detail/liveness.hpp>
+#include <comm/detail/engine/liveness.hpp>
 #include <comm/store.hpp>
 
 namespace {

@@ -30,7 +30,7 @@
 #include <thread>
 #include <vector>
 
-#include <comm/detail/socket.hpp>
+#include <comm/detail/net/socket.hpp>
 
 namespace comm::faults {
 

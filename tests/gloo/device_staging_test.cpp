@@ -12,7 +12,7 @@
 #include <vector>
 
 #include <comm/backends/shm.hpp>
-#include <comm/detail/cuda_driver.hpp>
+#include <comm/detail/cuda/driver.hpp>
 
 #include "backend_test_util.hpp"
 

@@ -1,4 +1,4 @@
-// comm's reduction kernels (detail/reduce.hpp), one process: semantics per type and op, aliasing,
+// comm's reduction kernels (detail/engine/reduce.hpp), one process: semantics per type and op, aliasing,
 // wrap-around without UB, half/bfloat16/fp8 through float, avg finishing, custom callables.
 #include <doctest/doctest.h>
 
@@ -7,7 +7,7 @@
 #include <limits>
 #include <vector>
 
-#include <comm/detail/reduce.hpp>
+#include <comm/detail/engine/reduce.hpp>
 
 using comm::ReduceOp;
 using comm::detail::combine;

@@ -206,7 +206,7 @@ TEST_CASE("op hooks run around the collective on the executing thread") {
                                       comm::async, std::move(hooks));
       work.wait();
     } else {
-      e.all_reduce<float>(std::span<const float>(staged), std::span(result), ReduceOp::sum, comm::detail::blocking,
+      e.all_reduce<float>(std::span<const float>(staged), std::span(result), ReduceOp::sum, comm::blocking,
                           std::move(hooks));
     }
     CHECK(before == 1);
@@ -220,11 +220,11 @@ TEST_CASE("op hooks run around the collective on the executing thread") {
     comm::detail::OpHooks bad;
     bad.before = [] { throw std::runtime_error("staging failed"); };
     std::vector<float> v(3, 1.0f);
-    CHECK_THROWS_AS(e.all_reduce<float>(std::span<const float>(v), std::span(v), ReduceOp::sum, comm::detail::blocking,
+    CHECK_THROWS_AS(e.all_reduce<float>(std::span<const float>(v), std::span(v), ReduceOp::sum, comm::blocking,
                                         std::move(bad)),
                     comm::BackendError);
     CHECK_THROWS_WITH_AS(
-        e.all_reduce<float>(std::span<const float>(v), std::span(v), ReduceOp::sum, comm::detail::blocking),
+        e.all_reduce<float>(std::span<const float>(v), std::span(v), ReduceOp::sum, comm::blocking),
         doctest::Contains("unusable after an earlier failure"), comm::Error);
   }
 }

@@ -1,4 +1,4 @@
-// Cost of comm's NVTX ranges (detail/nvtx.hpp, issue 15) per operation, on the CPU: an
+// Cost of comm's NVTX ranges (detail/diagnostics/nvtx.hpp, issue 15) per operation, on the CPU: an
 // "operation" (an out-of-line function doing a counter update) with the range as the NCCL engine
 // opens it, against the same function without it. Built twice: nccl_nvtx_bench (NVTX3 headers
 // found: run with COMM_NVTX unset for "off", COMM_NVTX=1 for "on") and
@@ -14,7 +14,7 @@
 #include <cstring>
 #include <vector>
 
-#include <comm/detail/nvtx.hpp>
+#include <comm/detail/diagnostics/nvtx.hpp>
 
 namespace nvtx = comm::detail::nvtx;
 

@@ -1,4 +1,4 @@
-// NVTX ranges (detail/nvtx.hpp, issue 15): the COMM_NVTX switch, the range names, and what an
+// NVTX ranges (detail/diagnostics/nvtx.hpp, issue 15): the COMM_NVTX switch, the range names, and what an
 // NVTX tool sees. The tool is tests/nccl/nvtx_injection.cpp, loaded by NVTX3 itself from
 // NVTX_INJECTION64_PATH (ctest sets it; without it the tool cases skip and say so).
 //
@@ -20,14 +20,14 @@
 #include <string>
 #include <vector>
 
-#include <comm/detail/nvtx.hpp>
+#include <comm/detail/diagnostics/nvtx.hpp>
 #include <support/env_guard.hpp>
 
 #include "nccl_test_util.hpp"
 
 #if defined(COMM_HAS_GLOO)
 #include <comm/backends/gloo.hpp>
-#include <comm/detail/cuda_driver.hpp>
+#include <comm/detail/cuda/driver.hpp>
 #endif
 
 namespace nvtx = comm::detail::nvtx;

@@ -11,7 +11,7 @@
 #include <comm/backends/nccl.hpp>
 #include <comm/cdb.hpp>
 #include <comm/communicator.hpp>
-#include <comm/detail/groups.hpp>
+#include <comm/detail/engine/groups.hpp>
 #include <support/multirank.hpp>
 
 namespace dn = comm::detail::nccl;

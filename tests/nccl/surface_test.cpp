@@ -355,7 +355,7 @@ TEST_CASE("send and recv: a nonzero tag is InvalidArgument naming the op; NCCL h
   DeviceBuffer<float> d(std::vector<float>(4, 1.0f));
   // Straight to the backend, so that this runs at one rank too (the facade checks the peer first).
   try {
-    c.backend().send<float>(d.cspan(), 0, 3, comm::detail::blocking);
+    c.backend().send<float>(d.cspan(), 0, 3, comm::blocking);
     FAIL("no InvalidArgument");
   } catch (const comm::InvalidArgument& e) {
     CHECK(contains(e.what(), "send"));

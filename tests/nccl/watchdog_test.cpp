@@ -313,7 +313,7 @@ TEST_CASE("watchdog: progress hooks drive the flight recorder (started at the he
   RecordingTarget t;
   dn::Watchdog wd(t, 3, fast());
   wd.start();
-  const comm::detail::OpDesc desc{comm::detail::OpKind::all_reduce, 8, 0, -1, 4};
+  const comm::OpDesc desc{comm::OpKind::all_reduce, 8, 0, -1, 4};
   auto a = op("all_reduce", 0), b = op("all_reduce", 1, 150ms);
   comm::Work wa(a), wb(b);
   t.recorder.issued(0, desc);

@@ -32,16 +32,16 @@
 #include <vector>
 
 #include <comm/concepts.hpp>
-#include <comm/detail/backend_diagnostics.hpp>
-#include <comm/detail/desync.hpp>
+#include <comm/detail/engine/backend_diagnostics.hpp>
+#include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/p2p.hpp>
 #include <comm/detail/engine/subgroups.hpp>
-#include <comm/detail/env.hpp>
-#include <comm/detail/flight_recorder.hpp>
-#include <comm/detail/groups.hpp>
-#include <comm/detail/prefix_store.hpp>
+#include <comm/detail/init/env.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
+#include <comm/detail/engine/groups.hpp>
+#include <comm/detail/store/prefix_store.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
@@ -52,8 +52,8 @@ namespace comm::test::relay {
 using comm::detail::CoreConfig;
 using comm::detail::Fingerprint;
 using comm::detail::Op;
-using comm::detail::OpDesc;
-using comm::detail::OpKind;
+using comm::OpDesc;
+using comm::OpKind;
 using comm::detail::P2PItem;
 
 class Engine : public comm::detail::EngineCore<Engine> {

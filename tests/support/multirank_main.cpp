@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include <comm/detail/env.hpp>
+#include <comm/detail/init/env.hpp>
 #include <comm/store.hpp>
 #include <support/multirank.hpp>
 

@@ -63,7 +63,7 @@
 ///   - a CUDA driver failure throws comm::BackendError naming the operation, the rank and the
 ///     driver's text (cuGetErrorString); peers of a rank whose copy-in failed end by the timeout.
 /// - **Reductions:** every built-in op on every element type (bitwise: integers only) with comm's own
-///   kernels (detail/reduce.hpp), and custom callables `T(T, T)`, which must be associative,
+///   kernels (detail/engine/reduce.hpp), and custom callables `T(T, T)`, which must be associative,
 ///   commutative and must not throw.
 /// - **Subgroups:** `split(color, key)` (collective over this communicator) and `new_group(ranks)`
 ///   (members only) connect a new gloo context among the members through a PrefixStore over this
@@ -75,7 +75,7 @@
 ///   <comm/diagnostics.hpp>); the desync check (`Options::desync_check`): before each operation an
 ///   exchange of a 32-byte fingerprint per rank (each rank sends its own to every other: one
 ///   message latency; a gloo ring allgather beyond 64 ranks), then DesyncError on every rank if
-///   they differ; monitored_barrier through the store (detail/monitored_barrier.hpp).
+///   they differ; monitored_barrier through the store (detail/diagnostics/monitored_barrier.hpp).
 
 #include <algorithm>
 #include <chrono>
@@ -91,7 +91,7 @@
 #include <gloo/context.h>
 
 #include <comm/concepts.hpp>
-#include <comm/detail/backend_diagnostics.hpp>
+#include <comm/detail/engine/backend_diagnostics.hpp>
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/policy.hpp>
 #include <comm/detail/engine/subgroups.hpp>

@@ -70,13 +70,13 @@
 #include <vector>
 
 #include <comm/concepts.hpp>
-#include <comm/detail/backend_diagnostics.hpp>
+#include <comm/detail/engine/backend_diagnostics.hpp>
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/policy.hpp>
 #include <comm/detail/engine/subgroups.hpp>
-#include <comm/detail/env.hpp>
+#include <comm/detail/init/env.hpp>
 #include <comm/detail/hierarchical/engine.hpp>
-#include <comm/detail/host.hpp>
+#include <comm/detail/init/host.hpp>
 #include <comm/error.hpp>
 #include <comm/options.hpp>
 #include <comm/store.hpp>

@@ -91,11 +91,11 @@
 #include <vector>
 
 #include <comm/concepts.hpp>
-#include <comm/detail/backend_diagnostics.hpp>
+#include <comm/detail/engine/backend_diagnostics.hpp>
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/policy.hpp>
 #include <comm/detail/engine/subgroups.hpp>
-#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/detail/mpi/engine.hpp>
 #include <comm/detail/mpi/errors.hpp>
 #include <comm/detail/mpi/runtime.hpp>
@@ -206,7 +206,7 @@ class Mpi : public comm::detail::ForwardOps<Mpi>,
   /// async operations run on the worker thread, so MPI must allow calls from any thread; and MPI
   /// counts are int.
   void admit(const comm::detail::ForwardCall& call) const {
-    using comm::detail::OpKind;
+    using comm::OpKind;
     const char* op = comm::detail::op_name(call.kind);
     if (call.async && !engine_->multi_threaded())
       throw InvalidArgument(op, rank(),

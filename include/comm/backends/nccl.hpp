@@ -162,7 +162,7 @@
 /// ### Diagnostics
 /// - `monitored_barrier(timeout, wait_all_ranks)`: waits on the host until every operation issued
 ///   so far completed (bounded by this communicator's timeout), then runs the store barrier of
-///   detail/monitored_barrier.hpp, naming the ranks that did not arrive. Needs the store.
+///   detail/diagnostics/monitored_barrier.hpp, naming the ranks that did not arrive. Needs the store.
 /// - Flight recorder (`flight_record()`, `dump_flight_record(path)`, see <comm/diagnostics.hpp>):
 ///   queued when issued, started when the operation reaches the head of the communicator's stream
 ///   (the watchdog saw every earlier one complete), completed/failed as the watchdog sees it.
@@ -194,13 +194,13 @@
 #include <vector>
 
 #include <comm/concepts.hpp>
-#include <comm/detail/backend_diagnostics.hpp>
+#include <comm/detail/engine/backend_diagnostics.hpp>
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/policy.hpp>
-#include <comm/detail/env.hpp>
-#include <comm/detail/flight_recorder.hpp>
-#include <comm/detail/groups.hpp>
-#include <comm/detail/logging.hpp>
+#include <comm/detail/init/env.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
+#include <comm/detail/engine/groups.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
 #include <comm/detail/nccl/bootstrap.hpp>
 #include <comm/detail/nccl/device.hpp>
 #include <comm/detail/nccl/engine.hpp>
@@ -340,7 +340,7 @@ class Nccl : public comm::detail::ForwardOps<Nccl>, public comm::detail::Backend
   template <element T>
   void all_reduce_premul_sum(std::span<const std::type_identity_t<T>> in, std::span<T> out,
                              std::type_identity_t<T> scalar) {
-    engine_->premul_sum<T>(false, in, out, scalar, comm::detail::blocking);
+    engine_->premul_sum<T>(false, in, out, scalar, comm::blocking);
   }
   template <element T>
   [[nodiscard]] Work all_reduce_premul_sum(std::span<const std::type_identity_t<T>> in, std::span<T> out,
@@ -351,7 +351,7 @@ class Nccl : public comm::detail::ForwardOps<Nccl>, public comm::detail::Backend
   template <element T>
   void reduce_scatter_premul_sum(std::span<const std::type_identity_t<T>> in, std::span<T> out,
                                  std::type_identity_t<T> scalar) {
-    engine_->premul_sum<T>(true, in, out, scalar, comm::detail::blocking);
+    engine_->premul_sum<T>(true, in, out, scalar, comm::blocking);
   }
   template <element T>
   [[nodiscard]] Work reduce_scatter_premul_sum(std::span<const std::type_identity_t<T>> in, std::span<T> out,

@@ -47,11 +47,11 @@
 #include <utility>
 
 #include <comm/concepts.hpp>
-#include <comm/detail/backend_diagnostics.hpp>
+#include <comm/detail/engine/backend_diagnostics.hpp>
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/policy.hpp>
 #include <comm/detail/engine/subgroups.hpp>
-#include <comm/detail/env.hpp>
+#include <comm/detail/init/env.hpp>
 #include <comm/detail/shm/engine.hpp>
 #include <comm/error.hpp>
 #include <comm/options.hpp>

@@ -22,11 +22,11 @@
 #include <utility>
 
 #include <comm/detail/engine/failure.hpp>
-#include <comm/detail/flight_recorder.hpp>
-#include <comm/detail/liveness.hpp>
-#include <comm/detail/logging.hpp>
-#include <comm/detail/membership.hpp>
-#include <comm/detail/monitored_barrier.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
+#include <comm/detail/engine/liveness.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/engine/membership.hpp>
+#include <comm/detail/diagnostics/monitored_barrier.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
@@ -201,7 +201,7 @@ class CommCore {
 
   [[nodiscard]] FlightRecorder& recorder() noexcept { return recorder_; }
 
-  /// The store barrier of detail/monitored_barrier.hpp under this communicator's keys (`index`:
+  /// The store barrier of detail/diagnostics/monitored_barrier.hpp under this communicator's keys (`index`:
   /// its number among this communicator's monitored barriers, next_monitored_barrier()).
   void store_barrier(std::uint64_t index, std::chrono::milliseconds timeout, bool wait_all_ranks) {
     detail::monitored_barrier(*place_.store, place_.key_prefix + "mb", index, rank_, size_, timeout, wait_all_ranks);

@@ -44,21 +44,21 @@
 #include <vector>
 
 #include <comm/concepts.hpp>
-#include <comm/detail/comms_log.hpp>
-#include <comm/detail/cuda_driver.hpp>
-#include <comm/detail/desync.hpp>
+#include <comm/detail/diagnostics/comms_log.hpp>
+#include <comm/detail/cuda/driver.hpp>
+#include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/comm_core.hpp>
 #include <comm/detail/engine/failure.hpp>
 #include <comm/detail/engine/op.hpp>
 #include <comm/detail/engine/op_queue.hpp>
 #include <comm/detail/engine/p2p.hpp>
 #include <comm/detail/engine/work_state.hpp>
-#include <comm/detail/flight_recorder.hpp>
-#include <comm/detail/liveness.hpp>
-#include <comm/detail/logging.hpp>
-#include <comm/detail/membership.hpp>
-#include <comm/detail/monitored_barrier.hpp>
-#include <comm/detail/reduce.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
+#include <comm/detail/engine/liveness.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/engine/membership.hpp>
+#include <comm/detail/diagnostics/monitored_barrier.hpp>
+#include <comm/detail/engine/reduce.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
@@ -270,7 +270,7 @@ class EngineCore : public CommCore {
     return all;
   }
 
-  /// See detail/monitored_barrier.hpp. Ordered after the queued operations, like barrier().
+  /// See detail/diagnostics/monitored_barrier.hpp. Ordered after the queued operations, like barrier().
   void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
     if (!store())
       throw InvalidArgument("monitored_barrier", rank(),
@@ -291,7 +291,7 @@ class EngineCore : public CommCore {
     (void)queue_.wait_idle_until(std::chrono::steady_clock::now() + grace);
   }
 
-  // ---- liveness (detail/liveness.hpp) ----
+  // ---- liveness (detail/engine/liveness.hpp) ----
 
   /// The liveness watch's news (`why`: "rank 2 is dead: ...", "rank 1's operation failed: ..."):
   /// fails the communicator with RemoteError naming `peer` and the operation running here, and

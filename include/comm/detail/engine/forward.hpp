@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
 

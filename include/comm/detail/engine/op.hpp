@@ -17,8 +17,8 @@
 #include <type_traits>
 #include <vector>
 
-#include <comm/detail/flight_recorder.hpp>
-#include <comm/detail/reduce.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
+#include <comm/detail/engine/reduce.hpp>
 #include <comm/types.hpp>
 
 namespace comm::detail {

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include <comm/detail/engine/op.hpp>
-#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/error.hpp>
 #include <comm/types.hpp>
 

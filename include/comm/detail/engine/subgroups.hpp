@@ -1,6 +1,6 @@
 #pragma once
 // split and new_group (concepts.hpp, optional capability 8) for a policy over an engine core:
-// the group arithmetic and store prefixes are the same for every backend (detail/groups.hpp); a
+// the group arithmetic and store prefixes are the same for every backend (detail/engine/groups.hpp); a
 // policy only says how to connect its engine among the members.
 //
 // The policy derives from Subgroups<Policy>, befriends it, has `engine_` (a pointer to an
@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include <comm/detail/groups.hpp>
+#include <comm/detail/engine/groups.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 

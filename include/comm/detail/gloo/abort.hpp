@@ -21,7 +21,7 @@
 #include <gloo/context.h>
 #include <gloo/transport/unbound_buffer.h>
 
-#include <comm/detail/transport.hpp>
+#include <comm/detail/engine/transport.hpp>
 
 namespace comm::detail::gloo {
 
@@ -45,7 +45,7 @@ inline void abort_context(::gloo::Context& ctx) noexcept {
 namespace comm::detail {
 
 /// A communicator that exposes its gloo contexts (comm::backends::Gloo) is stopped by aborting
-/// each one (see detail/transport.hpp).
+/// each one (see detail/engine/transport.hpp).
 template <class Member>
   requires requires(Member& x) {
     { x.context(std::size_t{0}) } -> std::convertible_to<const std::shared_ptr<::gloo::Context>&>;

@@ -29,7 +29,7 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
-#include <comm/detail/desync.hpp>
+#include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/gloo/algorithms.hpp>
 #include <comm/detail/gloo/direct.hpp>
 #include <comm/error.hpp>

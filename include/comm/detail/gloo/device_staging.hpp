@@ -36,9 +36,9 @@
 #include <utility>
 #include <vector>
 
-#include <comm/detail/cuda_driver.hpp>
+#include <comm/detail/cuda/driver.hpp>
 #include <comm/detail/engine/op.hpp>
-#include <comm/detail/nvtx.hpp>
+#include <comm/detail/diagnostics/nvtx.hpp>
 #include <comm/error.hpp>
 #include <comm/types.hpp>
 
@@ -205,7 +205,7 @@ class StagingPlan {
     OpHooks h;
     if (nvtx::enabled()) [[unlikely]] {
       // COMM_NVTX=1: a range "comm.<op> count=<n> type=<t> staged" on the executing thread from
-      // the copy-in to the copy-out; the plan ends it when the operation fails (detail/nvtx.hpp).
+      // the copy-in to the copy-out; the plan ends it when the operation fails (detail/diagnostics/nvtx.hpp).
       h.before = [p] {
         p->range_.start(p->op_.c_str(), p->count_, p->dtype_);
         p->before();

@@ -43,10 +43,10 @@
 #include <gloo/transport/tcp/attr.h>
 #include <gloo/transport/tcp/device.h>
 
-#include <comm/detail/env.hpp>
+#include <comm/detail/init/env.hpp>
 #include <comm/detail/gloo/device.hpp>
 #include <comm/detail/gloo/waits.hpp>
-#include <comm/detail/socket.hpp>
+#include <comm/detail/net/socket.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 

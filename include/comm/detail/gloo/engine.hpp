@@ -48,12 +48,12 @@
 #include <comm/detail/gloo/reduce_scatter.hpp>
 #include <comm/detail/gloo/store_adapter.hpp>
 #include <comm/detail/gloo/waits.hpp>
-#include <comm/detail/desync.hpp>
+#include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/core.hpp>
-#include <comm/detail/flight_recorder.hpp>
-#include <comm/detail/logging.hpp>
-#include <comm/detail/monitored_barrier.hpp>
-#include <comm/detail/reduce.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/diagnostics/monitored_barrier.hpp>
+#include <comm/detail/engine/reduce.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>

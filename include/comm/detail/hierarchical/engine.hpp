@@ -56,11 +56,11 @@
 #include <vector>
 
 #include <comm/concepts.hpp>
-#include <comm/detail/desync.hpp>
+#include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/hierarchical/topology.hpp>
-#include <comm/detail/logging.hpp>
-#include <comm/detail/transport.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/engine/transport.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>

@@ -53,13 +53,13 @@
 #include <utility>
 #include <vector>
 
-#include <comm/detail/desync.hpp>
+#include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/core.hpp>
-#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/detail/mpi/errors.hpp>
 #include <comm/detail/mpi/runtime.hpp>
 #include <comm/detail/mpi/types.hpp>
-#include <comm/detail/narrow.hpp>
+#include <comm/detail/engine/narrow.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>

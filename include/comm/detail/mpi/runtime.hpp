@@ -8,8 +8,8 @@
 #include <mutex>
 #include <string>
 
-#include <comm/detail/env.hpp>
-#include <comm/detail/logging.hpp>
+#include <comm/detail/init/env.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
 #include <comm/detail/mpi/errors.hpp>
 #include <comm/error.hpp>
 

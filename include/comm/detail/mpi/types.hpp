@@ -24,7 +24,7 @@
 
 #include <comm/detail/engine/op.hpp>
 #include <comm/detail/mpi/errors.hpp>
-#include <comm/detail/reduce.hpp>
+#include <comm/detail/engine/reduce.hpp>
 #include <comm/types.hpp>
 
 namespace comm::detail::mpi {

@@ -25,7 +25,7 @@
 #include <string>
 #include <thread>
 
-#include <comm/detail/env.hpp>
+#include <comm/detail/init/env.hpp>
 #include <comm/detail/nccl/device.hpp>
 #include <comm/detail/nccl/errors.hpp>
 #include <comm/detail/nccl/types.hpp>

@@ -1,5 +1,5 @@
 #pragma once
-// The comms log and trace of the NCCL engine (COMM_COMMS_LOG, COMM_TRACE; detail/comms_log.hpp).
+// The comms log and trace of the NCCL engine (COMM_COMMS_LOG, COMM_TRACE; detail/diagnostics/comms_log.hpp).
 // An NCCL call returns when the operation is enqueued, so its time is the GPU's: a pair of CUDA
 // timing events is recorded on the communicator's stream around the NCCL call(s), and read with
 // cudaEventElapsedTime once cudaEventQuery says the second one completed: at the next operations'
@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include <comm/detail/comms_log.hpp>
-#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/diagnostics/comms_log.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
 
 namespace comm::detail::nccl {
 

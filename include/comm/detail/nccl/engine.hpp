@@ -17,13 +17,13 @@
 #include <vector>
 
 #include <comm/concepts.hpp>
-#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/detail/nccl/engine_core.hpp>
 #include <comm/detail/nccl/errors.hpp>
 #include <comm/detail/nccl/reduction.hpp>
 #include <comm/detail/nccl/types.hpp>
 #include <comm/detail/nccl/work.hpp>
-#include <comm/detail/nvtx.hpp>
+#include <comm/detail/diagnostics/nvtx.hpp>
 #include <comm/error.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
@@ -335,7 +335,7 @@ class Engine final : public NcclCore {
         }
       });
     };
-    nvtx::ScopedRange range;  // COMM_NVTX=1 (detail/nvtx.hpp)
+    nvtx::ScopedRange range;  // COMM_NVTX=1 (detail/diagnostics/nvtx.hpp)
     const std::shared_ptr<NcclOp> state = issue_state(d, /*is_async=*/true, empty, enqueue, range);
     works.reserve(ops.size());
     for (std::size_t i = 0; i < ops.size(); ++i) works.emplace_back(std::shared_ptr<WorkState>(state));

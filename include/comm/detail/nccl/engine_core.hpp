@@ -16,7 +16,7 @@
 //      also waits on the host); async form: a Work on the event is returned.
 // With the desync check on, step 1 is preceded by an ncclAllGather of every rank's 32-byte
 // fingerprint of the operation on the communicator's stream, which the host waits for (so the
-// operation waits for the earlier ones) before it compares them (detail/desync.hpp).
+// operation waits for the earlier ones) before it compares them (detail/diagnostics/desync.hpp).
 // Point-to-point operations (send, recv, batch_isend_irecv) involve two ranks, not the group: they
 // skip the desync check and take no collective sequence number (the fingerprint's), so that it
 // matches across ranks whatever point-to-point operations some of them run in between.
@@ -43,10 +43,10 @@
 #include <type_traits>
 #include <utility>
 
-#include <comm/detail/desync.hpp>
+#include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/comm_core.hpp>
-#include <comm/detail/flight_recorder.hpp>
-#include <comm/detail/logging.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
 #include <comm/detail/nccl/bootstrap.hpp>
 #include <comm/detail/nccl/comms_timing.hpp>
 #include <comm/detail/nccl/device.hpp>
@@ -55,7 +55,7 @@
 #include <comm/detail/nccl/types.hpp>
 #include <comm/detail/nccl/watchdog.hpp>
 #include <comm/detail/nccl/work.hpp>
-#include <comm/detail/nvtx.hpp>
+#include <comm/detail/diagnostics/nvtx.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
@@ -157,7 +157,7 @@ class NcclCore : public WatchTarget, public CommCore {
   /// The first failure of the communicator, or null.
   [[nodiscard]] std::exception_ptr failure() const { return watchdog_.failure(); }
 
-  /// The liveness watch's news (detail/liveness.hpp): the communicator's failure, RemoteError
+  /// The liveness watch's news (detail/engine/liveness.hpp): the communicator's failure, RemoteError
   /// naming `peer`; the watchdog then aborts the NCCL communicator (when it may) and fails every
   /// pending operation, as after any other failure. Any thread.
   void peer_failed(int peer, const std::string& why) {
@@ -182,7 +182,7 @@ class NcclCore : public WatchTarget, public CommCore {
     DeviceGuard guard(device_, op, rank());
     const std::uint64_t seq = seq_++;
     const std::uint64_t coll = coll_seq_++;
-    const nvtx::ScopedRange range(op, 0, OpDesc::none, seq);  // COMM_NVTX=1 (detail/nvtx.hpp)
+    const nvtx::ScopedRange range(op, 0, OpDesc::none, seq);  // COMM_NVTX=1 (detail/diagnostics/nvtx.hpp)
     recorder().issued(seq, d);
     op_deadline_ = Clock::now() + timeout();
     try {
@@ -197,13 +197,13 @@ class NcclCore : public WatchTarget, public CommCore {
     }
   }
 
-  /// See detail/monitored_barrier.hpp: through the store, after every operation issued so far has
+  /// See detail/diagnostics/monitored_barrier.hpp: through the store, after every operation issued so far has
   /// completed (waited for on the host, bounded by this communicator's timeout).
   void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
     constexpr const char* op = "monitored_barrier";
     if (!store()) throw no_store_error(op, rank());
     std::uint64_t seq = 0, index = 0;
-    nvtx::ScopedRange range;  // COMM_NVTX=1 (detail/nvtx.hpp)
+    nvtx::ScopedRange range;  // COMM_NVTX=1 (detail/diagnostics/nvtx.hpp)
     {
       std::lock_guard lock(nccl_mu_);
       throw_if_failed(op);
@@ -291,7 +291,7 @@ class NcclCore : public WatchTarget, public CommCore {
   auto issue(const OpDesc& d, Launch, bool empty, Enqueue&& enqueue, bool host_wait = false) {
     constexpr bool is_async = std::is_same_v<Launch, async_t>;
     // COMM_NVTX=1: "comm.<op> count=<n> type=<t> seq=<s>" around the host side, up to the return
-    // (a blocking barrier's host wait included); off, one branch (detail/nvtx.hpp).
+    // (a blocking barrier's host wait included); off, one branch (detail/diagnostics/nvtx.hpp).
     nvtx::ScopedRange range;
     std::shared_ptr<NcclOp> state = issue_state(d, is_async, empty, enqueue, range);
     if constexpr (is_async) {

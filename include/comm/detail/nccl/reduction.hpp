@@ -11,7 +11,7 @@
 #include <type_traits>
 
 #include <comm/concepts.hpp>
-#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/detail/nccl/errors.hpp>
 #include <comm/detail/nccl/types.hpp>
 #include <comm/error.hpp>

@@ -29,7 +29,7 @@
 #include <thread>
 #include <utility>
 
-#include <comm/detail/logging.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
 #include <comm/detail/nccl/errors.hpp>
 #include <comm/error.hpp>
 #include <comm/work.hpp>

@@ -49,9 +49,9 @@
 #include <thread>
 #include <vector>
 
-#include <comm/detail/desync.hpp>
+#include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/core.hpp>
-#include <comm/detail/env.hpp>
+#include <comm/detail/init/env.hpp>
 #include <comm/detail/shm/segment.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>

@@ -19,7 +19,7 @@
 // rendezvous fails (a rank never comes), every rank that knows the name unlinks it before it
 // throws. The one window left: rank 0 killed between creating the name and publishing it.
 //
-// Which ranks share a host: detail/host.hpp.
+// Which ranks share a host: detail/init/host.hpp.
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -40,7 +40,7 @@
 #include <utility>
 #include <vector>
 
-#include <comm/detail/host.hpp>
+#include <comm/detail/init/host.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 
@@ -108,7 +108,6 @@ struct Layout {
   }
 };
 
-using detail::host_identity;  // engine-neutral now (detail/host.hpp); the old spelling stays for its users
 
 /// A mapped segment; unmaps on destruction.
 class Mapping {

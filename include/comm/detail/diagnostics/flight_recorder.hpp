@@ -17,18 +17,13 @@
 #include <string_view>
 #include <vector>
 
-#include <comm/detail/env.hpp>
-#include <comm/detail/logging.hpp>
+#include <comm/detail/init/env.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/types.hpp>
 
 namespace comm::detail {
-
-// OpKind and OpDesc are public (<comm/diagnostics.hpp>); the old spellings stay until every user
-// names the public ones.
-using comm::OpDesc;
-using comm::OpKind;
 
 /// Point-to-point operations involve two ranks, not the whole group: they take no collective
 /// sequence number (see OpQueue) and are never in the desync check's all-rank exchange.

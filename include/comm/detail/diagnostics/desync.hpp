@@ -15,8 +15,8 @@
 #include <type_traits>
 #include <vector>
 
-#include <comm/detail/flight_recorder.hpp>
-#include <comm/detail/logging.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
 #include <comm/error.hpp>
 
 namespace comm::detail {

@@ -1,6 +1,6 @@
 #pragma once
 // TcpStore: definitions of the client (declared in <comm/store.hpp>); the server is in
-// <comm/detail/tcp_store_server.hpp>.
+// <comm/detail/store/tcp_store_server.hpp>.
 // Included by <comm/store.hpp> after the declarations, and only from there: the public header
 // declares, detail/ defines, and nothing here includes back up (include <comm/store.hpp>).
 
@@ -11,10 +11,10 @@
 
 #include <gsl/assert>
 
-#include <comm/detail/socket.hpp>
-#include <comm/detail/store_common.hpp>
-#include <comm/detail/store_protocol.hpp>
-#include <comm/detail/tcp_store_server.hpp>
+#include <comm/detail/net/socket.hpp>
+#include <comm/detail/store/common.hpp>
+#include <comm/detail/store/protocol.hpp>
+#include <comm/detail/store/tcp_store_server.hpp>
 
 namespace comm {
 

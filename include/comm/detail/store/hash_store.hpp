@@ -3,8 +3,8 @@
 // Included by <comm/store.hpp> after the declarations, and only from there: the public header
 // declares, detail/ defines, and nothing here includes back up (include <comm/store.hpp>).
 
-#include <comm/detail/socket.hpp>
-#include <comm/detail/store_common.hpp>
+#include <comm/detail/net/socket.hpp>
+#include <comm/detail/store/common.hpp>
 
 namespace comm {
 

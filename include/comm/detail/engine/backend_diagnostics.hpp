@@ -10,7 +10,7 @@
 #include <chrono>
 #include <string>
 
-#include <comm/detail/flight_recorder.hpp>
+#include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/diagnostics.hpp>
 
 namespace comm::detail {

@@ -34,9 +34,9 @@
 #include <vector>
 
 #include <comm/error.hpp>
-#include <comm/detail/socket.hpp>
-#include <comm/detail/store_common.hpp>
-#include <comm/detail/store_protocol.hpp>
+#include <comm/detail/net/socket.hpp>
+#include <comm/detail/store/common.hpp>
+#include <comm/detail/store/protocol.hpp>
 
 namespace comm::detail {
 

@@ -44,7 +44,7 @@ enum class Op : std::uint8_t {
   check = 6,        // u32 n | n * str key                           -> ok u8 all_exist
   num_keys = 7,     //                                               -> ok i64 count
   delete_key = 8,   // str key                                       -> ok u8 existed
-  // Liveness (detail/liveness.hpp). watch gives this connection a "will": when the connection
+  // Liveness (detail/engine/liveness.hpp). watch gives this connection a "will": when the connection
   // closes or errs, or sends no request for silence_ms, the server sets `key` (unless set) to
   // `value` followed by the reason, and drops the connection. An empty key withdraws the will;
   // silence_ms 0 releases the will of `key` and `value` held by any connection (a rank leaving).
