@@ -37,12 +37,11 @@
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/p2p.hpp>
+#include <comm/detail/engine/policy.hpp>
 #include <comm/detail/engine/subgroups.hpp>
-#include <comm/detail/init/env.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
-#include <comm/detail/engine/groups.hpp>
-#include <comm/detail/store/prefix_store.hpp>
 #include <comm/error.hpp>
+#include <comm/options.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
@@ -275,13 +274,10 @@ class Engine : public comm::detail::EngineCore<Engine> {
 namespace comm::test {
 
 /// Options of the relay backend: the common ones only.
-struct RelayOptions {
-  std::chrono::milliseconds timeout = comm::detail::default_timeout();
-  bool desync_check = comm::detail::desync_check_default();
-  std::size_t flight_recorder_size = comm::detail::flight_recorder_size_default();
-};
+struct RelayOptions : CommonOptions {};
 
-/// The relay backend policy (see the file comment). Move-only.
+/// The relay backend policy (see the file comment): its engine calls and its options, nothing
+/// else. Move-only.
 class Relay : public comm::detail::ForwardOps<Relay>,
               public comm::detail::BackendDiagnostics<Relay>,
               public comm::detail::Subgroups<Relay> {
@@ -295,46 +291,27 @@ class Relay : public comm::detail::ForwardOps<Relay>,
   static constexpr bool custom_reductions = true;
 
   [[nodiscard]] static Relay create(std::shared_ptr<Store> store, int rank, int size, const Options& options = {}) {
-    if (store == nullptr) throw InvalidArgument("relay.init", rank, "store is null");
-    if (size < 1) throw InvalidArgument("relay.init", rank, "size " + std::to_string(size) + " must be at least 1");
-    if (rank < 0 || rank >= size)
-      throw InvalidArgument("relay.init", rank,
-                            "rank " + std::to_string(rank) + " is out of range [0, " + std::to_string(size) + ")");
-    if (options.timeout.count() <= 0)
-      throw InvalidArgument("relay.init", rank,
-                            "timeout " + std::to_string(options.timeout.count()) + " ms must be positive");
-    return Relay(std::make_unique<relay::Engine>(std::move(store), rank, size, config(options)), options);
+    comm::detail::check_create("relay.init", store, rank, size, options);
+    return Relay(std::make_unique<relay::Engine>(std::move(store), rank, size, comm::detail::core_config(options)),
+                 options);
   }
 
   Relay(Relay&&) noexcept = default;
   Relay& operator=(Relay&&) noexcept = default;
   ~Relay() = default;
 
-  [[nodiscard]] int rank() const noexcept { return engine_->rank(); }
-  [[nodiscard]] int size() const noexcept { return engine_->size(); }
-  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return engine_->timeout(); }
-
  private:
   friend class comm::detail::ForwardOps<Relay>;
   friend class comm::detail::BackendDiagnostics<Relay>;
   friend class comm::detail::Subgroups<Relay>;
 
-  Relay(std::unique_ptr<relay::Engine> e, Options o) noexcept : engine_(std::move(e)), options_(o) {}
+  Relay(std::unique_ptr<relay::Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
 
-  static comm::detail::CoreConfig config(const Options& o) {
-    comm::detail::CoreConfig c;
-    c.timeout = o.timeout;
-    c.desync_check = o.desync_check;
-    c.flight_recorder_size = o.flight_recorder_size;
-    return c;
-  }
-
-  Relay child(const std::string& prefix, const std::string& group, int rank, int size) const {
-    auto c = config(options_);
-    c.file_rank = engine_->file_rank();
-    c.name = comm::detail::child_name(engine_->name(), group);
-    auto store = std::make_shared<PrefixStore>(prefix, engine_->store());
-    return Relay(std::make_unique<relay::Engine>(std::move(store), rank, size, c), options_);
+  /// Subgroup `g` relays through its own prefix of the parent's store (see Subgroups).
+  Relay child(const comm::detail::Subgroup& g) const {
+    return Relay(std::make_unique<relay::Engine>(g.store, g.place.rank, g.place.size,
+                                                 g.configured(comm::detail::core_config(options_))),
+                 options_);
   }
 
   std::unique_ptr<relay::Engine> engine_;
