@@ -56,51 +56,17 @@
 #include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
+#include <comm/detail/mpi/comms.hpp>
 #include <comm/detail/mpi/errors.hpp>
 #include <comm/detail/mpi/runtime.hpp>
 #include <comm/detail/mpi/types.hpp>
+#include <comm/detail/mpi/wait.hpp>
 #include <comm/detail/engine/narrow.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
 
 namespace comm::detail::mpi {
-
-/// Where an engine's MPI communicators come from.
-struct CommSource {
-  MPI_Comm parent = MPI_COMM_NULL;
-  /// Empty: duplicate the whole parent (MPI_Comm_idup). Else the parent ranks of the new
-  /// communicator in its rank order (MPI_Comm_create_group, called by these ranks only, with `tag`).
-  std::vector<int> members;
-  int tag = 0;
-  const char* op = "mpi.init";  // names the step in errors
-};
-
-/// An operation's deadline, read from the clock only when first needed: a quick operation never
-/// reads the clock (each read costs about as much as an MPI_Test).
-class Deadline {
-  using Clock = std::chrono::steady_clock;
-
- public:
-  explicit Deadline(std::chrono::milliseconds timeout) noexcept : timeout_(timeout) {}
-  [[nodiscard]] static Deadline from_now(std::chrono::milliseconds timeout) {
-    Deadline d(timeout);
-    (void)d.at();
-    return d;
-  }
-  [[nodiscard]] Clock::time_point at() {
-    if (!set_) {
-      at_ = Clock::now() + timeout_;
-      set_ = true;
-    }
-    return at_;
-  }
-
- private:
-  std::chrono::milliseconds timeout_;
-  Clock::time_point at_{};
-  bool set_ = false;
-};
 
 class Engine : public EngineCore<Engine> {
   using Core = EngineCore<Engine>;
@@ -245,16 +211,6 @@ class Engine : public EngineCore<Engine> {
  private:
   friend Core;
 
-  /// Only spin (MPI_Test back to back, as MPI's own blocking calls do) for this long: yielding
-  /// earlier hands a whole time slice to any other busy process on a loaded machine, which costs
-  /// milliseconds per operation. When ranks oversubscribe the cores, OpenMPI's progress engine
-  /// already yields inside MPI_Test (mpi_yield_when_idle, set by mpirun --oversubscribe).
-  static constexpr std::chrono::milliseconds kSpinFor{2};
-  /// Sleep between tests once an operation has waited this long (a late peer, not a slow link).
-  static constexpr std::chrono::milliseconds kSleepAfter{100};
-  static constexpr std::chrono::microseconds kSleep{50};
-  /// How often a waiting operation probes for failure notices.
-  static constexpr std::chrono::milliseconds kLookEvery{1};
   static constexpr std::size_t kNoticeMax = 1000;  // bytes: small enough for MPI's eager protocol
 
   // ---- the engine calls the core makes ----
@@ -605,33 +561,6 @@ class Engine : public EngineCore<Engine> {
     return t;
   }
 
-  /// Calls `test` until it returns true (true) or `deadline` passes (false): spinning for
-  /// kSpinFor, then a yield between tests, then short sleeps once the wait is long. `look` runs every
-  /// kLookEvery. The clock is read every 32 tests only, so a quick operation never reads it.
-  template <class Test, class Look>
-  bool poll(Test&& test, Look&& look, Deadline& deadline) {
-    Clock::time_point start{}, next_look{};
-    for (unsigned i = 1;; ++i) {
-      if (test()) return true;
-      if (i % 32 != 0) continue;
-      const auto now = Clock::now();
-      if (i == 32) {
-        start = now;
-        next_look = now + kLookEvery;
-      }
-      if (now >= next_look) {
-        next_look = now + kLookEvery;
-        look();
-      }
-      if (now >= deadline.at()) return false;
-      const auto waited = now - start;
-      if (waited >= kSleepAfter)
-        std::this_thread::sleep_for(kSleep);
-      else if (waited >= kSpinFor)
-        std::this_thread::yield();
-    }
-  }
-
   /// Waits for the request of operation `seq` (see the file comment); on a Timeout, an abort or a
   /// peer's failure notice the request is left pending (leaked) and the error thrown.
   void await(MPI_Request& req, const char* name, std::uint64_t seq, Deadline& deadline) {
@@ -677,64 +606,13 @@ class Engine : public EngineCore<Engine> {
     MPI_Request_free(&r);
   }
 
-  /// Makes the data and control communicators (blocking, ends by the timeout).
+  /// Makes the data, control and point-to-point communicators (blocking, ends by the timeout).
   void connect(const CommSource& src) {
     thread_level_ = mpi::thread_level();
-    const char* op = src.op;
-    auto deadline = Deadline::from_now(timeout());
-    // MPI writes the new handles when the requests complete, which after a Timeout may be later:
-    // they live on the heap and are leaked with the requests.
-    auto handles = std::make_unique<std::array<MPI_Comm, 3>>();
-    handles->fill(MPI_COMM_NULL);
-    auto await_made = [&](MPI_Request* reqs, int n, const char* what) {
-      int all = 0;
-      const bool done = poll([&] {
-        COMM_MPI_CHECK(MPI_Testall(n, reqs, &all, MPI_STATUSES_IGNORE), op, rank());
-        return all != 0;
-      }, [] {}, deadline);
-      if (done) return;
-      (void)handles.release();
-      throw Timeout(op, rank(),
-                    std::string(what) + " did not complete within " + std::to_string(timeout().count()) +
-                        " ms: a rank did not make this communicator (every rank of the parent must, in the same "
-                        "order); the pending MPI request is leaked");
-    };
-    if (src.members.empty()) {
-      // One at a time: OpenMPI 4.1 mixed up the context ids of three duplicates in flight at once
-      // on one parent (MPI_ERR_TRUNCATE in a later split's libnbc schedule).
-      for (std::size_t i = 0; i < handles->size(); ++i) {
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Comm_idup(src.parent, &(*handles)[i], &req), op, rank());
-        await_made(&req, 1, "MPI_Comm_idup");
-      }
-    } else {
-      MPI_Group parent_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
-      COMM_MPI_CHECK(MPI_Comm_group(src.parent, &parent_group), op, rank());
-      const int rc = MPI_Group_incl(parent_group, static_cast<int>(src.members.size()), src.members.data(), &group);
-      MPI_Group_free(&parent_group);
-      if (rc != MPI_SUCCESS) throw_mpi_error(rc, "MPI_Group_incl", op, rank());
-      // No deadline of its own: every member is known to be here (the split's exchange, the
-      // membership check on the store, or gate()).
-      const int rc2 = MPI_Comm_create_group(src.parent, group, src.tag, &(*handles)[0]);
-      MPI_Group_free(&group);
-      if (rc2 != MPI_SUCCESS) throw_mpi_error(rc2, "MPI_Comm_create_group", op, rank());
-      for (std::size_t i = 1; i < handles->size(); ++i) {
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Comm_idup((*handles)[0], &(*handles)[i], &req), op, rank());
-        await_made(&req, 1, "MPI_Comm_idup");
-      }
-    }
-    comm_ = (*handles)[0];
-    ctl_ = (*handles)[1];
-    p2p_ = (*handles)[2];
-    // Failures come back as error codes (COMM_MPI_CHECK) instead of aborting the job.
-    COMM_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), op, rank());
-    COMM_MPI_CHECK(MPI_Comm_set_errhandler(ctl_, MPI_ERRORS_RETURN), op, rank());
-    COMM_MPI_CHECK(MPI_Comm_set_errhandler(p2p_, MPI_ERRORS_RETURN), op, rank());
-    const std::string label = "comm" + (name().empty() ? std::string() : "." + name());
-    MPI_Comm_set_name(comm_, label.c_str());
-    MPI_Comm_set_name(ctl_, (label + ".control").c_str());
-    MPI_Comm_set_name(p2p_, (label + ".p2p").c_str());
+    const Comms made = make_comms(src, rank(), timeout(), name());
+    comm_ = made.data;
+    ctl_ = made.control;
+    p2p_ = made.p2p;
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;
