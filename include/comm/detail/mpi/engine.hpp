@@ -224,18 +224,11 @@ class Engine : public EngineCore<Engine> {
         if (op.out_count == 0) return;
         const Reduction red = reduction(op);
         const bool in_place = op.in == op.out;
-        // MPI counts are int: larger buffers go in chunks, one collective each.
-        for (std::size_t done = 0; done < op.out_count;) {
-          const std::size_t n = std::min(op.out_count - done, kMaxCount);
+        in_pieces(op.out_count, "MPI_Iallreduce", name, seq, deadline, [&](std::size_t done, int n, MPI_Request* req) {
           const std::size_t off = done * es;
-          MPI_Request req = MPI_REQUEST_NULL;
-          COMM_MPI_CHECK(MPI_Iallreduce(in_place ? MPI_IN_PLACE : static_cast<const std::byte*>(op.in) + off,
-                                        static_cast<std::byte*>(op.out) + off, narrow_count(name, rank(), n), red.type, red.op,
-                                        comm_, &req),
-                         name, rank());
-          await(req, name, seq, deadline);
-          done += n;
-        }
+          return MPI_Iallreduce(in_place ? MPI_IN_PLACE : static_cast<const std::byte*>(op.in) + off,
+                                static_cast<std::byte*>(op.out) + off, n, red.type, red.op, comm_, req);
+        });
         if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
         return;
       }
@@ -252,11 +245,10 @@ class Engine : public EngineCore<Engine> {
           if (scratch_.size() < bytes) scratch_.resize(bytes);
           recv = scratch_.data();
         }
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Ireduce_scatter_block(op.in, recv, narrow_count(name, rank(), op.out_count), red.type, red.op, comm_,
-                                                 &req),
-                       name, rank());
-        await(req, name, seq, deadline);
+        const int n = narrow_count(name, rank(), op.out_count);
+        collective("MPI_Ireduce_scatter_block", name, seq, deadline, [&](MPI_Request* req) {
+          return MPI_Ireduce_scatter_block(op.in, recv, n, red.type, red.op, comm_, req);
+        });
         if (in_place) {
           std::memcpy(op.out, recv, bytes);
           if (scratch_.capacity() > kScratchKeep) std::vector<std::byte>().swap(scratch_);
@@ -270,25 +262,18 @@ class Engine : public EngineCore<Engine> {
         const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
         const bool in_place =
             op.in == static_cast<const std::byte*>(op.out) + static_cast<std::size_t>(rank()) * op.in_count * es;
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : op.in, narrow_count(name, rank(), op.in_count), type, op.out,
-                                      narrow_count(name, rank(), op.in_count), type, comm_, &req),
-                       name, rank());
-        await(req, name, seq, deadline);
+        const int n = narrow_count(name, rank(), op.in_count);
+        collective("MPI_Iallgather", name, seq, deadline, [&](MPI_Request* req) {
+          return MPI_Iallgather(in_place ? MPI_IN_PLACE : op.in, n, type, op.out, n, type, comm_, req);
+        });
         return;
       }
       case OpKind::broadcast: {
         if (op.out_count == 0) return;
         const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
-        for (std::size_t done = 0; done < op.out_count;) {
-          const std::size_t n = std::min(op.out_count - done, kMaxCount);
-          MPI_Request req = MPI_REQUEST_NULL;
-          COMM_MPI_CHECK(MPI_Ibcast(static_cast<std::byte*>(op.out) + done * es, narrow_count(name, rank(), n), type,
-                                    op.desc.root, comm_, &req),
-                         name, rank());
-          await(req, name, seq, deadline);
-          done += n;
-        }
+        in_pieces(op.out_count, "MPI_Ibcast", name, seq, deadline, [&](std::size_t done, int n, MPI_Request* req) {
+          return MPI_Ibcast(static_cast<std::byte*>(op.out) + done * es, n, type, op.desc.root, comm_, req);
+        });
         return;
       }
       case OpKind::gather: {
@@ -299,11 +284,11 @@ class Engine : public EngineCore<Engine> {
         const bool in_place =
             is_root &&
             op.in == static_cast<const std::byte*>(op.out) + static_cast<std::size_t>(root) * op.in_count * es;
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Igather(in_place ? MPI_IN_PLACE : op.in, narrow_count(name, rank(), op.in_count), type,
-                                   is_root ? op.out : nullptr, narrow_count(name, rank(), op.in_count), type, root, comm_, &req),
-                       name, rank());
-        await(req, name, seq, deadline);
+        const int n = narrow_count(name, rank(), op.in_count);
+        collective("MPI_Igather", name, seq, deadline, [&](MPI_Request* req) {
+          return MPI_Igather(in_place ? MPI_IN_PLACE : op.in, n, type, is_root ? op.out : nullptr, n, type, root, comm_,
+                             req);
+        });
         return;
       }
       case OpKind::reduce: {
@@ -313,17 +298,12 @@ class Engine : public EngineCore<Engine> {
         const bool is_root = rank() == root;
         // In place on the root only; off the root the output is not used (and may be empty).
         const bool in_place = is_root && op.in == op.out;
-        for (std::size_t done = 0; done < op.in_count;) {
-          const std::size_t n = std::min(op.in_count - done, kMaxCount);
+        in_pieces(op.in_count, "MPI_Ireduce", name, seq, deadline, [&](std::size_t done, int n, MPI_Request* req) {
           const std::size_t off = done * es;
-          MPI_Request req = MPI_REQUEST_NULL;
-          COMM_MPI_CHECK(MPI_Ireduce(in_place ? MPI_IN_PLACE : static_cast<const std::byte*>(op.in) + off,
-                                     is_root ? static_cast<std::byte*>(op.out) + off : nullptr, narrow_count(name, rank(), n),
-                                     red.type, red.op, root, comm_, &req),
-                         name, rank());
-          await(req, name, seq, deadline);
-          done += n;
-        }
+          return MPI_Ireduce(in_place ? MPI_IN_PLACE : static_cast<const std::byte*>(op.in) + off,
+                             is_root ? static_cast<std::byte*>(op.out) + off : nullptr, n, red.type, red.op, root, comm_,
+                             req);
+        });
         if (is_root && op.finish != nullptr) op.finish(op.out, op.in_count, size());
         return;
       }
@@ -337,11 +317,10 @@ class Engine : public EngineCore<Engine> {
             is_root &&
             op.out == static_cast<const std::byte*>(op.in) + static_cast<std::size_t>(root) * op.out_count * es;
         const int n = narrow_count(name, rank(), op.out_count);  // the backend refuses larger blocks
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Iscatter(is_root ? op.in : nullptr, n, type, in_place ? MPI_IN_PLACE : op.out, n, type,
-                                    root, comm_, &req),
-                       name, rank());
-        await(req, name, seq, deadline);
+        collective("MPI_Iscatter", name, seq, deadline, [&](MPI_Request* req) {
+          return MPI_Iscatter(is_root ? op.in : nullptr, n, type, in_place ? MPI_IN_PLACE : op.out, n, type, root, comm_,
+                              req);
+        });
         return;
       }
       case OpKind::all_to_all: {
@@ -349,9 +328,8 @@ class Engine : public EngineCore<Engine> {
         if (block == 0) return;
         const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
         const int n = narrow_count(name, rank(), block);  // the backend refuses larger blocks
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Ialltoall(op.in, n, type, op.out, n, type, comm_, &req), name, rank());
-        await(req, name, seq, deadline);
+        collective("MPI_Ialltoall", name, seq, deadline,
+                   [&](MPI_Request* req) { return MPI_Ialltoall(op.in, n, type, op.out, n, type, comm_, req); });
         return;
       }
       case OpKind::all_to_all_v: {
@@ -374,16 +352,13 @@ class Engine : public EngineCore<Engine> {
           soff += op.counts[i];
           roff += op.counts[p + i];
         }
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Ialltoallv(op.in, scounts, sdispls, type, op.out, rcounts, rdispls, type, comm_, &req),
-                       name, rank());
-        await(req, name, seq, deadline);
+        collective("MPI_Ialltoallv", name, seq, deadline, [&](MPI_Request* req) {
+          return MPI_Ialltoallv(op.in, scounts, sdispls, type, op.out, rcounts, rdispls, type, comm_, req);
+        });
         return;
       }
       case OpKind::barrier: {
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Ibarrier(comm_, &req), name, rank());
-        await(req, name, seq, deadline);
+        collective("MPI_Ibarrier", name, seq, deadline, [&](MPI_Request* req) { return MPI_Ibarrier(comm_, req); });
         return;
       }
       default: throw BackendError(name, rank(), "not an operation the MPI engine runs");
@@ -491,12 +466,11 @@ class Engine : public EngineCore<Engine> {
   void exchange_fingerprints(std::uint64_t seq) {
     const char* name = op_name(static_cast<OpKind>(own_fingerprint().kind));
     auto& all = fingerprints();
-    MPI_Request req = MPI_REQUEST_NULL;
-    COMM_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_BYTE, all.data(), static_cast<int>(sizeof(Fingerprint)),
-                                  MPI_BYTE, comm_, &req),
-                   name, rank());
     Deadline deadline(timeout());
-    await(req, name, seq, deadline);
+    collective("MPI_Iallgather", name, seq, deadline, [&](MPI_Request* req) {
+      return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_BYTE, all.data(), static_cast<int>(sizeof(Fingerprint)), MPI_BYTE,
+                            comm_, req);
+    });
   }
 
   // rethrow_translated: the core's default (MPI errors are already comm::Errors here).
@@ -559,6 +533,28 @@ class Engine : public EngineCore<Engine> {
       t = made;
     }
     return t;
+  }
+
+  /// Starts one collective, `start(&req)` returning the code of the MPI call named `call`, and
+  /// waits for it (await).
+  template <class Start>
+  void collective(const char* call, const char* name, std::uint64_t seq, Deadline& deadline, Start&& start) {
+    MPI_Request req = MPI_REQUEST_NULL;
+    if (const int rc = start(&req); rc != MPI_SUCCESS) throw_mpi_error(rc, call, name, rank());
+    await(req, name, seq, deadline);
+  }
+
+  /// collective() over pieces of at most kMaxCount of `count` elements (MPI counts are int), one
+  /// after the other: `start(done, n, &req)` starts the piece of `n` elements at element `done`.
+  template <class Start>
+  void in_pieces(std::size_t count, const char* call, const char* name, std::uint64_t seq, Deadline& deadline,
+                 Start&& start) {
+    for (std::size_t done = 0; done < count;) {
+      const std::size_t n = std::min(count - done, kMaxCount);
+      const int piece = narrow_count(name, rank(), n);
+      collective(call, name, seq, deadline, [&](MPI_Request* req) { return start(done, piece, req); });
+      done += n;
+    }
   }
 
   /// Waits for the request of operation `seq` (see the file comment); on a Timeout, an abort or a
