@@ -219,6 +219,8 @@ class Engine : public EngineCore<Engine> {
     const char* name = op_name(op.desc.kind);
     Deadline deadline(timeout());
     const std::size_t es = op.elem_size;
+    const int root = op.desc.root;  // rooted operations only
+    const bool is_root = rank() == root;
     switch (op.desc.kind) {
       case OpKind::all_reduce: {
         if (op.out_count == 0) return;
@@ -239,7 +241,7 @@ class Engine : public EngineCore<Engine> {
         // In place (the output is this rank's block of the input): MPI_IN_PLACE would put the
         // result at the start of the input and may use the rest as scratch, so the result goes to
         // scratch and is copied to the block; the input is only read.
-        const bool in_place = op.out == static_cast<const std::byte*>(op.in) + static_cast<std::size_t>(rank()) * bytes;
+        const bool in_place = is_block(op.out, op.in, rank(), bytes);
         void* recv = op.out;
         if (in_place) {
           if (scratch_.size() < bytes) scratch_.resize(bytes);
@@ -259,9 +261,8 @@ class Engine : public EngineCore<Engine> {
       case OpKind::all_gather:
       case OpKind::split: {
         if (op.in_count == 0) return;
-        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
-        const bool in_place =
-            op.in == static_cast<const std::byte*>(op.out) + static_cast<std::size_t>(rank()) * op.in_count * es;
+        const MPI_Datatype type = type_of(op);
+        const bool in_place = is_block(op.in, op.out, rank(), op.in_count * es);
         const int n = narrow_count(name, rank(), op.in_count);
         collective("MPI_Iallgather", name, seq, deadline, [&](MPI_Request* req) {
           return MPI_Iallgather(in_place ? MPI_IN_PLACE : op.in, n, type, op.out, n, type, comm_, req);
@@ -270,20 +271,16 @@ class Engine : public EngineCore<Engine> {
       }
       case OpKind::broadcast: {
         if (op.out_count == 0) return;
-        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+        const MPI_Datatype type = type_of(op);
         in_pieces(op.out_count, "MPI_Ibcast", name, seq, deadline, [&](std::size_t done, int n, MPI_Request* req) {
-          return MPI_Ibcast(static_cast<std::byte*>(op.out) + done * es, n, type, op.desc.root, comm_, req);
+          return MPI_Ibcast(static_cast<std::byte*>(op.out) + done * es, n, type, root, comm_, req);
         });
         return;
       }
       case OpKind::gather: {
         if (op.in_count == 0) return;
-        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
-        const int root = op.desc.root;
-        const bool is_root = rank() == root;
-        const bool in_place =
-            is_root &&
-            op.in == static_cast<const std::byte*>(op.out) + static_cast<std::size_t>(root) * op.in_count * es;
+        const MPI_Datatype type = type_of(op);
+        const bool in_place = is_root && is_block(op.in, op.out, root, op.in_count * es);
         const int n = narrow_count(name, rank(), op.in_count);
         collective("MPI_Igather", name, seq, deadline, [&](MPI_Request* req) {
           return MPI_Igather(in_place ? MPI_IN_PLACE : op.in, n, type, is_root ? op.out : nullptr, n, type, root, comm_,
@@ -294,8 +291,6 @@ class Engine : public EngineCore<Engine> {
       case OpKind::reduce: {
         if (op.in_count == 0) return;
         const Reduction red = reduction(op);
-        const int root = op.desc.root;
-        const bool is_root = rank() == root;
         // In place on the root only; off the root the output is not used (and may be empty).
         const bool in_place = is_root && op.in == op.out;
         in_pieces(op.in_count, "MPI_Ireduce", name, seq, deadline, [&](std::size_t done, int n, MPI_Request* req) {
@@ -309,13 +304,9 @@ class Engine : public EngineCore<Engine> {
       }
       case OpKind::scatter: {
         if (op.out_count == 0) return;
-        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
-        const int root = op.desc.root;
-        const bool is_root = rank() == root;
+        const MPI_Datatype type = type_of(op);
         // On the root the output may be its own slice of the input.
-        const bool in_place =
-            is_root &&
-            op.out == static_cast<const std::byte*>(op.in) + static_cast<std::size_t>(root) * op.out_count * es;
+        const bool in_place = is_root && is_block(op.out, op.in, root, op.out_count * es);
         const int n = narrow_count(name, rank(), op.out_count);  // the backend refuses larger blocks
         collective("MPI_Iscatter", name, seq, deadline, [&](MPI_Request* req) {
           return MPI_Iscatter(is_root ? op.in : nullptr, n, type, in_place ? MPI_IN_PLACE : op.out, n, type, root, comm_,
@@ -326,7 +317,7 @@ class Engine : public EngineCore<Engine> {
       case OpKind::all_to_all: {
         const std::size_t block = op.in_count / static_cast<std::size_t>(size());
         if (block == 0) return;
-        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+        const MPI_Datatype type = type_of(op);
         const int n = narrow_count(name, rank(), block);  // the backend refuses larger blocks
         collective("MPI_Ialltoall", name, seq, deadline,
                    [&](MPI_Request* req) { return MPI_Ialltoall(op.in, n, type, op.out, n, type, comm_, req); });
@@ -335,7 +326,7 @@ class Engine : public EngineCore<Engine> {
       case OpKind::all_to_all_v: {
         // int counts and packed displacements (the backend refused any beyond INT_MAX). They live
         // in pending_, which a request left pending after a failure keeps alive.
-        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+        const MPI_Datatype type = type_of(op);
         const auto p = static_cast<std::size_t>(size());
         auto& c = pending_->counts;
         c.assign(4 * p, 0);
@@ -374,7 +365,7 @@ class Engine : public EngineCore<Engine> {
     const std::size_t n = items.size();
     if (n == 0) return;
     Deadline deadline(timeout());
-    const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+    const MPI_Datatype type = type_of(op);
     const std::size_t es = op.elem_size;
     auto& headers = pending_->headers;
     auto& numbers = pending_->numbers;
@@ -534,6 +525,13 @@ class Engine : public EngineCore<Engine> {
     }
     return t;
   }
+
+  /// Whether `part` is block `index` (of `bytes` bytes) of `whole`: the caller's in-place form.
+  [[nodiscard]] static bool is_block(const void* part, const void* whole, int index, std::size_t bytes) noexcept {
+    return part == static_cast<const std::byte*>(whole) + static_cast<std::size_t>(index) * bytes;
+  }
+
+  [[nodiscard]] static MPI_Datatype type_of(const Op& op) { return datatype_of(static_cast<Dtype>(op.desc.dtype)); }
 
   /// Starts one collective, `start(&req)` returning the code of the MPI call named `call`, and
   /// waits for it (await).
