@@ -4,7 +4,8 @@
 // async Work, flight recorder, desync check, monitored_barrier, failure state — is the engine
 // core's (detail/engine/core.hpp).
 //
-// The protocol: a communicator-wide step counter, the same on every rank. In step s a rank writes
+// The protocol (steps.hpp; waiting primitives in wait.hpp) and the algorithms written on it (here):
+// a communicator-wide step counter, the same on every rank. In step s a rank writes
 // its contribution into its half s%2 and then publishes s in that half's header line (release
 // store); a reader waits until the writer's header says s (acquire load) and reads. With the
 // header line also go the fingerprint of the step's operation (so a peer in another operation, or

@@ -43,10 +43,6 @@ class TcpStoreRequests {
   using Bytes = std::vector<std::uint8_t>;
   using Op = store_proto::Op;
   using Status = store_proto::Status;
-  static constexpr std::size_t read_chunk = std::size_t{64} << 10;
-  static constexpr std::size_t max_read_chunk = std::size_t{4} << 20;
-  static constexpr std::size_t reject_slack = 64;  // rejected connections kept to deliver the reason
-  static constexpr std::size_t keep_capacity = std::size_t{1} << 20;
 
   enum class Phase : std::uint8_t { hello, ready, closing, draining };
 

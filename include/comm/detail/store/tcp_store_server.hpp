@@ -120,6 +120,11 @@ class TcpStoreServer : private TcpStoreRequests {
   [[nodiscard]] const std::vector<SockAddr>& bound() const noexcept { return bound_; }
 
  private:
+  static constexpr std::size_t read_chunk = std::size_t{64} << 10;
+  static constexpr std::size_t max_read_chunk = std::size_t{4} << 20;
+  static constexpr std::size_t reject_slack = 64;  // rejected connections kept to deliver the reason
+  static constexpr std::size_t keep_capacity = std::size_t{1} << 20;
+
   void run() noexcept {
     try {
       loop();
