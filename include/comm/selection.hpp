@@ -123,6 +123,19 @@ inline void export_env(const char* name, const std::string& value) {
   return same;
 }
 
+/// comm::InvalidArgument unless the rank and world size that `o` asks for (if any) are those of
+/// the communicator init_distributed would use (`whose`: "MPI_COMM_WORLD's", "the initialized
+/// world's").
+inline void check_init_matches(const InitOptions& o, int rank, int size, const std::string& whose) {
+  if (o.rank >= 0 && o.rank != rank)
+    throw InvalidArgument("init_distributed", rank,
+                          "rank " + std::to_string(o.rank) + " conflicts with " + whose + " rank " + std::to_string(rank));
+  if (o.world_size >= 0 && o.world_size != size)
+    throw InvalidArgument("init_distributed", rank,
+                          "world_size " + std::to_string(o.world_size) + " conflicts with " + whose + " size " +
+                              std::to_string(size));
+}
+
 #if defined(COMM_HAS_MPI)
 /// Whether "auto" may pick MPI: the application initialized MPI and an MPI launcher started the job.
 [[nodiscard]] inline bool mpi_world_ready() {
@@ -138,14 +151,7 @@ inline void export_env(const char* name, const std::string& value) {
   mo.timeout = timeout;
   if (mpi::initialized() && !mpi::finalized()) {
     auto c = Communicator<backends::Mpi>::adopt(MPI_COMM_WORLD, mo);
-    if (o.rank >= 0 && o.rank != c.rank())
-      throw InvalidArgument("init_distributed", c.rank(),
-                            "rank " + std::to_string(o.rank) + " conflicts with MPI_COMM_WORLD's rank " +
-                                std::to_string(c.rank()));
-    if (o.world_size >= 0 && o.world_size != c.size())
-      throw InvalidArgument("init_distributed", c.rank(),
-                            "world_size " + std::to_string(o.world_size) + " conflicts with MPI_COMM_WORLD's size " +
-                                std::to_string(c.size()));
+    check_init_matches(o, c.rank(), c.size(), "MPI_COMM_WORLD's");
     log(LogLevel::info, "init_distributed: backend mpi, MPI_COMM_WORLD adopted (MPI was initialized)");
     return std::make_unique<AnyCommunicator>(std::move(c));
   }

@@ -238,6 +238,8 @@ class FileStore final : public Store {
   void replay(std::string_view op, bool writer);
   void append(std::string_view op, char type, std::string_view key, std::span<const std::uint8_t> value);
   std::vector<std::string> missing(const std::vector<std::string>& keys);
+  template <class Look>
+  bool poll(std::string_view op, std::chrono::milliseconds timeout, Look&& look);
 
   std::string path_;
   detail::Fd fd_;

@@ -80,14 +80,7 @@ inline AnyCommunicator& init_distributed(InitOptions o = {}) {
       throw InvalidArgument("init_distributed", w.rank(),
                             "backend '" + o.backend + "' conflicts with the initialized world's backend '" +
                                 std::string(w.backend()) + "'");
-    if (o.rank >= 0 && o.rank != w.rank())
-      throw InvalidArgument("init_distributed", w.rank(),
-                            "rank " + std::to_string(o.rank) + " conflicts with the initialized world's rank " +
-                                std::to_string(w.rank()));
-    if (o.world_size >= 0 && o.world_size != w.size())
-      throw InvalidArgument("init_distributed", w.rank(),
-                            "world_size " + std::to_string(o.world_size) + " conflicts with the initialized world's size " +
-                                std::to_string(w.size()));
+    detail::check_init_matches(o, w.rank(), w.size(), "the initialized world's");
     detail::log(detail::LogLevel::info, "init_distributed: reusing the initialized world");
     return w;
   }

@@ -133,16 +133,13 @@ struct GlooOptions : CommonOptions {
 /// The Gloo backend policy. Move-only; its moved-from state may only be destroyed or assigned.
 class Gloo : public comm::detail::ForwardOps<Gloo>,
              public comm::detail::BackendDiagnostics<Gloo>,
-             public comm::detail::Subgroups<Gloo> {
+             public comm::detail::Subgroups<Gloo>,
+             public comm::detail::HostReductions {
  public:
   using backend_concept = comm::backend_t;
   static constexpr std::string_view name = "gloo";
 
   using Options = GlooOptions;
-
-  static constexpr bool supports_dtype(Dtype) noexcept { return true; }
-  static constexpr bool supports_reduction(ReduceOp op, Dtype d) noexcept { return !is_bitwise(op) || !is_floating(d); }
-  static constexpr bool custom_reductions = true;
 
   /// Connects `size` ranks through `store` (blocking; ends by `options.timeout`).
   [[nodiscard]] static Gloo create(std::shared_ptr<Store> store, int rank, int size, const Options& options = {}) {

@@ -117,7 +117,8 @@ struct MpiOptions : CommonOptions {};
 /// The MPI backend policy. Move-only; its moved-from state may only be destroyed or assigned.
 class Mpi : public comm::detail::ForwardOps<Mpi>,
             public comm::detail::BackendDiagnostics<Mpi>,
-            public comm::detail::Subgroups<Mpi> {
+            public comm::detail::Subgroups<Mpi>,
+            public comm::detail::HostReductions {
   using Engine = comm::detail::mpi::Engine;
 
  public:
@@ -125,10 +126,6 @@ class Mpi : public comm::detail::ForwardOps<Mpi>,
   static constexpr std::string_view name = "mpi";
 
   using Options = MpiOptions;
-
-  static constexpr bool supports_dtype(Dtype) noexcept { return true; }
-  static constexpr bool supports_reduction(ReduceOp op, Dtype d) noexcept { return !is_bitwise(op) || !is_floating(d); }
-  static constexpr bool custom_reductions = true;
 
   /// This process as rank `rank` of `size` in MPI_COMM_WORLD, rendezvoused through `store`
   /// (blocking; ends by `options.timeout`). Initializes MPI when nobody has.

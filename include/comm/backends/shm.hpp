@@ -86,16 +86,13 @@ struct ShmOptions : CommonOptions {
 /// The Shm backend policy. Move-only; its moved-from state may only be destroyed or assigned.
 class Shm : public comm::detail::ForwardOps<Shm>,
             public comm::detail::BackendDiagnostics<Shm>,
-            public comm::detail::Subgroups<Shm> {
+            public comm::detail::Subgroups<Shm>,
+            public comm::detail::HostReductions {
  public:
   using backend_concept = comm::backend_t;
   static constexpr std::string_view name = "shm";
 
   using Options = ShmOptions;
-
-  static constexpr bool supports_dtype(Dtype) noexcept { return true; }
-  static constexpr bool supports_reduction(ReduceOp op, Dtype d) noexcept { return !is_bitwise(op) || !is_floating(d); }
-  static constexpr bool custom_reductions = true;
 
   /// Maps the segment of `size` ranks of this host through `store` (blocking; ends by
   /// `options.timeout`).

@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -299,31 +300,34 @@ class CommsSink {
     s.push_back('.');
     s.append(frac, 3);
   }
+  // What a log line or trace event is written from: text as is, a number in decimal, a time
+  // (put_us) or a bandwidth (put_general); one call per line instead of one per field.
+  struct Us {
+    std::int64_t ns;
+  };
+  struct General {
+    double v;
+  };
+  static void put(std::string& s, std::string_view v) { s.append(v); }
+  static void put(std::string& s, char c) { s.push_back(c); }
+  static void put(std::string& s, Us t) { put_us(s, t.ns); }
+  static void put(std::string& s, General g) { put_general(s, g.v); }
+  template <std::integral V>
+  static void put(std::string& s, V v) {
+    put_num(s, v);
+  }
+  static void append(std::string& s, const auto&... parts) { (put(s, parts), ...); }
+
   static std::string_view dtype_name(std::uint8_t code) {
     const auto d = dtype_from_code(code);
     return d ? to_string(*d) : std::string_view();
   }
 
   void append_csv(const CommsEvent& e) {
-    buf_.append(tracks_[e.tid]).push_back(',');
-    put_num(buf_, e.seq);
-    buf_.push_back(',');
-    buf_.append(e.op).push_back(',');
-    buf_.append(dtype_name(e.dtype)).push_back(',');
-    put_num(buf_, e.count);
-    buf_.push_back(',');
-    put_num(buf_, e.bytes);
-    buf_.push_back(',');
+    append(buf_, std::string_view(tracks_[e.tid]), ',', e.seq, ',', std::string_view(e.op), ',', dtype_name(e.dtype),
+           ',', e.count, ',', e.bytes, ',');
     if (e.peer >= 0) put_num(buf_, e.peer);
-    buf_.push_back(',');
-    put_us(buf_, e.start_ns);
-    buf_.push_back(',');
-    put_us(buf_, e.dur_ns);
-    buf_.push_back(',');
-    put_general(buf_, e.algbw);
-    buf_.push_back(',');
-    put_general(buf_, e.busbw);
-    buf_.push_back('\n');
+    append(buf_, ',', Us{e.start_ns}, ',', Us{e.dur_ns}, ',', General{e.algbw}, ',', General{e.busbw}, '\n');
   }
 
   void write_log_locked() noexcept {
@@ -350,29 +354,11 @@ class CommsSink {
         out += "\"}}";
       }
       for (const CommsEvent& e : events_) {
-        out += ",\n{\"name\":\"";
-        out += e.op;
-        out += "\",\"cat\":\"comm\",\"ph\":\"X\",\"pid\":" + pid + ",\"tid\":";
-        put_num(out, e.tid);
-        out += ",\"ts\":";
-        put_us(out, e.start_ns);
-        out += ",\"dur\":";
-        put_us(out, e.dur_ns);
-        out += ",\"args\":{\"seq\":";
-        put_num(out, e.seq);
-        out += ",\"dtype\":\"";
-        out += dtype_name(e.dtype);
-        out += "\",\"count\":";
-        put_num(out, e.count);
-        out += ",\"bytes\":";
-        put_num(out, e.bytes);
-        out += ",\"peer\":";
-        put_num(out, e.peer);
-        out += ",\"algbw_GBps\":";
-        put_general(out, e.algbw);
-        out += ",\"busbw_GBps\":";
-        put_general(out, e.busbw);
-        out += "}}";
+        append(out, ",\n{\"name\":\"", std::string_view(e.op), "\",\"cat\":\"comm\",\"ph\":\"X\",\"pid\":",
+               std::string_view(pid), ",\"tid\":", e.tid, ",\"ts\":", Us{e.start_ns}, ",\"dur\":", Us{e.dur_ns},
+               ",\"args\":{\"seq\":", e.seq, ",\"dtype\":\"", dtype_name(e.dtype), "\",\"count\":", e.count,
+               ",\"bytes\":", e.bytes, ",\"peer\":", e.peer, ",\"algbw_GBps\":", General{e.algbw},
+               ",\"busbw_GBps\":", General{e.busbw}, "}}");
       }
       out += "\n],\n\"displayTimeUnit\":\"ms\",\"otherData\":{\"producer\":\"comm\",\"rank\":" + pid +
              ",\"dropped_events\":" + std::to_string(dropped_) + "}}\n";

@@ -157,9 +157,7 @@ class Liveness {
     }
     // The watch thread's own heartbeat may be held by the server: ask on a connection of our own.
     try {
-      TcpStoreOptions o = store_->options();
-      o.timeout = std::min(timeout, std::chrono::milliseconds(200));
-      TcpStore probe(store_->host(), store_->port(), o);
+      TcpStore probe = short_connection(std::min(timeout, std::chrono::milliseconds(200)));
       if (probe.check(key_)) {
         auto d = parse(probe.get(key_));
         if (d.left) return std::nullopt;
@@ -181,13 +179,9 @@ class Liveness {
   /// own, at most 200 ms; never throws (the others then find out by their own means).
   void announce_failure(int blamed, const std::string& what) noexcept {
     try {
-      TcpStoreOptions o = store_->options();
-      o.timeout = std::chrono::milliseconds(200);
-      TcpStore s(store_->host(), store_->port(), o);
+      TcpStore s = short_connection(std::chrono::milliseconds(200));
       // The server bounds values; an error's text is a few hundred bytes.
-      const std::string v =
-          std::to_string(rank_) + "!" + std::to_string(blamed) + "|" + what.substr(0, kAnnouncedMax);
-      (void)s.compare_set(key_, {}, std::span(reinterpret_cast<const std::uint8_t*>(v.data()), v.size()));
+      publish_first(s, std::to_string(rank_) + "!" + std::to_string(blamed) + "|" + what.substr(0, kAnnouncedMax));
     } catch (...) {
     }
   }
@@ -206,14 +200,9 @@ class Liveness {
     // taking the closed connection for its death.
     if (thread_.joinable()) {
       try {
-        TcpStoreOptions o = store_->options();
-        o.timeout = std::chrono::milliseconds(200);
         if (!finished_.load()) {
-          TcpStore s(store_->host(), store_->port(), o);
-          if (host_ == rank_) {
-            const std::string v = std::to_string(rank_) + "~|left";
-            (void)s.compare_set(key_, {}, std::span(reinterpret_cast<const std::uint8_t*>(v.data()), v.size()));
-          }
+          TcpStore s = short_connection(std::chrono::milliseconds(200));
+          if (host_ == rank_) publish_first(s, std::to_string(rank_) + "~|left");
           (void)s.watch(key_, std::to_string(rank_) + "|", std::chrono::milliseconds(0));
         }
       } catch (...) {  // the store is gone: nobody is left to be told
@@ -223,6 +212,20 @@ class Liveness {
   }
 
  private:
+  /// A short connection of its own to the store, bounded by `timeout`: the watch thread's own
+  /// may be held by the server in a parked heartbeat.
+  [[nodiscard]] TcpStore short_connection(std::chrono::milliseconds timeout) const {
+    TcpStoreOptions o = store_->options();
+    o.timeout = timeout;
+    return TcpStore(store_->host(), store_->port(), o);
+  }
+
+  /// Sets the liveness key to `v` unless a death, failure or leave is there already: the first
+  /// cause stays.
+  void publish_first(TcpStore& s, const std::string& v) const {
+    (void)s.compare_set(key_, {}, std::span(reinterpret_cast<const std::uint8_t*>(v.data()), v.size()));
+  }
+
   Liveness(std::unique_ptr<TcpStore> store, std::string key, int rank, int size, int host, LivenessConfig cfg,
            OnDead on_dead)
       : store_(std::move(store)),

@@ -42,6 +42,15 @@ inline void check_create(const char* op, const std::shared_ptr<Store>& store, in
   return c;
 }
 
+/// What a host engine reduces: every element type, every reduction but the bitwise ones on
+/// floating types, and user callables (comm's kernels run on the host). A host backend policy
+/// derives from it instead of writing these three answers again.
+struct HostReductions {
+  static constexpr bool supports_dtype(Dtype) noexcept { return true; }
+  static constexpr bool supports_reduction(ReduceOp op, Dtype d) noexcept { return !is_bitwise(op) || !is_floating(d); }
+  static constexpr bool custom_reductions = true;
+};
+
 /// An engine's settings (a struct derived from CoreConfig) with its core part from `o`; the
 /// caller fills in the engine's own fields.
 template <class Config>

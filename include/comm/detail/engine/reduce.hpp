@@ -101,27 +101,38 @@ void reduce_kernel(void* out, const void* a, const void* b, std::size_t n) noexc
     reduce_to<R, T>(o, x, y, n);
 }
 
-/// The kernel for reduction `r` on `T`; null when `r` does not apply to `T` (bitwise on floating).
-template <element T>
-[[nodiscard]] constexpr reduce_fn reduce_kernel_for(ReduceOp r) noexcept {
+/// `pick(std::integral_constant<ReduceOp, R>{})` for the reduction R that runs `r` on `T` (avg:
+/// sum), or a null `Fn` when `r` does not apply to `T` (bitwise on floating types): one switch for
+/// every kernel shape.
+template <element T, class Fn, class Pick>
+[[nodiscard]] constexpr Fn kernel_for(ReduceOp r, Pick pick) noexcept {
+  using K = ReduceOp;
   switch (r) {
-    case ReduceOp::sum:
-    case ReduceOp::avg: return &reduce_kernel<ReduceOp::sum, T>;
-    case ReduceOp::prod: return &reduce_kernel<ReduceOp::prod, T>;
-    case ReduceOp::min: return &reduce_kernel<ReduceOp::min, T>;
-    case ReduceOp::max: return &reduce_kernel<ReduceOp::max, T>;
-    case ReduceOp::band:
-    case ReduceOp::bor:
-    case ReduceOp::bxor:
+    case K::sum:
+    case K::avg: return pick(std::integral_constant<K, K::sum>{});
+    case K::prod: return pick(std::integral_constant<K, K::prod>{});
+    case K::min: return pick(std::integral_constant<K, K::min>{});
+    case K::max: return pick(std::integral_constant<K, K::max>{});
+    case K::band:
+    case K::bor:
+    case K::bxor:
       if constexpr (std::is_integral_v<T>) {
-        if (r == ReduceOp::band) return &reduce_kernel<ReduceOp::band, T>;
-        if (r == ReduceOp::bor) return &reduce_kernel<ReduceOp::bor, T>;
-        return &reduce_kernel<ReduceOp::bxor, T>;
+        if (r == K::band) return pick(std::integral_constant<K, K::band>{});
+        if (r == K::bor) return pick(std::integral_constant<K, K::bor>{});
+        return pick(std::integral_constant<K, K::bxor>{});
       } else {
         return nullptr;
       }
   }
   return nullptr;
+}
+
+/// The kernel for reduction `r` on `T`; null when `r` does not apply to `T` (bitwise on floating).
+template <element T>
+[[nodiscard]] constexpr reduce_fn reduce_kernel_for(ReduceOp r) noexcept {
+  return kernel_for<T, reduce_fn>(r, []<ReduceOp R>(std::integral_constant<ReduceOp, R>) -> reduce_fn {
+    return &reduce_kernel<R, T>;
+  });
 }
 
 /// The n-input kernel shape (engines that see every rank's data at once, e.g. Shm):
@@ -157,24 +168,9 @@ void reduce_many_kernel(void* out, const void* const* srcs, int n, std::size_t c
 /// The n-input kernel for reduction `r` (avg: sum) on `T`; null for bitwise on floating types.
 template <element T>
 [[nodiscard]] constexpr reduce_many_fn reduce_many_for(ReduceOp r) noexcept {
-  switch (r) {
-    case ReduceOp::sum:
-    case ReduceOp::avg: return &reduce_many_kernel<ReduceOp::sum, T>;
-    case ReduceOp::prod: return &reduce_many_kernel<ReduceOp::prod, T>;
-    case ReduceOp::min: return &reduce_many_kernel<ReduceOp::min, T>;
-    case ReduceOp::max: return &reduce_many_kernel<ReduceOp::max, T>;
-    case ReduceOp::band:
-    case ReduceOp::bor:
-    case ReduceOp::bxor:
-      if constexpr (std::is_integral_v<T>) {
-        if (r == ReduceOp::band) return &reduce_many_kernel<ReduceOp::band, T>;
-        if (r == ReduceOp::bor) return &reduce_many_kernel<ReduceOp::bor, T>;
-        return &reduce_many_kernel<ReduceOp::bxor, T>;
-      } else {
-        return nullptr;
-      }
-  }
-  return nullptr;
+  return kernel_for<T, reduce_many_fn>(r, []<ReduceOp R>(std::integral_constant<ReduceOp, R>) -> reduce_many_fn {
+    return &reduce_many_kernel<R, T>;
+  });
 }
 
 /// Element-wise application of a user callable `T(T, T)`; `out` may alias `a` or `b`.

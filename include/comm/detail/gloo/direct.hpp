@@ -221,10 +221,11 @@ class DirectLinks {
       throw InvalidArgument("gloo.init", rank_, std::string("comm's direct connections: no address: ") + e.what());
     }
     addr.set_port(0);
-    Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, IPPROTO_TCP));
-    if (!fd || ::bind(fd.get(), addr.get(), addr.len) != 0 || ::listen(fd.get(), 128) != 0)
+    int err = 0;
+    Fd fd = listen_on(addr, err);
+    if (!fd)
       throw BackendError("gloo.init", rank_,
-                         "comm's direct connections: cannot listen on " + to_string(addr) + ": " + errno_text(errno));
+                         "comm's direct connections: cannot listen on " + to_string(addr) + ": " + errno_text(err));
     return fd;
   }
 

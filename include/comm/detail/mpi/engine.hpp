@@ -56,51 +56,17 @@
 #include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
+#include <comm/detail/mpi/comms.hpp>
 #include <comm/detail/mpi/errors.hpp>
 #include <comm/detail/mpi/runtime.hpp>
 #include <comm/detail/mpi/types.hpp>
+#include <comm/detail/mpi/wait.hpp>
 #include <comm/detail/engine/narrow.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>
 
 namespace comm::detail::mpi {
-
-/// Where an engine's MPI communicators come from.
-struct CommSource {
-  MPI_Comm parent = MPI_COMM_NULL;
-  /// Empty: duplicate the whole parent (MPI_Comm_idup). Else the parent ranks of the new
-  /// communicator in its rank order (MPI_Comm_create_group, called by these ranks only, with `tag`).
-  std::vector<int> members;
-  int tag = 0;
-  const char* op = "mpi.init";  // names the step in errors
-};
-
-/// An operation's deadline, read from the clock only when first needed: a quick operation never
-/// reads the clock (each read costs about as much as an MPI_Test).
-class Deadline {
-  using Clock = std::chrono::steady_clock;
-
- public:
-  explicit Deadline(std::chrono::milliseconds timeout) noexcept : timeout_(timeout) {}
-  [[nodiscard]] static Deadline from_now(std::chrono::milliseconds timeout) {
-    Deadline d(timeout);
-    (void)d.at();
-    return d;
-  }
-  [[nodiscard]] Clock::time_point at() {
-    if (!set_) {
-      at_ = Clock::now() + timeout_;
-      set_ = true;
-    }
-    return at_;
-  }
-
- private:
-  std::chrono::milliseconds timeout_;
-  Clock::time_point at_{};
-  bool set_ = false;
-};
 
 class Engine : public EngineCore<Engine> {
   using Core = EngineCore<Engine>;
@@ -245,16 +211,6 @@ class Engine : public EngineCore<Engine> {
  private:
   friend Core;
 
-  /// Only spin (MPI_Test back to back, as MPI's own blocking calls do) for this long: yielding
-  /// earlier hands a whole time slice to any other busy process on a loaded machine, which costs
-  /// milliseconds per operation. When ranks oversubscribe the cores, OpenMPI's progress engine
-  /// already yields inside MPI_Test (mpi_yield_when_idle, set by mpirun --oversubscribe).
-  static constexpr std::chrono::milliseconds kSpinFor{2};
-  /// Sleep between tests once an operation has waited this long (a late peer, not a slow link).
-  static constexpr std::chrono::milliseconds kSleepAfter{100};
-  static constexpr std::chrono::microseconds kSleep{50};
-  /// How often a waiting operation probes for failure notices.
-  static constexpr std::chrono::milliseconds kLookEvery{1};
   static constexpr std::size_t kNoticeMax = 1000;  // bytes: small enough for MPI's eager protocol
 
   // ---- the engine calls the core makes ----
@@ -263,23 +219,18 @@ class Engine : public EngineCore<Engine> {
     const char* name = op_name(op.desc.kind);
     Deadline deadline(timeout());
     const std::size_t es = op.elem_size;
+    const int root = op.desc.root;  // rooted operations only
+    const bool is_root = rank() == root;
     switch (op.desc.kind) {
       case OpKind::all_reduce: {
         if (op.out_count == 0) return;
         const Reduction red = reduction(op);
         const bool in_place = op.in == op.out;
-        // MPI counts are int: larger buffers go in chunks, one collective each.
-        for (std::size_t done = 0; done < op.out_count;) {
-          const std::size_t n = std::min(op.out_count - done, kMaxCount);
+        in_pieces(op.out_count, "MPI_Iallreduce", name, seq, deadline, [&](std::size_t done, int n, MPI_Request* req) {
           const std::size_t off = done * es;
-          MPI_Request req = MPI_REQUEST_NULL;
-          COMM_MPI_CHECK(MPI_Iallreduce(in_place ? MPI_IN_PLACE : static_cast<const std::byte*>(op.in) + off,
-                                        static_cast<std::byte*>(op.out) + off, narrow_count(name, rank(), n), red.type, red.op,
-                                        comm_, &req),
-                         name, rank());
-          await(req, name, seq, deadline);
-          done += n;
-        }
+          return MPI_Iallreduce(in_place ? MPI_IN_PLACE : static_cast<const std::byte*>(op.in) + off,
+                                static_cast<std::byte*>(op.out) + off, n, red.type, red.op, comm_, req);
+        });
         if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
         return;
       }
@@ -290,17 +241,16 @@ class Engine : public EngineCore<Engine> {
         // In place (the output is this rank's block of the input): MPI_IN_PLACE would put the
         // result at the start of the input and may use the rest as scratch, so the result goes to
         // scratch and is copied to the block; the input is only read.
-        const bool in_place = op.out == static_cast<const std::byte*>(op.in) + static_cast<std::size_t>(rank()) * bytes;
+        const bool in_place = is_block(op.out, op.in, rank(), bytes);
         void* recv = op.out;
         if (in_place) {
           if (scratch_.size() < bytes) scratch_.resize(bytes);
           recv = scratch_.data();
         }
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Ireduce_scatter_block(op.in, recv, narrow_count(name, rank(), op.out_count), red.type, red.op, comm_,
-                                                 &req),
-                       name, rank());
-        await(req, name, seq, deadline);
+        const int n = narrow_count(name, rank(), op.out_count);
+        collective("MPI_Ireduce_scatter_block", name, seq, deadline, [&](MPI_Request* req) {
+          return MPI_Ireduce_scatter_block(op.in, recv, n, red.type, red.op, comm_, req);
+        });
         if (in_place) {
           std::memcpy(op.out, recv, bytes);
           if (scratch_.capacity() > kScratchKeep) std::vector<std::byte>().swap(scratch_);
@@ -311,97 +261,72 @@ class Engine : public EngineCore<Engine> {
       case OpKind::all_gather:
       case OpKind::split: {
         if (op.in_count == 0) return;
-        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
-        const bool in_place =
-            op.in == static_cast<const std::byte*>(op.out) + static_cast<std::size_t>(rank()) * op.in_count * es;
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : op.in, narrow_count(name, rank(), op.in_count), type, op.out,
-                                      narrow_count(name, rank(), op.in_count), type, comm_, &req),
-                       name, rank());
-        await(req, name, seq, deadline);
+        const MPI_Datatype type = type_of(op);
+        const bool in_place = is_block(op.in, op.out, rank(), op.in_count * es);
+        const int n = narrow_count(name, rank(), op.in_count);
+        collective("MPI_Iallgather", name, seq, deadline, [&](MPI_Request* req) {
+          return MPI_Iallgather(in_place ? MPI_IN_PLACE : op.in, n, type, op.out, n, type, comm_, req);
+        });
         return;
       }
       case OpKind::broadcast: {
         if (op.out_count == 0) return;
-        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
-        for (std::size_t done = 0; done < op.out_count;) {
-          const std::size_t n = std::min(op.out_count - done, kMaxCount);
-          MPI_Request req = MPI_REQUEST_NULL;
-          COMM_MPI_CHECK(MPI_Ibcast(static_cast<std::byte*>(op.out) + done * es, narrow_count(name, rank(), n), type,
-                                    op.desc.root, comm_, &req),
-                         name, rank());
-          await(req, name, seq, deadline);
-          done += n;
-        }
+        const MPI_Datatype type = type_of(op);
+        in_pieces(op.out_count, "MPI_Ibcast", name, seq, deadline, [&](std::size_t done, int n, MPI_Request* req) {
+          return MPI_Ibcast(static_cast<std::byte*>(op.out) + done * es, n, type, root, comm_, req);
+        });
         return;
       }
       case OpKind::gather: {
         if (op.in_count == 0) return;
-        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
-        const int root = op.desc.root;
-        const bool is_root = rank() == root;
-        const bool in_place =
-            is_root &&
-            op.in == static_cast<const std::byte*>(op.out) + static_cast<std::size_t>(root) * op.in_count * es;
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Igather(in_place ? MPI_IN_PLACE : op.in, narrow_count(name, rank(), op.in_count), type,
-                                   is_root ? op.out : nullptr, narrow_count(name, rank(), op.in_count), type, root, comm_, &req),
-                       name, rank());
-        await(req, name, seq, deadline);
+        const MPI_Datatype type = type_of(op);
+        const bool in_place = is_root && is_block(op.in, op.out, root, op.in_count * es);
+        const int n = narrow_count(name, rank(), op.in_count);
+        collective("MPI_Igather", name, seq, deadline, [&](MPI_Request* req) {
+          return MPI_Igather(in_place ? MPI_IN_PLACE : op.in, n, type, is_root ? op.out : nullptr, n, type, root, comm_,
+                             req);
+        });
         return;
       }
       case OpKind::reduce: {
         if (op.in_count == 0) return;
         const Reduction red = reduction(op);
-        const int root = op.desc.root;
-        const bool is_root = rank() == root;
         // In place on the root only; off the root the output is not used (and may be empty).
         const bool in_place = is_root && op.in == op.out;
-        for (std::size_t done = 0; done < op.in_count;) {
-          const std::size_t n = std::min(op.in_count - done, kMaxCount);
+        in_pieces(op.in_count, "MPI_Ireduce", name, seq, deadline, [&](std::size_t done, int n, MPI_Request* req) {
           const std::size_t off = done * es;
-          MPI_Request req = MPI_REQUEST_NULL;
-          COMM_MPI_CHECK(MPI_Ireduce(in_place ? MPI_IN_PLACE : static_cast<const std::byte*>(op.in) + off,
-                                     is_root ? static_cast<std::byte*>(op.out) + off : nullptr, narrow_count(name, rank(), n),
-                                     red.type, red.op, root, comm_, &req),
-                         name, rank());
-          await(req, name, seq, deadline);
-          done += n;
-        }
+          return MPI_Ireduce(in_place ? MPI_IN_PLACE : static_cast<const std::byte*>(op.in) + off,
+                             is_root ? static_cast<std::byte*>(op.out) + off : nullptr, n, red.type, red.op, root, comm_,
+                             req);
+        });
         if (is_root && op.finish != nullptr) op.finish(op.out, op.in_count, size());
         return;
       }
       case OpKind::scatter: {
         if (op.out_count == 0) return;
-        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
-        const int root = op.desc.root;
-        const bool is_root = rank() == root;
+        const MPI_Datatype type = type_of(op);
         // On the root the output may be its own slice of the input.
-        const bool in_place =
-            is_root &&
-            op.out == static_cast<const std::byte*>(op.in) + static_cast<std::size_t>(root) * op.out_count * es;
+        const bool in_place = is_root && is_block(op.out, op.in, root, op.out_count * es);
         const int n = narrow_count(name, rank(), op.out_count);  // the backend refuses larger blocks
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Iscatter(is_root ? op.in : nullptr, n, type, in_place ? MPI_IN_PLACE : op.out, n, type,
-                                    root, comm_, &req),
-                       name, rank());
-        await(req, name, seq, deadline);
+        collective("MPI_Iscatter", name, seq, deadline, [&](MPI_Request* req) {
+          return MPI_Iscatter(is_root ? op.in : nullptr, n, type, in_place ? MPI_IN_PLACE : op.out, n, type, root, comm_,
+                              req);
+        });
         return;
       }
       case OpKind::all_to_all: {
         const std::size_t block = op.in_count / static_cast<std::size_t>(size());
         if (block == 0) return;
-        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+        const MPI_Datatype type = type_of(op);
         const int n = narrow_count(name, rank(), block);  // the backend refuses larger blocks
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Ialltoall(op.in, n, type, op.out, n, type, comm_, &req), name, rank());
-        await(req, name, seq, deadline);
+        collective("MPI_Ialltoall", name, seq, deadline,
+                   [&](MPI_Request* req) { return MPI_Ialltoall(op.in, n, type, op.out, n, type, comm_, req); });
         return;
       }
       case OpKind::all_to_all_v: {
         // int counts and packed displacements (the backend refused any beyond INT_MAX). They live
         // in pending_, which a request left pending after a failure keeps alive.
-        const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+        const MPI_Datatype type = type_of(op);
         const auto p = static_cast<std::size_t>(size());
         auto& c = pending_->counts;
         c.assign(4 * p, 0);
@@ -418,16 +343,13 @@ class Engine : public EngineCore<Engine> {
           soff += op.counts[i];
           roff += op.counts[p + i];
         }
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Ialltoallv(op.in, scounts, sdispls, type, op.out, rcounts, rdispls, type, comm_, &req),
-                       name, rank());
-        await(req, name, seq, deadline);
+        collective("MPI_Ialltoallv", name, seq, deadline, [&](MPI_Request* req) {
+          return MPI_Ialltoallv(op.in, scounts, sdispls, type, op.out, rcounts, rdispls, type, comm_, req);
+        });
         return;
       }
       case OpKind::barrier: {
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Ibarrier(comm_, &req), name, rank());
-        await(req, name, seq, deadline);
+        collective("MPI_Ibarrier", name, seq, deadline, [&](MPI_Request* req) { return MPI_Ibarrier(comm_, req); });
         return;
       }
       default: throw BackendError(name, rank(), "not an operation the MPI engine runs");
@@ -443,7 +365,7 @@ class Engine : public EngineCore<Engine> {
     const std::size_t n = items.size();
     if (n == 0) return;
     Deadline deadline(timeout());
-    const MPI_Datatype type = datatype_of(static_cast<Dtype>(op.desc.dtype));
+    const MPI_Datatype type = type_of(op);
     const std::size_t es = op.elem_size;
     auto& headers = pending_->headers;
     auto& numbers = pending_->numbers;
@@ -535,12 +457,11 @@ class Engine : public EngineCore<Engine> {
   void exchange_fingerprints(std::uint64_t seq) {
     const char* name = op_name(static_cast<OpKind>(own_fingerprint().kind));
     auto& all = fingerprints();
-    MPI_Request req = MPI_REQUEST_NULL;
-    COMM_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_BYTE, all.data(), static_cast<int>(sizeof(Fingerprint)),
-                                  MPI_BYTE, comm_, &req),
-                   name, rank());
     Deadline deadline(timeout());
-    await(req, name, seq, deadline);
+    collective("MPI_Iallgather", name, seq, deadline, [&](MPI_Request* req) {
+      return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_BYTE, all.data(), static_cast<int>(sizeof(Fingerprint)), MPI_BYTE,
+                            comm_, req);
+    });
   }
 
   // rethrow_translated: the core's default (MPI errors are already comm::Errors here).
@@ -605,30 +526,32 @@ class Engine : public EngineCore<Engine> {
     return t;
   }
 
-  /// Calls `test` until it returns true (true) or `deadline` passes (false): spinning for
-  /// kSpinFor, then a yield between tests, then short sleeps once the wait is long. `look` runs every
-  /// kLookEvery. The clock is read every 32 tests only, so a quick operation never reads it.
-  template <class Test, class Look>
-  bool poll(Test&& test, Look&& look, Deadline& deadline) {
-    Clock::time_point start{}, next_look{};
-    for (unsigned i = 1;; ++i) {
-      if (test()) return true;
-      if (i % 32 != 0) continue;
-      const auto now = Clock::now();
-      if (i == 32) {
-        start = now;
-        next_look = now + kLookEvery;
-      }
-      if (now >= next_look) {
-        next_look = now + kLookEvery;
-        look();
-      }
-      if (now >= deadline.at()) return false;
-      const auto waited = now - start;
-      if (waited >= kSleepAfter)
-        std::this_thread::sleep_for(kSleep);
-      else if (waited >= kSpinFor)
-        std::this_thread::yield();
+  /// Whether `part` is block `index` (of `bytes` bytes) of `whole`: the caller's in-place form.
+  [[nodiscard]] static bool is_block(const void* part, const void* whole, int index, std::size_t bytes) noexcept {
+    return part == static_cast<const std::byte*>(whole) + static_cast<std::size_t>(index) * bytes;
+  }
+
+  [[nodiscard]] static MPI_Datatype type_of(const Op& op) { return datatype_of(static_cast<Dtype>(op.desc.dtype)); }
+
+  /// Starts one collective, `start(&req)` returning the code of the MPI call named `call`, and
+  /// waits for it (await).
+  template <class Start>
+  void collective(const char* call, const char* name, std::uint64_t seq, Deadline& deadline, Start&& start) {
+    MPI_Request req = MPI_REQUEST_NULL;
+    if (const int rc = start(&req); rc != MPI_SUCCESS) throw_mpi_error(rc, call, name, rank());
+    await(req, name, seq, deadline);
+  }
+
+  /// collective() over pieces of at most kMaxCount of `count` elements (MPI counts are int), one
+  /// after the other: `start(done, n, &req)` starts the piece of `n` elements at element `done`.
+  template <class Start>
+  void in_pieces(std::size_t count, const char* call, const char* name, std::uint64_t seq, Deadline& deadline,
+                 Start&& start) {
+    for (std::size_t done = 0; done < count;) {
+      const std::size_t n = std::min(count - done, kMaxCount);
+      const int piece = narrow_count(name, rank(), n);
+      collective(call, name, seq, deadline, [&](MPI_Request* req) { return start(done, piece, req); });
+      done += n;
     }
   }
 
@@ -677,64 +600,13 @@ class Engine : public EngineCore<Engine> {
     MPI_Request_free(&r);
   }
 
-  /// Makes the data and control communicators (blocking, ends by the timeout).
+  /// Makes the data, control and point-to-point communicators (blocking, ends by the timeout).
   void connect(const CommSource& src) {
     thread_level_ = mpi::thread_level();
-    const char* op = src.op;
-    auto deadline = Deadline::from_now(timeout());
-    // MPI writes the new handles when the requests complete, which after a Timeout may be later:
-    // they live on the heap and are leaked with the requests.
-    auto handles = std::make_unique<std::array<MPI_Comm, 3>>();
-    handles->fill(MPI_COMM_NULL);
-    auto await_made = [&](MPI_Request* reqs, int n, const char* what) {
-      int all = 0;
-      const bool done = poll([&] {
-        COMM_MPI_CHECK(MPI_Testall(n, reqs, &all, MPI_STATUSES_IGNORE), op, rank());
-        return all != 0;
-      }, [] {}, deadline);
-      if (done) return;
-      (void)handles.release();
-      throw Timeout(op, rank(),
-                    std::string(what) + " did not complete within " + std::to_string(timeout().count()) +
-                        " ms: a rank did not make this communicator (every rank of the parent must, in the same "
-                        "order); the pending MPI request is leaked");
-    };
-    if (src.members.empty()) {
-      // One at a time: OpenMPI 4.1 mixed up the context ids of three duplicates in flight at once
-      // on one parent (MPI_ERR_TRUNCATE in a later split's libnbc schedule).
-      for (std::size_t i = 0; i < handles->size(); ++i) {
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Comm_idup(src.parent, &(*handles)[i], &req), op, rank());
-        await_made(&req, 1, "MPI_Comm_idup");
-      }
-    } else {
-      MPI_Group parent_group = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
-      COMM_MPI_CHECK(MPI_Comm_group(src.parent, &parent_group), op, rank());
-      const int rc = MPI_Group_incl(parent_group, static_cast<int>(src.members.size()), src.members.data(), &group);
-      MPI_Group_free(&parent_group);
-      if (rc != MPI_SUCCESS) throw_mpi_error(rc, "MPI_Group_incl", op, rank());
-      // No deadline of its own: every member is known to be here (the split's exchange, the
-      // membership check on the store, or gate()).
-      const int rc2 = MPI_Comm_create_group(src.parent, group, src.tag, &(*handles)[0]);
-      MPI_Group_free(&group);
-      if (rc2 != MPI_SUCCESS) throw_mpi_error(rc2, "MPI_Comm_create_group", op, rank());
-      for (std::size_t i = 1; i < handles->size(); ++i) {
-        MPI_Request req = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Comm_idup((*handles)[0], &(*handles)[i], &req), op, rank());
-        await_made(&req, 1, "MPI_Comm_idup");
-      }
-    }
-    comm_ = (*handles)[0];
-    ctl_ = (*handles)[1];
-    p2p_ = (*handles)[2];
-    // Failures come back as error codes (COMM_MPI_CHECK) instead of aborting the job.
-    COMM_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), op, rank());
-    COMM_MPI_CHECK(MPI_Comm_set_errhandler(ctl_, MPI_ERRORS_RETURN), op, rank());
-    COMM_MPI_CHECK(MPI_Comm_set_errhandler(p2p_, MPI_ERRORS_RETURN), op, rank());
-    const std::string label = "comm" + (name().empty() ? std::string() : "." + name());
-    MPI_Comm_set_name(comm_, label.c_str());
-    MPI_Comm_set_name(ctl_, (label + ".control").c_str());
-    MPI_Comm_set_name(p2p_, (label + ".p2p").c_str());
+    const Comms made = make_comms(src, rank(), timeout(), name());
+    comm_ = made.data;
+    ctl_ = made.control;
+    p2p_ = made.p2p;
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;

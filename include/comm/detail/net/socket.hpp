@@ -203,6 +203,25 @@ inline void set_nodelay(int fd) noexcept {
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
+/// A non-blocking, close-on-exec socket listening on `a`, or an invalid Fd with `err` set.
+/// SO_REUSEADDR: a port left in TIME_WAIT by an earlier job can be bound again. IPV6_V6ONLY: an
+/// IPv6 listener does not take the IPv4 port too, so both families can be bound on one port.
+[[nodiscard]] inline Fd listen_on(const SockAddr& a, int& err) noexcept {
+  Fd fd(::socket(a.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, IPPROTO_TCP));
+  if (!fd) {
+    err = errno;
+    return {};
+  }
+  const int one = 1;
+  (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (a.family() == AF_INET6) (void)::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
+  if (::bind(fd.get(), a.get(), a.len) != 0 || ::listen(fd.get(), SOMAXCONN) != 0) {
+    err = errno;
+    return {};
+  }
+  return fd;
+}
+
 /// One connection attempt to `a`, bounded by `deadline`. Returns a connected, non-blocking,
 /// close-on-exec socket with TCP_NODELAY, or an invalid Fd with `err` set (ETIMEDOUT when the
 /// deadline passed). A connection to itself (TCP simultaneous open on a local port nobody listens

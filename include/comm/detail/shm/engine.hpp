@@ -4,7 +4,8 @@
 // async Work, flight recorder, desync check, monitored_barrier, failure state — is the engine
 // core's (detail/engine/core.hpp).
 //
-// The protocol: a communicator-wide step counter, the same on every rank. In step s a rank writes
+// The protocol (steps.hpp; waiting primitives in wait.hpp) and the algorithms written on it (here):
+// a communicator-wide step counter, the same on every rank. In step s a rank writes
 // its contribution into its half s%2 and then publishes s in that half's header line (release
 // store); a reader waits until the writer's header says s (acquire load) and reads. With the
 // header line also go the fingerprint of the step's operation (so a peer in another operation, or
@@ -30,11 +31,6 @@
 // the peer's process still exists (pidfd, or kill(pid, 0) where pidfds are missing), so a SIGKILLed
 // peer is seen within a slice (10 ms), a stopped one by the deadline.
 
-#include <linux/futex.h>
-#include <poll.h>
-#include <sched.h>
-#include <signal.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -53,64 +49,12 @@
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/init/env.hpp>
 #include <comm/detail/shm/segment.hpp>
+#include <comm/detail/shm/steps.hpp>
+#include <comm/detail/shm/wait.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 namespace comm::detail::shm {
-
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
-inline void futex_wait(std::atomic<std::uint32_t>* w, std::uint32_t expected, std::chrono::nanoseconds t) noexcept {
-  timespec ts{static_cast<time_t>(t.count() / 1000000000), static_cast<long>(t.count() % 1000000000)};
-  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(w), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-inline void futex_wake_all(std::atomic<std::uint32_t>* w) noexcept {
-  (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(w), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-
-/// Watches whether a process exists: a pidfd (readable once the process has exited, zombie or
-/// not), else kill(pid, 0).
-class ProcessWatch {
- public:
-  ProcessWatch() = default;
-  explicit ProcessWatch(std::int64_t pid) : pid_(static_cast<pid_t>(pid)) {
-#if defined(SYS_pidfd_open)
-    fd_ = static_cast<int>(::syscall(SYS_pidfd_open, pid_, 0));
-#endif
-  }
-  ProcessWatch(ProcessWatch&& o) noexcept : pid_(o.pid_), fd_(std::exchange(o.fd_, -1)) {}
-  ProcessWatch& operator=(ProcessWatch&& o) noexcept {
-    std::swap(pid_, o.pid_);
-    std::swap(fd_, o.fd_);
-    return *this;
-  }
-  ~ProcessWatch() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  [[nodiscard]] bool exited() const noexcept {
-    if (pid_ <= 0) return false;
-    if (fd_ >= 0) {
-      pollfd p{fd_, POLLIN, 0};
-      return ::poll(&p, 1, 0) > 0;
-    }
-    return ::kill(pid_, 0) != 0 && errno == ESRCH;
-  }
-  [[nodiscard]] pid_t pid() const noexcept { return pid_; }
-
- private:
-  pid_t pid_ = 0;
-  int fd_ = -1;
-};
 
 struct EngineConfig : CoreConfig {
   std::size_t chunk = 0;      // payload bytes per half
@@ -118,19 +62,16 @@ struct EngineConfig : CoreConfig {
   int spin = -1;              // spins before yielding (-1: from the load)
 };
 
-class Engine : public EngineCore<Engine> {
+class Engine : public EngineCore<Engine>, private Steps {
   using Core = EngineCore<Engine>;
   using Clock = std::chrono::steady_clock;
 
  public:
   Engine(std::shared_ptr<comm::Store> store, int rank, int size, const EngineConfig& cfg)
       : Core(std::move(store), rank, size, cfg, "shm"),
-        layout_(size, cfg.chunk),
+        Steps(rank, size, timeout(), cfg.chunk),
         small_max_(std::min(cfg.small_max, cfg.chunk)),
-        seen_(static_cast<std::size_t>(size), 0),
-        watch_(static_cast<std::size_t>(size)),
-        srcs_(static_cast<std::size_t>(size)),
-        table_(static_cast<std::size_t>(size)) {
+        srcs_(static_cast<std::size_t>(size)) {
     host_buffers_only("use Communicator<backends::Nccl>, or Gloo, which stages device buffers");
     map_ = rendezvous(*Core::store(), key_prefix(), rank, layout_, timeout());
     header_ = reinterpret_cast<Header*>(map_.base());
@@ -345,208 +286,6 @@ class Engine : public EngineCore<Engine> {
     for (int p = 0; p < size(); ++p) ring(p);
   }
 
-  // ---- layout ----
-
-  [[nodiscard]] RankCtl& ctl(int p) const noexcept {
-    return reinterpret_cast<RankCtl*>(map_.base() + layout_.ctl)[p];
-  }
-  [[nodiscard]] HalfHeader* half(int p, std::uint64_t s) const noexcept {
-    return reinterpret_cast<HalfHeader*>(map_.base() + layout_.halves +
-                                         (static_cast<std::size_t>(p) * 2 + (s & 1)) * layout_.half_bytes);
-  }
-  [[nodiscard]] ChannelCtl& channel(int from, int to) const noexcept {
-    return reinterpret_cast<ChannelCtl*>(map_.base() + layout_.channels)[static_cast<std::size_t>(from) *
-                                                                             static_cast<std::size_t>(size()) +
-                                                                         static_cast<std::size_t>(to)];
-  }
-  [[nodiscard]] std::byte* channel_slot(int from, int to, std::uint64_t chunk) const noexcept {
-    const std::size_t c = static_cast<std::size_t>(from) * static_cast<std::size_t>(size()) + static_cast<std::size_t>(to);
-    return map_.base() + layout_.slots + (c * 2 + (chunk & 1)) * layout_.slot_bytes;
-  }
-  [[nodiscard]] std::byte* payload(int p, std::uint64_t s) const noexcept {
-    return reinterpret_cast<std::byte*>(half(p, s)) + sizeof(std::uint64_t) + sizeof(Fingerprint);
-  }
-  static_assert(sizeof(std::uint64_t) + sizeof(Fingerprint) <= kLine);
-
-  // ---- steps ----
-
-  [[nodiscard]] std::uint64_t next_step() noexcept { return ++step_; }
-
-  /// Returns once every peer has left step s-2 (published s-1), so half s%2 may be rewritten.
-  void ensure_free(std::uint64_t s) {
-    for (int p = 0; p < size(); ++p)
-      if (p != rank() && seen_[static_cast<std::size_t>(p)] + 1 < s) wait_published(p, s - 1);
-  }
-
-  /// This rank's payload for step `s`, once it may be written.
-  std::byte* begin(std::uint64_t s) {
-    ensure_free(s);
-    return payload(rank(), s);
-  }
-
-  /// Publishes step `s` with the current operation's fingerprint; wakes sleepers on this rank.
-  void publish(std::uint64_t s) {
-    ensure_free(s);  // (the header line is rewritten too)
-    HalfHeader* h = half(rank(), s);
-    std::memcpy(reinterpret_cast<std::byte*>(h) + sizeof(std::uint64_t), &fp_, sizeof(Fingerprint));
-    h->step.store(s, std::memory_order_seq_cst);
-    if (ctl(rank()).sleepers.load(std::memory_order_seq_cst) != 0) ring(rank());
-  }
-
-  void ring(int p) noexcept {
-    ctl(p).bell.fetch_add(1, std::memory_order_seq_cst);
-    futex_wake_all(&ctl(p).bell);
-  }
-
-  /// Waits until peer `p` has published step `s`, then checks its fingerprint.
-  void wait_step(int p, std::uint64_t s) {
-    wait_published(p, s);
-    const auto* f = reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(half(p, s)) +
-                                                         sizeof(std::uint64_t));
-    if (!same(*f, fp_)) desync(s);
-  }
-
-  /// The first step of every operation: waits for every peer and compares every fingerprint.
-  void wait_all(std::uint64_t s) {
-    bool mismatch = false;
-    for (int p = 0; p < size(); ++p) {
-      if (p == rank()) continue;
-      wait_published(p, s);
-      const auto* f = reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(half(p, s)) +
-                                                           sizeof(std::uint64_t));
-      mismatch = mismatch || !same(*f, fp_);
-    }
-    if (mismatch) desync(s);
-  }
-
-  /// Every peer has published `s` (wait_all/wait_step done): DesyncError naming every call.
-  [[noreturn]] void desync(std::uint64_t s) {
-    for (int p = 0; p < size(); ++p) {
-      if (p != rank()) wait_published(p, s);
-      std::memcpy(&table_[static_cast<std::size_t>(p)],
-                  p == rank() ? static_cast<const void*>(&fp_)
-                              : reinterpret_cast<const std::byte*>(half(p, s)) + sizeof(std::uint64_t),
-                  sizeof(Fingerprint));
-    }
-    auto msg = desync_message(table_);
-    if (msg.empty()) msg = "a peer ran a different step of this operation";
-    throw DesyncError(op_name_, rank(),
-                      "desync (always checked on shm): " + msg +
-                          "; every rank must issue the same collectives in the same order with matching sizes");
-  }
-
-  /// Waits until `p`'s half (s%2) holds step s or later.
-  void wait_published(int p, std::uint64_t s) {
-    auto& seen = seen_[static_cast<std::size_t>(p)];
-    if (seen >= s) return;
-    const auto& w = half(p, s)->step;
-    if (w.load(std::memory_order_acquire) >= s) {
-      seen = s;
-      return;
-    }
-    for (int i = 0; i < spin_; ++i) {
-      cpu_relax();
-      if (w.load(std::memory_order_acquire) >= s) {
-        seen = s;
-        return;
-      }
-    }
-    wait_slow(p, s, w);
-    seen = s;
-  }
-
-  void wait_slow(int p, std::uint64_t s, const std::atomic<std::uint64_t>& w) {
-    const auto deadline = Clock::now() + timeout();
-    auto ready = [&] { return w.load(std::memory_order_acquire) >= s; };
-    // Then yield for a while: a peer that shares this core (the scheduler does not always spread
-    // the ranks) runs at once, and one on another core costs a system call per check. Only a peer
-    // that is really busy or stopped sends this rank to sleep.
-    const auto yield_until = Clock::now() + kYieldPhase;
-    for (int i = 0;; ++i) {
-      if (ready()) return;
-      std::this_thread::yield();
-      if (i % 64 == 63) {
-        if (!check_peers(p, s, deadline, false, w)) return;
-        if (Clock::now() >= yield_until) break;
-      }
-    }
-    RankCtl& c = ctl(p);
-    for (;;) {
-      c.sleepers.fetch_add(1, std::memory_order_seq_cst);
-      const std::uint32_t bell = c.bell.load(std::memory_order_seq_cst);
-      if (ready()) {
-        c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-        return;
-      }
-      const auto left = deadline - Clock::now();
-      futex_wait(&c.bell, bell, std::min<std::chrono::nanoseconds>(kSlice, std::max<Clock::duration>(left, {})));
-      c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-      if (ready() || !check_peers(p, s, deadline, true, w)) return;
-    }
-  }
-
-  /// Ends a wait on peer `p` that cannot succeed: a rank found dead, the communicator aborted by a
-  /// rank, `p` gone, or the deadline passed. Returns false when the step arrived after all: a peer
-  /// may publish its last step and then exit or destroy its communicator at once.
-  bool check_peers(int p, std::uint64_t s, Clock::time_point deadline, bool probe,
-                   const std::atomic<std::uint64_t>& w) {
-    return check_peer(
-        p, deadline, probe, [&] { return w.load(std::memory_order_acquire) >= s; },
-        [&] { return " (op #" + std::to_string(op_seq_) + ", step " + std::to_string(s) + ")"; });
-  }
-
-  /// check_peers for any wait on peer `p`: `ready()` re-checks the awaited condition, `at()` says
-  /// where this rank waited.
-  template <class Ready, class At>
-  bool check_peer(int p, Clock::time_point deadline, bool probe, Ready ready, At at) {
-    const bool gone = header_->dead.load(std::memory_order_acquire) != 0 ||
-                      header_->abort.load(std::memory_order_acquire) != 0 ||
-                      ctl(p).left.load(std::memory_order_acquire) != 0 ||
-                      (probe && watch_[static_cast<std::size_t>(p)].exited()) || Clock::now() >= deadline;
-    if (!gone) return true;
-    if (ready()) return false;
-    if (const auto d = header_->dead.load(std::memory_order_acquire); d != 0) {
-      const int r = static_cast<int>(d) - 1;
-      throw RemoteError(op_name_, rank(),
-                        "rank " + std::to_string(r) + " (pid " + std::to_string(ctl(r).pid) +
-                            ") died during the operation" + at(),
-                        "rank " + std::to_string(r));
-    }
-    if (const auto a = header_->abort.load(std::memory_order_acquire); a != 0 && static_cast<int>(a) - 1 != rank()) {
-      const int r = static_cast<int>(a) - 1;
-      throw RemoteError(op_name_, rank(),
-                        "rank " + std::to_string(r) + " failed and aborted the communicator" + at(),
-                        "rank " + std::to_string(r));
-    }
-    if (ctl(p).left.load(std::memory_order_acquire) != 0)
-      throw RemoteError(op_name_, rank(),
-                        "rank " + std::to_string(p) + " destroyed its communicator while this rank waited for it" + at(),
-                        "rank " + std::to_string(p));
-    if (probe && watch_[static_cast<std::size_t>(p)].exited()) {
-      std::uint32_t none = 0;
-      (void)header_->dead.compare_exchange_strong(none, static_cast<std::uint32_t>(p + 1));
-      for (int q = 0; q < size(); ++q) ring(q);
-      throw RemoteError(op_name_, rank(),
-                        "rank " + std::to_string(p) + " (pid " + std::to_string(ctl(p).pid) +
-                            ") died during the operation" + at(),
-                        "rank " + std::to_string(p));
-    }
-    if (Clock::now() < deadline)  // this rank's own abort (Work::wait gave up): end the wait now
-      throw Timeout(op_name_, rank(), "the communicator was aborted while this rank waited for rank " +
-                                          std::to_string(p) + at(), "rank " + std::to_string(p));
-    throw Timeout(op_name_, rank(),
-                  "rank " + std::to_string(p) + " (pid " + std::to_string(ctl(p).pid) + ") did not arrive within " +
-                      std::to_string(timeout().count()) + " ms" + at() + ": stopped, hung, or in another operation",
-                  "rank " + std::to_string(p));
-  }
-
-  static int default_spin(int size) {
-    // Spinning helps only while every rank has a core of its own.
-    const auto cores = static_cast<int>(std::thread::hardware_concurrency());
-    if (auto v = env_nonneg_int("COMM_SHM_SPIN")) return *v;
-    return cores >= size ? 2000 : 16;
-  }
-
   // ---- algorithms ----
 
   // memcpy/memmove of `bytes`, nothing for 0 (an empty buffer's data() may be null).
@@ -560,6 +299,18 @@ class Engine : public EngineCore<Engine> {
   /// Elements per step for element size `e` when each rank writes `pieces` pieces per step.
   [[nodiscard]] std::size_t per_step(std::size_t e, std::size_t pieces = 1) const noexcept {
     return std::max<std::size_t>(layout_.chunk / (e * pieces), 1);
+  }
+
+  /// Runs `f(off, c)` over [0, m) in chunks of at most `k` elements; once (c = 0) when m is 0,
+  /// so that every rank takes the operation's steps whatever its count.
+  template <class F>
+  static void by_chunks(std::size_t m, std::size_t k, F&& f) {
+    std::size_t off = 0;
+    do {
+      const std::size_t c = std::min(k, m - off);
+      f(off, c);
+      off += c;
+    } while (off < m);
   }
 
   /// out = reduction of srcs_[0..n) over `count` elements with op's kernels; `finish` (avg) too.
@@ -644,9 +395,7 @@ class Engine : public EngineCore<Engine> {
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
     const std::size_t k = per_step(e, static_cast<std::size_t>(n));
-    std::size_t off = 0;
-    do {
-      const std::size_t c = std::min(k, m - off);
+    by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
       std::byte* mine = begin(s);
       // Piece r of this step: in[r*m + off, +c), at r*c in the payload.
@@ -657,8 +406,7 @@ class Engine : public EngineCore<Engine> {
       for (int p = 0; p < n; ++p)
         srcs_[static_cast<std::size_t>(p)] = payload(p, s) + static_cast<std::size_t>(rank()) * c * e;
       reduce_from(op, out + off * e, c, true);
-      off += c;
-    } while (off < m);
+    });
   }
 
   void do_all_gather(Op& op) {
@@ -668,9 +416,7 @@ class Engine : public EngineCore<Engine> {
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
     const std::size_t k = per_step(e);
-    std::size_t off = 0;
-    do {
-      const std::size_t c = std::min(k, m - off);
+    by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
       copy(begin(s), in + off * e, c * e);
       publish(s);
@@ -680,8 +426,7 @@ class Engine : public EngineCore<Engine> {
         const std::byte* src = p == rank() ? in + off * e : payload(p, s);
         if (dst != src) move(dst, src, c * e);
       }
-      off += c;
-    } while (off < m);
+    });
   }
 
   /// Publishes step `s` of an operation whose data comes from `root`: the first step is symmetric
@@ -706,9 +451,7 @@ class Engine : public EngineCore<Engine> {
     auto* out = static_cast<std::byte*>(op.out);
     const auto me = static_cast<std::size_t>(rank());
     const std::size_t k = per_step(e, un);
-    std::size_t off = 0;
-    do {
-      const std::size_t c = std::min(k, m - off);
+    by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
       std::byte* mine = begin(s);
       for (std::size_t r = 0; r < un; ++r)
@@ -719,8 +462,7 @@ class Engine : public EngineCore<Engine> {
         const std::byte* src = p == me ? in + (me * m + off) * e : payload(static_cast<int>(p), s) + me * c * e;
         copy(out + (p * m + off) * e, src, c * e);
       }
-      off += c;
-    } while (off < m);
+    });
   }
 
   /// broadcast's pattern with pieces: the root's payload holds a piece for every rank.
@@ -733,10 +475,8 @@ class Engine : public EngineCore<Engine> {
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
     const std::size_t k = per_step(e, un);
-    std::size_t off = 0;
     bool first = true;
-    do {
-      const std::size_t c = std::min(k, m - off);
+    by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
       if (rank() == root) {
         std::byte* mine = begin(s);
@@ -746,8 +486,7 @@ class Engine : public EngineCore<Engine> {
       rooted_step(s, root, first);
       const std::byte* src = rank() == root ? in + (me * m + off) * e : payload(root, s) + me * c * e;
       if (src != out + off * e) move(out + off * e, src, c * e);
-      off += c;
-    } while (off < m);
+    });
   }
 
   void do_broadcast(Op& op) {
@@ -756,16 +495,13 @@ class Engine : public EngineCore<Engine> {
     const int root = op.desc.root;
     auto* data = static_cast<std::byte*>(op.out);
     const std::size_t k = per_step(e);
-    std::size_t off = 0;
     bool first = true;
-    do {
-      const std::size_t c = std::min(k, m - off);
+    by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
       if (rank() == root) copy(begin(s), data + off * e, c * e);
       rooted_step(s, root, first);
       if (rank() != root) copy(data + off * e, payload(root, s), c * e);
-      off += c;
-    } while (off < m);
+    });
   }
 
   void do_gather(Op& op) {
@@ -776,10 +512,8 @@ class Engine : public EngineCore<Engine> {
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
     const std::size_t k = per_step(e);
-    std::size_t off = 0;
     bool first = true;
-    do {
-      const std::size_t c = std::min(k, m - off);
+    by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
       if (rank() != root) copy(begin(s), in + off * e, c * e);
       publish(s);
@@ -798,26 +532,11 @@ class Engine : public EngineCore<Engine> {
           copy(dst, payload(p, s), c * e);
         }
       }
-      off += c;
-    } while (off < m);
+    });
   }
 
-  static constexpr std::chrono::microseconds kYieldPhase{2000};
-  static constexpr std::chrono::milliseconds kSlice{10};
-
-  Layout layout_;
   std::size_t small_max_;
-  Mapping map_;
-  Header* header_ = nullptr;
-  int spin_ = 64;
-  std::uint64_t step_ = 0;
-  std::vector<std::uint64_t> seen_;  // per peer: the last step known published
-  std::vector<ProcessWatch> watch_;
-  std::vector<const void*> srcs_;    // reduction inputs, one per rank
-  std::vector<Fingerprint> table_;   // a desync's fingerprints
-  Fingerprint fp_;                   // the current operation's
-  std::uint64_t op_seq_ = 0;
-  const char* op_name_ = "shm";
+  std::vector<const void*> srcs_;  // reduction inputs, one per rank
   P2PCounters p2p_numbers_{size()};
 };
 

@@ -231,9 +231,11 @@ inline void FileStore::set(std::string_view key, std::span<const std::uint8_t> v
   append("store.set", 'S', key, value);
 }
 
-inline Store::Bytes FileStore::get(std::string_view key) {
-  const auto t = timeout();
-  const auto deadline = detail::deadline_after(t);
+// Looks (`look()` under the lock, after replaying the log when it grew, the first time always)
+// until `look` says done (true) or the deadline passes (false), backing off between looks.
+template <class Look>
+bool FileStore::poll(std::string_view op, std::chrono::milliseconds timeout, Look&& look) {
+  const auto deadline = detail::deadline_after(timeout);
   auto step = std::chrono::microseconds(500);
   for (bool first = true;; first = false) {
     {
@@ -241,19 +243,29 @@ inline Store::Bytes FileStore::get(std::string_view key) {
       struct stat st{};
       const bool changed = ::fstat(fd_.get(), &st) != 0 || static_cast<std::uint64_t>(st.st_size) != replayed_;
       if (first || changed) {
-        Lock lk(*this, false, "store.get", deadline, t);
-        replay("store.get", false);
+        Lock lk(*this, false, op, deadline, timeout);
+        replay(op, false);
       }
-      if (auto it = kv_.find(key); it != kv_.end()) return it->second;
+      if (look()) return true;
     }
-    if (detail::Clock::now() >= deadline) {
-      const std::string k(key);
-      throw Timeout("store.get", rank(),
-                    detail::describe_keys({&k, 1}) + " not set within " + detail::format_ms(t) + " (file '" + path_ +
-                        "')");
-    }
+    if (detail::Clock::now() >= deadline) return false;
     step = detail::file_store::backoff(step, deadline, std::chrono::milliseconds(10));
   }
+}
+
+inline Store::Bytes FileStore::get(std::string_view key) {
+  const auto t = timeout();
+  Bytes value;
+  const bool found = poll("store.get", t, [&] {
+    const auto it = kv_.find(key);
+    if (it == kv_.end()) return false;
+    value = it->second;
+    return true;
+  });
+  if (found) return value;
+  const std::string k(key);
+  throw Timeout("store.get", rank(),
+                detail::describe_keys({&k, 1}) + " not set within " + detail::format_ms(t) + " (file '" + path_ + "')");
 }
 
 inline std::int64_t FileStore::add(std::string_view key, std::int64_t delta) {
@@ -289,27 +301,14 @@ inline std::vector<std::string> FileStore::missing(const std::vector<std::string
 }
 
 inline void FileStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
-  const auto deadline = detail::deadline_after(timeout);
-  auto step = std::chrono::microseconds(500);
-  for (bool first = true;; first = false) {
-    std::vector<std::string> m;
-    {
-      std::lock_guard g(mu_);
-      struct stat st{};
-      const bool changed = ::fstat(fd_.get(), &st) != 0 || static_cast<std::uint64_t>(st.st_size) != replayed_;
-      if (first || changed) {
-        Lock lk(*this, false, "store.wait", deadline, timeout);
-        replay("store.wait", false);
-      }
-      m = missing(keys);
-    }
-    if (m.empty()) return;
-    if (detail::Clock::now() >= deadline)
-      throw Timeout("store.wait", rank(),
-                    detail::describe_keys(m) + " not set within " + detail::format_ms(timeout) + " (file '" + path_ +
-                        "')");
-    step = detail::file_store::backoff(step, deadline, std::chrono::milliseconds(10));
-  }
+  std::vector<std::string> m;
+  if (poll("store.wait", timeout, [&] {
+        m = missing(keys);
+        return m.empty();
+      }))
+    return;
+  throw Timeout("store.wait", rank(),
+                detail::describe_keys(m) + " not set within " + detail::format_ms(timeout) + " (file '" + path_ + "')");
 }
 
 inline std::int64_t FileStore::num_keys() {

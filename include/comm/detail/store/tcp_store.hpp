@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <optional>
 #include <thread>
+#include <type_traits>
 
 #include <gsl/assert>
 
@@ -319,7 +320,6 @@ auto TcpStore::request(std::string_view op, detail::store_proto::Op code, std::c
 
 namespace detail {
 // The writers and readers the calls share.
-inline void no_fields(store_proto::Writer&, Clock::time_point) {}
 inline int read_nothing(store_proto::Reader&) { return 0; }
 inline Store::Bytes read_bytes(store_proto::Reader& r) {
   const auto v = r.bytes();
@@ -328,40 +328,56 @@ inline Store::Bytes read_bytes(store_proto::Reader& r) {
 inline std::int64_t read_i64(store_proto::Reader& r) { return r.i64(); }
 inline bool read_flag(store_proto::Reader& r) { return r.u8() != 0; }
 [[nodiscard]] inline std::uint64_t ms_left(Clock::time_point d) { return static_cast<std::uint64_t>(remaining(d).count()); }
+
+/// A field that says how long the server may hold the request: the milliseconds left to the
+/// call's deadline when the request is written.
+struct TimeLeft {};
+
+inline void put_field(store_proto::Writer& w, Clock::time_point d, const auto& f) {
+  using F = std::remove_cvref_t<decltype(f)>;
+  if constexpr (std::is_same_v<F, TimeLeft>) {
+    w.u64(ms_left(d));
+  } else if constexpr (std::is_same_v<F, std::string_view>) {
+    w.str(f);
+  } else if constexpr (std::is_same_v<F, std::span<const std::uint8_t>>) {
+    w.bytes(f);
+  } else if constexpr (std::is_same_v<F, std::int64_t>) {
+    w.i64(f);
+  } else if constexpr (std::is_same_v<F, std::uint32_t>) {
+    w.u32(f);
+  } else {
+    static_assert(std::is_same_v<F, std::uint64_t>, "a request field is a key or text, a value, a count or TimeLeft");
+    w.u64(f);
+  }
+}
+
+/// The writer of a request whose fields are `f...` in order, each written as its type says
+/// (put_field). The fields are views: they must outlive the call, as the arguments of a store
+/// call do.
+template <class... Fields>
+[[nodiscard]] auto fields(const Fields&... f) {
+  return [=]([[maybe_unused]] store_proto::Writer& w, [[maybe_unused]] Clock::time_point d) { (put_field(w, d, f), ...); };
+}
 }  // namespace detail
 
 inline void TcpStore::set(std::string_view key, std::span<const std::uint8_t> value) {
   check_key("store.set", key);
   check_value("store.set", key, value.size());
   (void)request(
-      "store.set", detail::store_proto::Op::set, timeout(), false,
-      [&](detail::store_proto::Writer& w, detail::Clock::time_point) {
-        w.str(key);
-        w.bytes(value);
-      },
-      detail::read_nothing);
+      "store.set", detail::store_proto::Op::set, timeout(), false, detail::fields(key, value), detail::read_nothing);
 }
 
 inline Store::Bytes TcpStore::get(std::string_view key) {
   check_key("store.get", key);
   return request(
-      "store.get", detail::store_proto::Op::get, timeout(), true,
-      [&](detail::store_proto::Writer& w, detail::Clock::time_point d) {
-        w.str(key);
-        w.u64(detail::ms_left(d));
-      },
+      "store.get", detail::store_proto::Op::get, timeout(), true, detail::fields(key, detail::TimeLeft{}),
       detail::read_bytes, {std::string(key)});
 }
 
 inline std::int64_t TcpStore::add(std::string_view key, std::int64_t delta) {
   check_key("store.add", key);
   return request(
-      "store.add", detail::store_proto::Op::add, timeout(), false,
-      [&](detail::store_proto::Writer& w, detail::Clock::time_point) {
-        w.str(key);
-        w.i64(delta);
-      },
-      detail::read_i64);
+      "store.add", detail::store_proto::Op::add, timeout(), false, detail::fields(key, delta), detail::read_i64);
 }
 
 inline Store::Bytes TcpStore::compare_set(std::string_view key, std::span<const std::uint8_t> expected,
@@ -371,12 +387,7 @@ inline Store::Bytes TcpStore::compare_set(std::string_view key, std::span<const 
   check_value("store.compare_set", key, desired.size());
   return request(
       "store.compare_set", detail::store_proto::Op::compare_set, timeout(), false,
-      [&](detail::store_proto::Writer& w, detail::Clock::time_point) {
-        w.str(key);
-        w.bytes(expected);
-        w.bytes(desired);
-      },
-      detail::read_bytes);
+      detail::fields(key, expected, desired), detail::read_bytes);
 }
 
 inline void TcpStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
@@ -402,25 +413,21 @@ inline void TcpStore::wait(const std::vector<std::string>& keys, std::chrono::mi
 }
 
 inline std::int64_t TcpStore::num_keys() {
-  return request("store.num_keys", detail::store_proto::Op::num_keys, timeout(), false, detail::no_fields,
+  return request("store.num_keys", detail::store_proto::Op::num_keys, timeout(), false, detail::fields(),
                  detail::read_i64);
 }
 
 inline bool TcpStore::delete_key(std::string_view key) {
   check_key("store.delete_key", key);
   return request(
-      "store.delete_key", detail::store_proto::Op::delete_key, timeout(), false,
-      [&](detail::store_proto::Writer& w, detail::Clock::time_point) { w.str(key); }, detail::read_flag);
+      "store.delete_key", detail::store_proto::Op::delete_key, timeout(), false, detail::fields(key),
+      detail::read_flag);
 }
 
 inline bool TcpStore::check(std::string_view key) {
   check_key("store.check", key);
   return request(
-      "store.check", detail::store_proto::Op::check, timeout(), false,
-      [&](detail::store_proto::Writer& w, detail::Clock::time_point) {
-        w.u32(1);
-        w.str(key);
-      },
+      "store.check", detail::store_proto::Op::check, timeout(), false, detail::fields(std::uint32_t{1}, key),
       detail::read_flag);
 }
 
@@ -429,11 +436,7 @@ inline int TcpStore::watch(std::string_view key, std::string_view value, std::ch
   check_value("store.watch", key, value.size());
   return request(
       "store.watch", detail::store_proto::Op::watch, timeout(), false,
-      [&](detail::store_proto::Writer& w, detail::Clock::time_point) {
-        w.str(key);
-        w.str(value);
-        w.u64(static_cast<std::uint64_t>(std::max<std::int64_t>(silence.count(), key.empty() ? 1 : 0)));
-      },
+      detail::fields(key, value, static_cast<std::uint64_t>(std::max<std::int64_t>(silence.count(), key.empty() ? 1 : 0))),
       [](detail::store_proto::Reader& r) { return r.i32(); });
 }
 
@@ -442,7 +445,7 @@ inline std::optional<Store::Bytes> TcpStore::heartbeat(std::chrono::milliseconds
   const auto held = std::max(wait, std::chrono::milliseconds(0));
   return request(
       "store.heartbeat", detail::store_proto::Op::heartbeat, timeout + held, false,
-      [&](detail::store_proto::Writer& w, detail::Clock::time_point) { w.u64(static_cast<std::uint64_t>(held.count())); },
+      detail::fields(static_cast<std::uint64_t>(held.count())),
       [](detail::store_proto::Reader& r) -> std::optional<Bytes> {
         const bool set = r.u8() != 0;
         const auto v = r.bytes();

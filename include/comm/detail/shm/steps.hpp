@@ -1,0 +1,261 @@
+#pragma once
+// The step protocol of the Shm engine over its segment (the file comment of engine.hpp describes
+// it): where each rank's halves, control lines and point-to-point channels lie, publishing a step,
+// waiting for a peer's step (spin, yield, futex sleep) and ending a wait that cannot succeed with
+// the error that names the rank at fault. The engine's algorithms are written on top of it.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <comm/detail/diagnostics/desync.hpp>
+#include <comm/detail/init/env.hpp>
+#include <comm/detail/shm/segment.hpp>
+#include <comm/detail/shm/wait.hpp>
+#include <comm/error.hpp>
+
+namespace comm::detail::shm {
+
+class Steps {
+ protected:
+  using Clock = std::chrono::steady_clock;
+
+  Steps(int rank, int size, std::chrono::milliseconds timeout, std::size_t chunk)
+      : layout_(size, chunk),
+        seen_(static_cast<std::size_t>(size), 0),
+        watch_(static_cast<std::size_t>(size)),
+        table_(static_cast<std::size_t>(size)),
+        step_rank_(rank),
+        step_size_(size),
+        wait_limit_(timeout) {}
+
+  // ---- layout ----
+
+  [[nodiscard]] RankCtl& ctl(int p) const noexcept {
+    return reinterpret_cast<RankCtl*>(map_.base() + layout_.ctl)[p];
+  }
+  [[nodiscard]] HalfHeader* half(int p, std::uint64_t s) const noexcept {
+    return reinterpret_cast<HalfHeader*>(map_.base() + layout_.halves +
+                                         (static_cast<std::size_t>(p) * 2 + (s & 1)) * layout_.half_bytes);
+  }
+  [[nodiscard]] ChannelCtl& channel(int from, int to) const noexcept {
+    return reinterpret_cast<ChannelCtl*>(map_.base() + layout_.channels)[static_cast<std::size_t>(from) *
+                                                                             static_cast<std::size_t>(step_size_) +
+                                                                         static_cast<std::size_t>(to)];
+  }
+  [[nodiscard]] std::byte* channel_slot(int from, int to, std::uint64_t chunk) const noexcept {
+    const std::size_t c = static_cast<std::size_t>(from) * static_cast<std::size_t>(step_size_) + static_cast<std::size_t>(to);
+    return map_.base() + layout_.slots + (c * 2 + (chunk & 1)) * layout_.slot_bytes;
+  }
+  [[nodiscard]] std::byte* payload(int p, std::uint64_t s) const noexcept {
+    return reinterpret_cast<std::byte*>(half(p, s)) + sizeof(std::uint64_t) + sizeof(Fingerprint);
+  }
+  static_assert(sizeof(std::uint64_t) + sizeof(Fingerprint) <= kLine);
+
+  // ---- steps ----
+
+  [[nodiscard]] std::uint64_t next_step() noexcept { return ++step_; }
+
+  /// Returns once every peer has left step s-2 (published s-1), so half s%2 may be rewritten.
+  void ensure_free(std::uint64_t s) {
+    for (int p = 0; p < step_size_; ++p)
+      if (p != step_rank_ && seen_[static_cast<std::size_t>(p)] + 1 < s) wait_published(p, s - 1);
+  }
+
+  /// This rank's payload for step `s`, once it may be written.
+  std::byte* begin(std::uint64_t s) {
+    ensure_free(s);
+    return payload(step_rank_, s);
+  }
+
+  /// Publishes step `s` with the current operation's fingerprint; wakes sleepers on this rank.
+  void publish(std::uint64_t s) {
+    ensure_free(s);  // (the header line is rewritten too)
+    HalfHeader* h = half(step_rank_, s);
+    std::memcpy(reinterpret_cast<std::byte*>(h) + sizeof(std::uint64_t), &fp_, sizeof(Fingerprint));
+    h->step.store(s, std::memory_order_seq_cst);
+    if (ctl(step_rank_).sleepers.load(std::memory_order_seq_cst) != 0) ring(step_rank_);
+  }
+
+  void ring(int p) noexcept {
+    ctl(p).bell.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&ctl(p).bell);
+  }
+
+  /// Waits until peer `p` has published step `s`, then checks its fingerprint.
+  void wait_step(int p, std::uint64_t s) {
+    wait_published(p, s);
+    const auto* f = reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(half(p, s)) +
+                                                         sizeof(std::uint64_t));
+    if (!same(*f, fp_)) desync(s);
+  }
+
+  /// The first step of every operation: waits for every peer and compares every fingerprint.
+  void wait_all(std::uint64_t s) {
+    bool mismatch = false;
+    for (int p = 0; p < step_size_; ++p) {
+      if (p == step_rank_) continue;
+      wait_published(p, s);
+      const auto* f = reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(half(p, s)) +
+                                                           sizeof(std::uint64_t));
+      mismatch = mismatch || !same(*f, fp_);
+    }
+    if (mismatch) desync(s);
+  }
+
+  /// Every peer has published `s` (wait_all/wait_step done): DesyncError naming every call.
+  [[noreturn]] void desync(std::uint64_t s) {
+    for (int p = 0; p < step_size_; ++p) {
+      if (p != step_rank_) wait_published(p, s);
+      std::memcpy(&table_[static_cast<std::size_t>(p)],
+                  p == step_rank_ ? static_cast<const void*>(&fp_)
+                              : reinterpret_cast<const std::byte*>(half(p, s)) + sizeof(std::uint64_t),
+                  sizeof(Fingerprint));
+    }
+    auto msg = desync_message(table_);
+    if (msg.empty()) msg = "a peer ran a different step of this operation";
+    throw DesyncError(op_name_, step_rank_,
+                      "desync (always checked on shm): " + msg +
+                          "; every rank must issue the same collectives in the same order with matching sizes");
+  }
+
+  /// Waits until `p`'s half (s%2) holds step s or later.
+  void wait_published(int p, std::uint64_t s) {
+    auto& seen = seen_[static_cast<std::size_t>(p)];
+    if (seen >= s) return;
+    const auto& w = half(p, s)->step;
+    if (w.load(std::memory_order_acquire) >= s) {
+      seen = s;
+      return;
+    }
+    for (int i = 0; i < spin_; ++i) {
+      cpu_relax();
+      if (w.load(std::memory_order_acquire) >= s) {
+        seen = s;
+        return;
+      }
+    }
+    wait_slow(p, s, w);
+    seen = s;
+  }
+
+  void wait_slow(int p, std::uint64_t s, const std::atomic<std::uint64_t>& w) {
+    const auto deadline = Clock::now() + wait_limit_;
+    auto ready = [&] { return w.load(std::memory_order_acquire) >= s; };
+    // Then yield for a while: a peer that shares this core (the scheduler does not always spread
+    // the ranks) runs at once, and one on another core costs a system call per check. Only a peer
+    // that is really busy or stopped sends this rank to sleep.
+    const auto yield_until = Clock::now() + kYieldPhase;
+    for (int i = 0;; ++i) {
+      if (ready()) return;
+      std::this_thread::yield();
+      if (i % 64 == 63) {
+        if (!check_peers(p, s, deadline, false, w)) return;
+        if (Clock::now() >= yield_until) break;
+      }
+    }
+    RankCtl& c = ctl(p);
+    for (;;) {
+      c.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      const std::uint32_t bell = c.bell.load(std::memory_order_seq_cst);
+      if (ready()) {
+        c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        return;
+      }
+      const auto left = deadline - Clock::now();
+      futex_wait(&c.bell, bell, std::min<std::chrono::nanoseconds>(kSlice, std::max<Clock::duration>(left, {})));
+      c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      if (ready() || !check_peers(p, s, deadline, true, w)) return;
+    }
+  }
+
+  /// Ends a wait on peer `p` that cannot succeed: a rank found dead, the communicator aborted by a
+  /// rank, `p` gone, or the deadline passed. Returns false when the step arrived after all: a peer
+  /// may publish its last step and then exit or destroy its communicator at once.
+  bool check_peers(int p, std::uint64_t s, Clock::time_point deadline, bool probe,
+                   const std::atomic<std::uint64_t>& w) {
+    return check_peer(
+        p, deadline, probe, [&] { return w.load(std::memory_order_acquire) >= s; },
+        [&] { return " (op #" + std::to_string(op_seq_) + ", step " + std::to_string(s) + ")"; });
+  }
+
+  /// check_peers for any wait on peer `p`: `ready()` re-checks the awaited condition, `at()` says
+  /// where this rank waited.
+  template <class Ready, class At>
+  bool check_peer(int p, Clock::time_point deadline, bool probe, Ready ready, At at) {
+    const bool gone = header_->dead.load(std::memory_order_acquire) != 0 ||
+                      header_->abort.load(std::memory_order_acquire) != 0 ||
+                      ctl(p).left.load(std::memory_order_acquire) != 0 ||
+                      (probe && watch_[static_cast<std::size_t>(p)].exited()) || Clock::now() >= deadline;
+    if (!gone) return true;
+    if (ready()) return false;
+    if (const auto d = header_->dead.load(std::memory_order_acquire); d != 0) {
+      const int r = static_cast<int>(d) - 1;
+      throw RemoteError(op_name_, step_rank_,
+                        "rank " + std::to_string(r) + " (pid " + std::to_string(ctl(r).pid) +
+                            ") died during the operation" + at(),
+                        "rank " + std::to_string(r));
+    }
+    if (const auto a = header_->abort.load(std::memory_order_acquire); a != 0 && static_cast<int>(a) - 1 != step_rank_) {
+      const int r = static_cast<int>(a) - 1;
+      throw RemoteError(op_name_, step_rank_,
+                        "rank " + std::to_string(r) + " failed and aborted the communicator" + at(),
+                        "rank " + std::to_string(r));
+    }
+    if (ctl(p).left.load(std::memory_order_acquire) != 0)
+      throw RemoteError(op_name_, step_rank_,
+                        "rank " + std::to_string(p) + " destroyed its communicator while this rank waited for it" + at(),
+                        "rank " + std::to_string(p));
+    if (probe && watch_[static_cast<std::size_t>(p)].exited()) {
+      std::uint32_t none = 0;
+      (void)header_->dead.compare_exchange_strong(none, static_cast<std::uint32_t>(p + 1));
+      for (int q = 0; q < step_size_; ++q) ring(q);
+      throw RemoteError(op_name_, step_rank_,
+                        "rank " + std::to_string(p) + " (pid " + std::to_string(ctl(p).pid) +
+                            ") died during the operation" + at(),
+                        "rank " + std::to_string(p));
+    }
+    if (Clock::now() < deadline)  // this rank's own abort (Work::wait gave up): end the wait now
+      throw Timeout(op_name_, step_rank_, "the communicator was aborted while this rank waited for rank " +
+                                          std::to_string(p) + at(), "rank " + std::to_string(p));
+    throw Timeout(op_name_, step_rank_,
+                  "rank " + std::to_string(p) + " (pid " + std::to_string(ctl(p).pid) + ") did not arrive within " +
+                      std::to_string(wait_limit_.count()) + " ms" + at() + ": stopped, hung, or in another operation",
+                  "rank " + std::to_string(p));
+  }
+
+  static int default_spin(int size) {
+    // Spinning helps only while every rank has a core of its own.
+    const auto cores = static_cast<int>(std::thread::hardware_concurrency());
+    if (auto v = env_nonneg_int("COMM_SHM_SPIN")) return *v;
+    return cores >= size ? 2000 : 16;
+  }
+
+  static constexpr std::chrono::microseconds kYieldPhase{2000};
+  static constexpr std::chrono::milliseconds kSlice{10};
+
+  Layout layout_;
+  Mapping map_;
+  Header* header_ = nullptr;
+  int spin_ = 64;
+  std::uint64_t step_ = 0;
+  std::vector<std::uint64_t> seen_;  // per peer: the last step known published
+  std::vector<ProcessWatch> watch_;
+  std::vector<Fingerprint> table_;   // a desync's fingerprints
+  Fingerprint fp_;                   // the current operation's
+  std::uint64_t op_seq_ = 0;
+  const char* op_name_ = "shm";
+
+ private:
+  int step_rank_;
+  int step_size_;
+  std::chrono::milliseconds wait_limit_;
+};
+
+}  // namespace comm::detail::shm
