@@ -280,15 +280,12 @@ struct RelayOptions : CommonOptions {};
 /// else. Move-only.
 class Relay : public comm::detail::ForwardOps<Relay>,
               public comm::detail::BackendDiagnostics<Relay>,
-              public comm::detail::Subgroups<Relay> {
+              public comm::detail::Subgroups<Relay>,
+              public comm::detail::HostReductions {
  public:
   using backend_concept = comm::backend_t;
   static constexpr std::string_view name = "relay";
   using Options = RelayOptions;
-
-  static constexpr bool supports_dtype(Dtype) noexcept { return true; }
-  static constexpr bool supports_reduction(ReduceOp op, Dtype d) noexcept { return !is_bitwise(op) || !is_floating(d); }
-  static constexpr bool custom_reductions = true;
 
   [[nodiscard]] static Relay create(std::shared_ptr<Store> store, int rank, int size, const Options& options = {}) {
     comm::detail::check_create("relay.init", store, rank, size, options);
