@@ -70,26 +70,6 @@ class AnyCommImpl {
   virtual void dump_flight_record(const std::string& path) const = 0;
 };
 
-/// Calls `f.template operator()<T>()` with T the element type named by `d`.
-template <class F>
-decltype(auto) visit_dtype(Dtype d, F&& f) {
-  switch (d) {
-    case Dtype::int8: return f.template operator()<std::int8_t>();
-    case Dtype::uint8: return f.template operator()<std::uint8_t>();
-    case Dtype::int32: return f.template operator()<std::int32_t>();
-    case Dtype::uint32: return f.template operator()<std::uint32_t>();
-    case Dtype::int64: return f.template operator()<std::int64_t>();
-    case Dtype::uint64: return f.template operator()<std::uint64_t>();
-    case Dtype::float16: return f.template operator()<half>();
-    case Dtype::bfloat16: return f.template operator()<bfloat16>();
-    case Dtype::float32: return f.template operator()<float>();
-    case Dtype::float64: return f.template operator()<double>();
-    case Dtype::float8_e4m3: return f.template operator()<float8_e4m3>();
-    case Dtype::float8_e5m2: return f.template operator()<float8_e5m2>();
-  }
-  throw InvalidArgument("dispatch", -1, "unknown element type " + std::to_string(static_cast<int>(d)));
-}
-
 template <class B>
 inline constexpr char backend_type_id = 0;  // its address identifies B without RTTI
 
