@@ -1,6 +1,10 @@
 #pragma once
 // The one virtual layer under comm::AnyCommunicator (any_communicator.hpp): the erased call
-// surface, and its model over a typed Communicator<B>.
+// surface, and its model over a typed Communicator<B>. Where B's engine takes operation records
+// (every EngineCore engine: Gloo, Shm, Mpi, Hierarchical), a call stays erased all the way down:
+// the model runs the facade's checks (detail/facade/checks.hpp) on the erased arguments, builds
+// one Op record and hands it to the engine. NCCL, and device buffers (Gloo stages them in its typed
+// operations), take the typed path through Communicator<B>.
 
 #include <array>
 #include <chrono>
@@ -115,8 +119,8 @@ class AnyCommModel final : public AnyCommImpl {
                   bool async) override {
     if constexpr (kErased) {
       if (host(in, out)) {
-        check_custom(op, "all_reduce");
         const ArgChecks chk = checks(d, "all_reduce");
+        check_custom(op, "all_reduce");
         Op o = erased_op(OpKind::all_reduce, d, in, out, in_n, out_n);
         set_erased_reduction(chk, o, d, op, async);
         chk.all_reduce({in, in_n}, {out, out_n});
@@ -137,8 +141,8 @@ class AnyCommModel final : public AnyCommImpl {
                       bool async) override {
     if constexpr (kErased) {
       if (host(in, out)) {
-        check_custom(op, "reduce_scatter");
         const ArgChecks chk = checks(d, "reduce_scatter");
+        check_custom(op, "reduce_scatter");
         Op o = erased_op(OpKind::reduce_scatter, d, in, out, in_n, out_n);
         set_erased_reduction(chk, o, d, op, async);
         chk.reduce_scatter({in, in_n}, {out, out_n});
@@ -208,8 +212,8 @@ class AnyCommModel final : public AnyCommImpl {
               bool async) override {
     if constexpr (kErased && supports_full_surface<B>) {
       if (host(in, out)) {
-        check_custom(op, "reduce");
         const ArgChecks chk = checks(d, "reduce");
+        check_custom(op, "reduce");
         chk.reduce({in, in_n}, {out, out_n}, root);
         Op o = erased_op(OpKind::reduce, d, in, out, in_n, out_n, root);
         set_erased_reduction(chk, o, d, op, async);
@@ -415,7 +419,7 @@ class AnyCommModel final : public AnyCommImpl {
     return ArgChecks{name, c_.rank(), c_.size(), size_of(d)};
   }
 
-  /// A custom callable's support (first, as the typed path checks it).
+  /// A custom callable's support (after the element type's, before the rest, as in the typed path).
   void check_custom(const ErasedOp& r, const char* name) const {
     if (r.custom != nullptr && !supports_custom_reduction<B>)
       throw InvalidArgument(name, c_.rank(),
