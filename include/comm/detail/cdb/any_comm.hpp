@@ -443,6 +443,8 @@ class AnyCommModel final : public AnyCommImpl {
     }
   }
 
+  template <class Policy = B>
+    requires erased_launch<Policy>
   Work launch(Op& op, bool async) {
     if (async) return ErasedLaunch::launch(c_.backend(), op, comm::async);
     ErasedLaunch::launch(c_.backend(), op, blocking);
