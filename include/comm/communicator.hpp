@@ -5,11 +5,7 @@
 /// time, then calls the backend directly (no virtual calls).
 ///
 /// ### Buffers
-/// Every buffer parameter takes a `std::span<T>` (`std::span<const T>` for inputs) or any contiguous
-/// sized range of an element type — `std::vector<float>&`, `std::array`, a `std::span<float>` for an
-/// input — so `c.all_reduce(v)` and `c.all_gather(std::span<float>(v), out)` both work. Inputs and
-/// outputs must have the same element type. Async calls need buffers that outlive the call (an lvalue
-/// container or a span, never a temporary) and must not be touched until the Work completes.
+/// Any contiguous sized range of an element type (see <comm/buffers.hpp>).
 ///
 /// ### Reductions
 /// `op` is a runtime `comm::ReduceOp` (default `sum`), a compile-time op (`comm::op::sum`...,
@@ -59,7 +55,10 @@
 #include <utility>
 #include <vector>
 
+#include <comm/buffers.hpp>
 #include <comm/concepts.hpp>
+#include <comm/detail/facade/checks.hpp>
+#include <comm/detail/facade/reduction.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/init.hpp>
@@ -68,127 +67,6 @@
 #include <comm/work.hpp>
 
 namespace comm {
-
-/// Anything the facade accepts as a buffer: a contiguous sized range (std::span, std::vector,
-/// std::array...). Its element type is checked by the operation, with the element concept's message.
-template <class R>
-concept buffer_range = std::ranges::contiguous_range<R> && std::ranges::sized_range<R>;
-
-namespace detail {
-
-template <buffer_range R>
-using buffer_value_t = std::remove_cv_t<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
-
-template <buffer_range R>
-inline constexpr bool is_mutable_buffer_v = !std::is_const_v<std::remove_reference_t<std::ranges::range_reference_t<R>>>;
-
-template <class X>
-concept async_tag = std::same_as<std::remove_cvref_t<X>, async_t>;
-
-template <class X>
-concept runtime_op = std::same_as<std::remove_cvref_t<X>, ReduceOp>;
-
-/// A compile-time reduction argument: a built-in op object or a would-be custom callable (checked
-/// later with a clear message). Buffers, tags, numbers and ReduceOp values are not.
-template <class X>
-concept op_object = !runtime_op<X> && !async_tag<X> && !buffer_range<X> &&
-                    !std::is_arithmetic_v<std::remove_cvref_t<X>> && std::is_object_v<std::remove_cvref_t<X>>;
-
-template <class X>
-concept reduction_arg = runtime_op<X> || op_object<X>;
-
-template <class... A>
-struct reduce_tail_traits {
-  static constexpr bool valid = false;
-  static constexpr bool is_async = false;
-};
-template <>
-struct reduce_tail_traits<> {
-  static constexpr bool valid = true;
-  static constexpr bool is_async = false;
-};
-template <class A>
-struct reduce_tail_traits<A> {
-  static constexpr bool valid = reduction_arg<A> || async_tag<A>;
-  static constexpr bool is_async = async_tag<A>;
-};
-template <class A, class B>
-struct reduce_tail_traits<A, B> {
-  static constexpr bool valid = reduction_arg<A> && async_tag<B>;
-  static constexpr bool is_async = true;
-};
-
-template <class X>
-inline constexpr bool is_p2p_op = false;
-template <class T>
-inline constexpr bool is_p2p_op<P2POp<T>> = true;
-
-}  // namespace detail
-
-/// What may follow the buffers of a reducing collective: `[op] [comm::async]`, where op is a
-/// ReduceOp, a compile-time op object or a callable (checked by the operation).
-template <class... A>
-concept reduce_args = detail::reduce_tail_traits<A...>::valid;
-
-/// A range of comm::P2POp entries (comm::isend / comm::irecv), for batch_isend_irecv.
-template <class R>
-concept p2p_op_range = buffer_range<R> && detail::is_p2p_op<std::remove_cvref_t<std::ranges::range_reference_t<R>>>;
-
-/// What a reducing collective returns for the trailing arguments `A...` (`[op] [comm::async]`):
-/// `comm::Work` when they end with comm::async, else `void`.
-template <class... A>
-using reduce_result_t = std::conditional_t<detail::reduce_tail_traits<A...>::is_async, Work, void>;
-
-namespace detail {
-
-/// The element type a buffer hands the backend (see canonical_element_t); naming it for a range
-/// of anything else is the element concept's message, before any other error of the call.
-template <buffer_range R>
-using element_value_t = checked_element_t<buffer_value_t<R>>;
-
-template <class In, class Out>
-inline constexpr bool same_element_v = std::is_same_v<element_value_t<In>, element_value_t<Out>>;
-
-/// The buffer as a span of the type the backend receives: `long long` elements are viewed as
-/// std::int64_t (same size and representation: what MPI_LONG_LONG and ncclInt64 read).
-template <buffer_range R>
-[[nodiscard]] constexpr auto as_span(R&& r) noexcept {
-  using E = std::remove_reference_t<std::ranges::range_reference_t<R>>;
-  using C = canonical_element_t<std::remove_cv_t<E>>;
-  if constexpr (std::is_same_v<C, std::remove_cv_t<E>>) {
-    return std::span<E>(std::ranges::data(r), std::ranges::size(r));
-  } else {
-    using V = std::conditional_t<std::is_const_v<E>, const C, C>;
-    static_assert(sizeof(C) == sizeof(E) && alignof(C) == alignof(E));
-    return std::span<V>(reinterpret_cast<V*>(std::ranges::data(r)), std::ranges::size(r));
-  }
-}
-
-[[nodiscard]] inline bool overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept {
-  if (a_bytes == 0 || b_bytes == 0) return false;
-  const auto pa = reinterpret_cast<std::uintptr_t>(a);
-  const auto pb = reinterpret_cast<std::uintptr_t>(b);
-  return pa < pb + b_bytes && pb < pa + a_bytes;
-}
-
-enum class reduction_kind { all_reduce, reduce_scatter };
-
-/// Calls f(op, launch) from the trailing arguments `[op] [comm::async]` of a reducing call.
-template <class F, class... A>
-auto with_reduce_tail(F&& f, A&&... a) {
-  if constexpr (sizeof...(A) == 0) {
-    return f(op::sum, blocking);
-  } else if constexpr (sizeof...(A) == 1) {
-    if constexpr ((async_tag<A> && ...))
-      return f(op::sum, async);
-    else
-      return f(std::forward<A>(a)..., blocking);
-  } else {
-    return f(std::forward<A>(a)...);
-  }
-}
-
-}  // namespace detail
 
 /// A group of ranks and the collectives among them, over backend policy `Backend`.
 /// Move-only. A moved-from Communicator may only be destroyed or assigned to.
@@ -494,7 +372,7 @@ class Communicator {
                   "comm: this backend cannot make groups (it lacks the optional capability "
                   "`std::optional<B> new_group(std::span<const int> ranks)`, see concepts.hpp)");
     if constexpr (supports_new_group<Backend>) {
-      check_group_ranks(ranks);
+      checks("new_group").group_ranks(ranks);
       auto g = b_.new_group(ranks);
       if (!g) return std::nullopt;
       return std::optional<Communicator>(std::in_place, std::move(*g));
@@ -566,85 +444,18 @@ class Communicator {
                     "std::span, not a temporary");
   }
 
-  /// Maps the op argument to what the backend receives, checking it (at compile time for op
-  /// objects, at run time for ReduceOp values).
-  template <class T, class Op>
-  auto normalize_op(const char* name, Op&& o) const {
-    using O = std::remove_cvref_t<Op>;
-    if constexpr (std::is_same_v<O, ReduceOp>) {
-      check_runtime_op<T>(name, o);
-      return ReduceOp{o};
-    } else if constexpr (std::is_same_v<O, op::premul_sum_t>) {
-      static_assert(floating_element<T>, "comm: premul_sum needs a floating element type");
-      static_assert(!floating_element<T> || supports_reduction<Backend, T, ReduceOp::sum>,
-                    "comm: this backend does not support sum on this element type");
-      return o;
-    } else if constexpr (builtin_reduction<O>) {
-      constexpr ReduceOp r = reduce_op_of<O>;
-      static_assert(!is_bitwise(r) || integral_element<T>,
-                    "comm: bitwise reductions (band/bor/bxor) need an integer element type");
-      static_assert((is_bitwise(r) && !integral_element<T>) || supports_reduction<Backend, T, r>,
-                    "comm: this backend does not support this reduction on this element type");
-      return op::builtin<r>{};
-    } else {
-      static_assert(custom_reduction<O, T>,
-                    "comm: a reduction must be a comm::ReduceOp, a comm::op::* object, std::plus<> and friends, or a "
-                    "callable T(T, T) for the buffer's element type T");
-      static_assert(!custom_reduction<O, T> || supports_custom_reduction<Backend>,
-                    "comm: this backend cannot run custom reduction callables; use a comm::op::* object or a "
-                    "ReduceOp");
-      return custom_op<O>{std::forward<Op>(o)};
-    }
+  /// The run-time checks of operation `name` (detail/facade/checks.hpp, shared with
+  /// AnyCommunicator), for elements of T.
+  template <class T = std::byte>
+  [[nodiscard]] detail::ArgChecks checks(const char* name) const {
+    return detail::ArgChecks{name, rank(), size(), sizeof(T)};
   }
-
   template <class T>
-  void check_runtime_op(const char* name, ReduceOp r) const {
-    if (static_cast<unsigned>(r) > static_cast<unsigned>(ReduceOp::bxor))
-      throw InvalidArgument(name, rank(),
-                            "reduction value " + std::to_string(static_cast<unsigned>(r)) + " is not a ReduceOp");
-    if (is_bitwise(r) && !integral_element<T>)
-      throw InvalidArgument(name, rank(),
-                            "reduction " + std::string(to_string(r)) + " is not supported for element type " +
-                                std::string(to_string(dtype_of<T>)) +
-                                ": bitwise reductions (band/bor/bxor) need an integer element type");
-    if (!Backend::supports_reduction(r, dtype_of<T>))
-      throw InvalidArgument(name, rank(),
-                            "reduction " + std::string(to_string(r)) + " is not supported for element type " +
-                                std::string(to_string(dtype_of<T>)) + " by the " + std::string(Backend::name) +
-                                " backend");
+  static detail::ArgBuf buf(std::span<T> s) noexcept {
+    return detail::ArgBuf{s.data(), s.size()};
   }
 
-  [[noreturn]] void invalid(const char* name, const std::string& what) const {
-    throw InvalidArgument(name, rank(), what);
-  }
-
-  static std::string n_elems(std::size_t n) { return std::to_string(n) + (n == 1 ? " element" : " elements"); }
-
-  void check_group_ranks(std::span<const int> ranks) const {
-    if (ranks.empty()) invalid("new_group", "the list of ranks is empty: a group needs at least one rank");
-    std::vector<char> seen(static_cast<std::size_t>(size()), 0);
-    for (const int r : ranks) {
-      if (r < 0 || r >= size())
-        invalid("new_group", "rank " + std::to_string(r) + " is out of range [0, " + std::to_string(size()) + ")");
-      if (seen[static_cast<std::size_t>(r)]++)
-        invalid("new_group", "rank " + std::to_string(r) + " is listed twice");
-    }
-  }
-
-  void check_root(const char* name, int root) const {
-    if (root < 0 || root >= size())
-      invalid(name, "root " + std::to_string(root) + " is out of range [0, " + std::to_string(size()) + ")");
-  }
-
-  /// `part` must be disjoint from `whole`, or exactly this rank's slot of it.
-  template <class T>
-  void check_slot_overlap(const char* name, std::span<const T> part, std::span<const T> whole, const char* part_name,
-                          const char* whole_name) const {
-    const T* slot = whole.data() + static_cast<std::size_t>(rank()) * part.size();
-    if (part.data() != slot && detail::overlap(part.data(), part.size_bytes(), whole.data(), whole.size_bytes()))
-      invalid(name, std::string(part_name) + " overlaps " + whole_name + " other than exactly at this rank's slot (" +
-                        whole_name + " + rank()*" + part_name + ".size())");
-  }
+  [[noreturn]] void invalid(const char* name, const std::string& what) const { checks(name).invalid(what); }
 
   // ---- entry points: split the trailing arguments, check, call the backend ----
 
@@ -666,39 +477,30 @@ class Communicator {
   auto reduce_checked(detail::reduction_kind kind, std::span<const T> in, std::span<T> out, Op&& o, Launch l) {
     const bool ar = kind == detail::reduction_kind::all_reduce;
     const char* name = ar ? "all_reduce" : "reduce_scatter";
-    auto red = normalize_op<T>(name, std::forward<Op>(o));
-    const auto n = static_cast<std::size_t>(size());
+    auto red = detail::normalize_op<Backend, T>(checks(name), std::forward<Op>(o));
     if (ar) {
-      if (in.size() != out.size())
-        invalid(name, "input has " + n_elems(in.size()) + " but output has " + std::to_string(out.size()) +
-                          "; they must be equal");
-      if (in.data() != out.data() && detail::overlap(in.data(), in.size_bytes(), out.data(), out.size_bytes()))
-        invalid(name, "input and output overlap partially; pass one buffer for an in-place all_reduce");
+      checks<T>(name).all_reduce(buf(in), buf(out));
       return b_.all_reduce(in, out, std::move(red), l);
     }
-    if (in.size() != n * out.size())
-      invalid(name, "input has " + n_elems(in.size()) + ", expected size()*output = " +
-                        std::to_string(n * out.size()) + " (size() = " + std::to_string(n) + ", output has " +
-                        n_elems(out.size()) + ")");
-    check_slot_overlap<T>(name, std::span<const T>(out), in, "output", "input");
+    checks<T>(name).reduce_scatter(buf(in), buf(out));
     return b_.reduce_scatter(in, out, std::move(red), l);
+  }
+
+  /// The spans of a (input, output) pair, after the compile-time checks of operation `name`.
+  template <class In, class Out, bool IsAsync>
+  static auto in_out(const char* name, In& in_r, Out& out_r) {
+    using T = detail::element_value_t<Out>;
+    check_buffer<In, false, IsAsync>(name);
+    check_buffer<Out, true, IsAsync>(name);
+    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
+    return std::pair<std::span<const T>, std::span<T>>(detail::as_span(in_r), detail::as_span(out_r));
   }
 
   template <class In, class Out, class Launch>
   auto all_gather_entry(In& in_r, Out& out_r, Launch l) {
     using T = detail::element_value_t<Out>;
-    constexpr bool is_async = std::is_same_v<Launch, async_t>;
-    check_buffer<In, false, is_async>("all_gather");
-    check_buffer<Out, true, is_async>("all_gather");
-    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
-    const std::span<const T> in = detail::as_span(in_r);
-    const std::span<T> out = detail::as_span(out_r);
-    const auto n = static_cast<std::size_t>(size());
-    if (out.size() != n * in.size())
-      invalid("all_gather", "output has " + n_elems(out.size()) + ", expected size()*input = " +
-                                std::to_string(n * in.size()) + " (size() = " + std::to_string(n) + ", input has " +
-                                n_elems(in.size()) + ")");
-    check_slot_overlap<T>("all_gather", in, std::span<const T>(out), "input", "output");
+    auto [in, out] = in_out<In, Out, std::is_same_v<Launch, async_t>>("all_gather", in_r, out_r);
+    checks<T>("all_gather").all_gather(buf(in), buf(out));
     return b_.all_gather(in, out, l);
   }
 
@@ -706,28 +508,15 @@ class Communicator {
   auto broadcast_entry(Data& data_r, int root, Launch l) {
     using T = detail::element_value_t<Data>;
     check_buffer<Data, true, std::is_same_v<Launch, async_t>>("broadcast");
-    check_root("broadcast", root);
+    checks("broadcast").root(root);
     return b_.broadcast(std::span<T>(detail::as_span(data_r)), root, l);
   }
 
   template <class In, class Out, class Launch>
   auto gather_entry(In& in_r, Out& out_r, int root, Launch l) {
     using T = detail::element_value_t<Out>;
-    constexpr bool is_async = std::is_same_v<Launch, async_t>;
-    check_buffer<In, false, is_async>("gather");
-    check_buffer<Out, true, is_async>("gather");
-    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
-    const std::span<const T> in = detail::as_span(in_r);
-    const std::span<T> out = detail::as_span(out_r);
-    check_root("gather", root);
-    if (rank() == root) {
-      const auto n = static_cast<std::size_t>(size());
-      if (out.size() != n * in.size())
-        invalid("gather", "output has " + n_elems(out.size()) + " on the root, expected size()*input = " +
-                              std::to_string(n * in.size()) + " (size() = " + std::to_string(n) + ", input has " +
-                              n_elems(in.size()) + ")");
-      check_slot_overlap<T>("gather", in, std::span<const T>(out), "input", "output");
-    }
+    auto [in, out] = in_out<In, Out, std::is_same_v<Launch, async_t>>("gather", in_r, out_r);
+    checks<T>("gather").gather(buf(in), buf(out), root);
     return b_.gather(in, out, root, l);
   }
 
@@ -739,28 +528,13 @@ class Communicator {
                   "supports_full_surface, see concepts.hpp)");
   }
 
-  void check_peer(const char* name, int peer, int tag) const {
-    if (peer < 0 || peer >= size())
-      invalid(name, "peer " + std::to_string(peer) + " is out of range [0, " + std::to_string(size()) + ")");
-    if (peer == rank())
-      invalid(name, "peer " + std::to_string(peer) + " is this rank; a rank cannot send to or receive from itself");
-    if (tag < 0) invalid(name, "tag " + std::to_string(tag) + " is negative; tags are >= 0");
-  }
-
   template <class T, class... A>
   auto reduce_root_entry(std::span<const T> in, std::span<T> out, int root, A&&... a) {
     check_full_surface();
-    check_root("reduce", root);
-    if (rank() == root) {
-      if (out.size() != in.size())
-        invalid("reduce", "output has " + n_elems(out.size()) + " on the root but input has " + n_elems(in.size()) +
-                              "; they must be equal");
-      if (in.data() != out.data() && detail::overlap(in.data(), in.size_bytes(), out.data(), out.size_bytes()))
-        invalid("reduce", "input and output overlap partially; pass one buffer for an in-place reduce");
-    }
+    checks<T>("reduce").reduce(buf(in), buf(out), root);
     return detail::with_reduce_tail(
         [&](auto&& o, auto l) {
-          auto red = normalize_op<T>("reduce", std::forward<decltype(o)>(o));
+          auto red = detail::normalize_op<Backend, T>(checks("reduce"), std::forward<decltype(o)>(o));
           if constexpr (supports_full_surface<Backend>)
             return b_.reduce(in, out, root, std::move(red), l);
         },
@@ -771,21 +545,8 @@ class Communicator {
   auto scatter_entry(In& in_r, Out& out_r, int root, Launch l) {
     using T = detail::element_value_t<Out>;
     check_full_surface();
-    constexpr bool is_async = std::is_same_v<Launch, async_t>;
-    check_buffer<In, false, is_async>("scatter");
-    check_buffer<Out, true, is_async>("scatter");
-    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
-    const std::span<const T> in = detail::as_span(in_r);
-    const std::span<T> out = detail::as_span(out_r);
-    check_root("scatter", root);
-    if (rank() == root) {
-      const auto n = static_cast<std::size_t>(size());
-      if (in.size() != n * out.size())
-        invalid("scatter", "input has " + n_elems(in.size()) + " on the root, expected size()*output = " +
-                               std::to_string(n * out.size()) + " (size() = " + std::to_string(n) + ", output has " +
-                               n_elems(out.size()) + ")");
-      check_slot_overlap<T>("scatter", std::span<const T>(out), in, "output", "input");
-    }
+    auto [in, out] = in_out<In, Out, std::is_same_v<Launch, async_t>>("scatter", in_r, out_r);
+    checks<T>("scatter").scatter(buf(in), buf(out), root);
     if constexpr (supports_full_surface<Backend>) return b_.scatter(in, out, root, l);
   }
 
@@ -793,18 +554,8 @@ class Communicator {
   auto all_to_all_entry(In& in_r, Out& out_r, Launch l) {
     using T = detail::element_value_t<Out>;
     check_full_surface();
-    constexpr bool is_async = std::is_same_v<Launch, async_t>;
-    check_buffer<In, false, is_async>("all_to_all");
-    check_buffer<Out, true, is_async>("all_to_all");
-    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
-    const std::span<const T> in = detail::as_span(in_r);
-    const std::span<T> out = detail::as_span(out_r);
-    const auto n = static_cast<std::size_t>(size());
-    if (in.size() != out.size() || in.size() % n != 0)
-      invalid("all_to_all", "input has " + n_elems(in.size()) + " and output " + n_elems(out.size()) +
-                                "; both must hold size() = " + std::to_string(n) + " equal blocks");
-    if (detail::overlap(in.data(), in.size_bytes(), out.data(), out.size_bytes()))
-      invalid("all_to_all", "input and output overlap; all_to_all needs separate buffers");
+    auto [in, out] = in_out<In, Out, std::is_same_v<Launch, async_t>>("all_to_all", in_r, out_r);
+    checks<T>("all_to_all").all_to_all(buf(in), buf(out));
     if constexpr (supports_full_surface<Backend>) return b_.all_to_all(in, out, l);
   }
 
@@ -813,36 +564,8 @@ class Communicator {
                           std::span<const std::size_t> out_counts, Launch l) {
     using T = detail::element_value_t<Out>;
     check_full_surface();
-    constexpr bool is_async = std::is_same_v<Launch, async_t>;
-    check_buffer<In, false, is_async>("all_to_all_v");
-    check_buffer<Out, true, is_async>("all_to_all_v");
-    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
-    const std::span<const T> in = detail::as_span(in_r);
-    const std::span<T> out = detail::as_span(out_r);
-    const auto n = static_cast<std::size_t>(size());
-    if (in_counts.size() != n || out_counts.size() != n)
-      invalid("all_to_all_v", "in_counts has " + std::to_string(in_counts.size()) + " entries and out_counts " +
-                                  std::to_string(out_counts.size()) + "; both need size() = " + std::to_string(n));
-    auto total = [&](std::span<const std::size_t> c, const char* what) {
-      std::size_t t = 0;
-      for (const std::size_t x : c) {
-        if (x > std::numeric_limits<std::size_t>::max() - t)
-          invalid("all_to_all_v", std::string(what) + " overflow when summed");
-        t += x;
-      }
-      return t;
-    };
-    const std::size_t ti = total(in_counts, "in_counts"), to = total(out_counts, "out_counts");
-    if (ti != in.size())
-      invalid("all_to_all_v", "in_counts sum to " + std::to_string(ti) + " but input has " + n_elems(in.size()));
-    if (to != out.size())
-      invalid("all_to_all_v", "out_counts sum to " + std::to_string(to) + " but output has " + n_elems(out.size()));
-    const auto r = static_cast<std::size_t>(rank());
-    if (in_counts[r] != out_counts[r])
-      invalid("all_to_all_v", "this rank sends itself " + std::to_string(in_counts[r]) + " but receives " +
-                                  std::to_string(out_counts[r]) + " (in_counts[rank()] != out_counts[rank()])");
-    if (detail::overlap(in.data(), in.size_bytes(), out.data(), out.size_bytes()))
-      invalid("all_to_all_v", "input and output overlap; all_to_all_v needs separate buffers");
+    auto [in, out] = in_out<In, Out, std::is_same_v<Launch, async_t>>("all_to_all_v", in_r, out_r);
+    checks<T>("all_to_all_v").all_to_all_v(buf(in), in_counts, buf(out), out_counts);
     if constexpr (supports_full_surface<Backend>) return b_.all_to_all_v(in, in_counts, out, out_counts, l);
   }
 
@@ -851,7 +574,7 @@ class Communicator {
     using T = detail::element_value_t<Data>;
     check_full_surface();
     check_buffer<Data, false, std::is_same_v<Launch, async_t>>("send");
-    check_peer("send", peer, tag);
+    checks("send").peer(peer, tag);
     if constexpr (supports_full_surface<Backend>)
       return b_.send(std::span<const T>(detail::as_span(data_r)), peer, tag, l);
   }
@@ -862,7 +585,7 @@ class Communicator {
     check_full_surface();
     check_buffer<Data, true, std::is_same_v<Launch, async_t>>("recv");
     const std::span<T> data = detail::as_span(data_r);  // (not in the return: the static_assert above must show)
-    check_peer("recv", peer, tag);
+    checks("recv").peer(peer, tag);
     if constexpr (supports_full_surface<Backend>) return b_.recv(data, peer, tag, l);
   }
 
@@ -881,11 +604,7 @@ class Communicator {
       check_full_surface();
       if constexpr (element<T>)
         static_assert(supports_element<Backend, T>, "comm: this backend does not support this element type");
-      for (const auto& o : ops) {
-        if (o.op != P2PKind::isend && o.op != P2PKind::irecv)
-          invalid("batch_isend_irecv", "an entry's op is neither isend nor irecv");
-        check_peer("batch_isend_irecv", o.peer, o.tag);
-      }
+      checks<T>("batch_isend_irecv").p2p_batch(ops);
       if constexpr (supports_full_surface<Backend>)
         return b_.batch_isend_irecv(ops);
       else

@@ -11,6 +11,8 @@
 #include <string_view>
 #include <type_traits>
 
+#include <comm/error.hpp>
+
 namespace comm {
 
 /// A reduction chosen at run time (from a config, through AnyCommunicator). Checked against the
@@ -368,6 +370,32 @@ concept integral_element = element<T> && std::is_integral_v<std::remove_cv_t<T>>
   return d == Dtype::float16 || d == Dtype::bfloat16 || d == Dtype::float32 || d == Dtype::float64 ||
          d == Dtype::float8_e4m3 || d == Dtype::float8_e5m2;
 }
+
+namespace detail {
+/// The one place a runtime Dtype becomes its element type: returns
+/// `f.template operator()<T>()` with T the type `d` names. Everything that re-types an erased
+/// operation (AnyCommunicator, Hierarchical's steps, the runtime reduction table) goes through
+/// here, so a new element type is one case here, not one per layer. `op` and `rank` name the
+/// caller in the error for a code no Dtype has (a corrupt record).
+template <class F>
+decltype(auto) visit_dtype(Dtype d, F&& f, const char* op = "dispatch", int rank = -1) {
+  switch (d) {
+    case Dtype::int8: return f.template operator()<std::int8_t>();
+    case Dtype::uint8: return f.template operator()<std::uint8_t>();
+    case Dtype::int32: return f.template operator()<std::int32_t>();
+    case Dtype::uint32: return f.template operator()<std::uint32_t>();
+    case Dtype::int64: return f.template operator()<std::int64_t>();
+    case Dtype::uint64: return f.template operator()<std::uint64_t>();
+    case Dtype::float16: return f.template operator()<half>();
+    case Dtype::bfloat16: return f.template operator()<bfloat16>();
+    case Dtype::float32: return f.template operator()<float>();
+    case Dtype::float64: return f.template operator()<double>();
+    case Dtype::float8_e4m3: return f.template operator()<float8_e4m3>();
+    case Dtype::float8_e5m2: return f.template operator()<float8_e5m2>();
+  }
+  throw InvalidArgument(op, rank, "unknown element type code " + std::to_string(static_cast<int>(d)));
+}
+}  // namespace detail
 
 /// Whether a batch_isend_irecv entry sends or receives.
 enum class P2PKind : std::uint8_t { isend, irecv };

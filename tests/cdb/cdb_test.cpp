@@ -235,6 +235,12 @@ TEST_CASE("AnyCommunicator: the typed API over a runtime-selected backend") {
     w.all_reduce(v, [](int a, int b) { return a > b ? a : b; });
     CHECK(v[0] == n);
   }
+  SUBCASE("custom callable, async: the operation keeps its own copy of the callable") {
+    std::vector<int> v{r + 1};
+    auto work = w.all_reduce(v, [](int a, int b) { return a > b ? a : b; }, comm::async);
+    work.wait();
+    CHECK(v[0] == n);
+  }
   SUBCASE("reduce_scatter, all_gather, broadcast, gather, barrier") {
     std::vector<int> in(static_cast<std::size_t>(2 * n), 1), out(2);
     w.reduce_scatter(in, out);

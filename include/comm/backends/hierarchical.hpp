@@ -9,7 +9,9 @@
 /// auto c = comm::Communicator<H>::from_env();       // cdb: backend "hierarchical"
 /// ```
 /// Use it through `comm::Communicator<Hierarchical<Intra, Inter>>` (see communicator.hpp); with
-/// Gloo as `Inter`, link `comm::gloo`. Host buffers only.
+/// Gloo as `Inter`, link `comm::gloo`. Host buffers only (a device buffer is comm::InvalidArgument).
+/// `Intra` and `Inter` are host backends whose engines take operation records (Gloo, Shm, Mpi):
+/// each step of an operation is such a record, handed to the member without re-typing it.
 ///
 /// - **Nodes:** by default the ranks whose host identity (boot id, IPC/PID/network namespaces,
 ///   host name: what Shm requires of its ranks) is the same form one node. `Options::node_id`

@@ -1,7 +1,12 @@
 #pragma once
 // The one virtual layer under comm::AnyCommunicator (any_communicator.hpp): the erased call
-// surface, and its model over a typed Communicator<B>.
+// surface, and its model over a typed Communicator<B>. Where B's engine takes operation records
+// (every EngineCore engine: Gloo, Shm, Mpi, Hierarchical), a call stays erased all the way down:
+// the model runs the facade's checks (detail/facade/checks.hpp) on the erased arguments, builds
+// one Op record and hands it to the engine. NCCL, and device buffers (Gloo stages them in its typed
+// operations), take the typed path through Communicator<B>.
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -16,6 +21,10 @@
 #include <vector>
 
 #include <comm/communicator.hpp>
+#include <comm/detail/cuda/driver.hpp>
+#include <comm/detail/engine/forward.hpp>
+#include <comm/detail/engine/op.hpp>
+#include <comm/detail/facade/checks.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
@@ -70,24 +79,26 @@ class AnyCommImpl {
   virtual void dump_flight_record(const std::string& path) const = 0;
 };
 
-/// Calls `f.template operator()<T>()` with T the element type named by `d`.
-template <class F>
-decltype(auto) visit_dtype(Dtype d, F&& f) {
-  switch (d) {
-    case Dtype::int8: return f.template operator()<std::int8_t>();
-    case Dtype::uint8: return f.template operator()<std::uint8_t>();
-    case Dtype::int32: return f.template operator()<std::int32_t>();
-    case Dtype::uint32: return f.template operator()<std::uint32_t>();
-    case Dtype::int64: return f.template operator()<std::int64_t>();
-    case Dtype::uint64: return f.template operator()<std::uint64_t>();
-    case Dtype::float16: return f.template operator()<half>();
-    case Dtype::bfloat16: return f.template operator()<bfloat16>();
-    case Dtype::float32: return f.template operator()<float>();
-    case Dtype::float64: return f.template operator()<double>();
-    case Dtype::float8_e4m3: return f.template operator()<float8_e4m3>();
-    case Dtype::float8_e5m2: return f.template operator()<float8_e5m2>();
-  }
-  throw InvalidArgument("dispatch", -1, "unknown element type " + std::to_string(static_cast<int>(d)));
+/// A custom reduction of AnyCommunicator (a `std::function<T(T, T)>` of the call's element type)
+/// as the engine core's erased record takes it: its applier, and a copy an async call keeps.
+struct ErasedCustomFns {
+  custom_reduce_fn apply = nullptr;
+  std::shared_ptr<const void> (*hold)(const void* fn) = nullptr;
+};
+[[nodiscard]] inline const ErasedCustomFns& erased_custom(Dtype d) {
+  constexpr std::size_t kDtypes = static_cast<std::size_t>(Dtype::float8_e5m2) + 1;
+  static const std::array<ErasedCustomFns, kDtypes> table = [] {
+    std::array<ErasedCustomFns, kDtypes> t{};
+    for (std::size_t i = 0; i < kDtypes; ++i)
+      visit_dtype(static_cast<Dtype>(i), [&]<class T>() {
+        using F = std::function<T(T, T)>;
+        t[i] = ErasedCustomFns{&apply_custom<T, F>, [](const void* fn) -> std::shared_ptr<const void> {
+                                 return std::make_shared<const F>(*static_cast<const F*>(fn));
+                               }};
+      });
+    return t;
+  }();
+  return table[static_cast<std::size_t>(d)];
 }
 
 template <class B>
@@ -106,6 +117,16 @@ class AnyCommModel final : public AnyCommImpl {
 
   Work all_reduce(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, const ErasedOp& op,
                   bool async) override {
+    if constexpr (kErased) {
+      if (host(in, out)) {
+        const ArgChecks chk = checks(d, "all_reduce");
+        check_custom(op, "all_reduce");
+        Op o = erased_op(OpKind::all_reduce, d, in, out, in_n, out_n);
+        set_erased_reduction(chk, o, d, op, async);
+        chk.all_reduce({in, in_n}, {out, out_n});
+        return launch(o, async);
+      }
+    }
     return typed(d, "all_reduce", [&]<class T>() {
       return reduce(op, async, "all_reduce", [&](auto&& red, auto tag) {
         return run(tag, [&](auto... t) {
@@ -118,6 +139,16 @@ class AnyCommModel final : public AnyCommImpl {
 
   Work reduce_scatter(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, const ErasedOp& op,
                       bool async) override {
+    if constexpr (kErased) {
+      if (host(in, out)) {
+        const ArgChecks chk = checks(d, "reduce_scatter");
+        check_custom(op, "reduce_scatter");
+        Op o = erased_op(OpKind::reduce_scatter, d, in, out, in_n, out_n);
+        set_erased_reduction(chk, o, d, op, async);
+        chk.reduce_scatter({in, in_n}, {out, out_n});
+        return launch(o, async);
+      }
+    }
     return typed(d, "reduce_scatter", [&]<class T>() {
       return reduce(op, async, "reduce_scatter", [&](auto&& red, auto tag) {
         return run(tag, [&](auto... t) {
@@ -129,6 +160,13 @@ class AnyCommModel final : public AnyCommImpl {
   }
 
   Work all_gather(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, bool async) override {
+    if constexpr (kErased) {
+      if (host(in, out)) {
+        checks(d, "all_gather").all_gather({in, in_n}, {out, out_n});
+        Op o = erased_op(OpKind::all_gather, d, in, out, in_n, out_n);
+        return launch(o, async);
+      }
+    }
     return typed(d, "all_gather", [&]<class T>() {
       return run_flag(async, [&](auto... t) {
         return c_.all_gather(std::span<const T>(static_cast<const T*>(in), in_n),
@@ -138,12 +176,26 @@ class AnyCommModel final : public AnyCommImpl {
   }
 
   Work broadcast(Dtype d, void* data, std::size_t n, int root, bool async) override {
+    if constexpr (kErased) {
+      if (host(data)) {
+        checks(d, "broadcast").root(root);
+        Op o = erased_op(OpKind::broadcast, d, nullptr, data, 0, n, root);
+        return launch(o, async);
+      }
+    }
     return typed(d, "broadcast", [&]<class T>() {
       return run_flag(async, [&](auto... t) { return c_.broadcast(std::span<T>(static_cast<T*>(data), n), root, t...); });
     });
   }
 
   Work gather(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root, bool async) override {
+    if constexpr (kErased) {
+      if (host(in, out)) {
+        checks(d, "gather").gather({in, in_n}, {out, out_n}, root);
+        Op o = erased_op(OpKind::gather, d, in, out, in_n, out_n, root);
+        return launch(o, async);
+      }
+    }
     return typed(d, "gather", [&]<class T>() {
       return run_flag(async, [&](auto... t) {
         return c_.gather(std::span<const T>(static_cast<const T*>(in), in_n), std::span<T>(static_cast<T*>(out), out_n),
@@ -158,6 +210,16 @@ class AnyCommModel final : public AnyCommImpl {
 
   Work reduce(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root, const ErasedOp& op,
               bool async) override {
+    if constexpr (kErased && supports_full_surface<B>) {
+      if (host(in, out)) {
+        const ArgChecks chk = checks(d, "reduce");
+        check_custom(op, "reduce");
+        chk.reduce({in, in_n}, {out, out_n}, root);
+        Op o = erased_op(OpKind::reduce, d, in, out, in_n, out_n, root);
+        set_erased_reduction(chk, o, d, op, async);
+        return launch(o, async);
+      }
+    }
     if constexpr (supports_full_surface<B>) {
       return typed(d, "reduce", [&]<class T>() {
         return reduce(op, async, "reduce", [&](auto&& red, auto tag) {
@@ -173,6 +235,13 @@ class AnyCommModel final : public AnyCommImpl {
   }
 
   Work scatter(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, int root, bool async) override {
+    if constexpr (kErased && supports_full_surface<B>) {
+      if (host(in, out)) {
+        checks(d, "scatter").scatter({in, in_n}, {out, out_n}, root);
+        Op o = erased_op(OpKind::scatter, d, in, out, in_n, out_n, root);
+        return launch(o, async);
+      }
+    }
     if constexpr (supports_full_surface<B>) {
       return typed(d, "scatter", [&]<class T>() {
         return run_flag(async, [&](auto... t) {
@@ -186,6 +255,13 @@ class AnyCommModel final : public AnyCommImpl {
   }
 
   Work all_to_all(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, bool async) override {
+    if constexpr (kErased && supports_full_surface<B>) {
+      if (host(in, out)) {
+        checks(d, "all_to_all").all_to_all({in, in_n}, {out, out_n});
+        Op o = erased_op(OpKind::all_to_all, d, in, out, in_n, out_n);
+        return launch(o, async);
+      }
+    }
     if constexpr (supports_full_surface<B>) {
       return typed(d, "all_to_all", [&]<class T>() {
         return run_flag(async, [&](auto... t) {
@@ -200,6 +276,15 @@ class AnyCommModel final : public AnyCommImpl {
 
   Work all_to_all_v(Dtype d, const void* in, std::size_t in_n, std::span<const std::size_t> in_counts, void* out,
                     std::size_t out_n, std::span<const std::size_t> out_counts, bool async) override {
+    if constexpr (kErased && supports_full_surface<B>) {
+      if (host(in, out)) {
+        checks(d, "all_to_all_v").all_to_all_v({in, in_n}, in_counts, {out, out_n}, out_counts);
+        Op o = erased_op(OpKind::all_to_all_v, d, in, out, in_n, out_n);
+        o.counts.assign(in_counts.begin(), in_counts.end());
+        o.counts.insert(o.counts.end(), out_counts.begin(), out_counts.end());
+        return launch(o, async);
+      }
+    }
     if constexpr (supports_full_surface<B>) {
       return typed(d, "all_to_all_v", [&]<class T>() {
         return run_flag(async, [&](auto... t) {
@@ -213,6 +298,14 @@ class AnyCommModel final : public AnyCommImpl {
   }
 
   Work send(Dtype d, const void* data, std::size_t n, int peer, int tag, bool async) override {
+    if constexpr (kErased && supports_full_surface<B>) {
+      if (host(data)) {
+        checks(d, "send").peer(peer, tag);
+        Op o = erased_op(OpKind::send, d, data, nullptr, n, 0, peer);
+        o.p2p.push_back(P2PItem{true, const_cast<void*>(data), n, peer, tag});
+        return launch(o, async);
+      }
+    }
     if constexpr (supports_full_surface<B>) {
       return typed(d, "send", [&]<class T>() {
         return run_flag(async, [&](auto... t) {
@@ -225,6 +318,14 @@ class AnyCommModel final : public AnyCommImpl {
   }
 
   Work recv(Dtype d, void* data, std::size_t n, int peer, int tag, bool async) override {
+    if constexpr (kErased && supports_full_surface<B>) {
+      if (host(data)) {
+        checks(d, "recv").peer(peer, tag);
+        Op o = erased_op(OpKind::recv, d, nullptr, data, 0, n, peer);
+        o.p2p.push_back(P2PItem{false, data, n, peer, tag});
+        return launch(o, async);
+      }
+    }
     if constexpr (supports_full_surface<B>) {
       return typed(d, "recv", [&]<class T>() {
         return run_flag(async, [&](auto... t) { return c_.recv(std::span<T>(static_cast<T*>(data), n), peer, tag, t...); });
@@ -299,6 +400,57 @@ class AnyCommModel final : public AnyCommImpl {
   }
 
  private:
+  // ---- the erased form: for backends whose engine takes Op records (not NCCL), a call is one
+  // record, built here after the facade's checks (detail/facade/checks.hpp) and handed to the
+  // engine's erased entry: no re-typing. Device buffers take the typed path (Gloo stages them). ----
+  static constexpr bool kErased = erased_launch<B>;
+
+  [[nodiscard]] static bool host(const void* a, const void* b = nullptr) {
+    if (!cuda::driver_usable()) return true;
+    return !cuda::is_device_pointer(a) && !cuda::is_device_pointer(b);
+  }
+
+  /// The checks of `name` on elements of `d`, after the element type's.
+  [[nodiscard]] ArgChecks checks(Dtype d, const char* name) const {
+    if (!B::supports_dtype(d))
+      throw InvalidArgument(name, c_.rank(),
+                            "element type " + std::string(to_string(d)) + " is not supported by the " +
+                                std::string(B::name) + " backend");
+    return ArgChecks{name, c_.rank(), c_.size(), size_of(d)};
+  }
+
+  /// A custom callable's support (after the element type's, before the rest, as in the typed path).
+  void check_custom(const ErasedOp& r, const char* name) const {
+    if (r.custom != nullptr && !supports_custom_reduction<B>)
+      throw InvalidArgument(name, c_.rank(),
+                            "the " + std::string(B::name) + " backend cannot run custom reduction callables");
+  }
+  /// Sets the reduction `r` on `op`: a built-in one (checked), or the user's callable, referred
+  /// to where it lives: the caller's frame for a blocking call, a copy in `op.keep` for an async one.
+  void set_erased_reduction(const ArgChecks& chk, Op& op, Dtype d, const ErasedOp& r, bool async) const {
+    if (r.custom == nullptr) {
+      chk.reduction(r.builtin, d, B::supports_reduction(r.builtin, d), B::name);
+      return set_reduction(op, r.builtin);
+    }
+    const ErasedCustomFns& f = erased_custom(d);
+    op.desc.reduce = OpDesc::custom;
+    op.custom = f.apply;
+    if (async) {
+      op.keep = f.hold(r.custom);
+      op.custom_arg = op.keep.get();
+    } else {
+      op.custom_arg = r.custom;
+    }
+  }
+
+  template <class Policy = B>
+    requires erased_launch<Policy>
+  Work launch(Op& op, bool async) {
+    if (async) return ErasedLaunch::launch(c_.backend(), op, comm::async);
+    ErasedLaunch::launch(c_.backend(), op, blocking);
+    return Work{};
+  }
+
   // Runs `f` with or without the comm::async tag and always returns a Work (completed when blocking).
   template <class F>
   static Work run_flag(bool async, F&& f) {

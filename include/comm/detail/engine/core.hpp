@@ -469,14 +469,7 @@ class EngineCore : public CommCore {
 
   template <class T>
   [[nodiscard]] static Op make_op(OpKind kind, const T* in, T* out, std::size_t in_count, std::size_t out_count) {
-    Op op;
-    op.desc = OpDesc{kind, dtype_code<T>(), OpDesc::none, -1, 0};
-    op.in = in;
-    op.out = out;
-    op.in_count = in_count;
-    op.out_count = out_count;
-    op.elem_size = sizeof(T);
-    return op;
+    return erased_op(kind, dtype_of<T>, in, out, in_count, out_count);
   }
 
   /// Sets the reduction of `op` from `red`, then launches it. A custom callable is referred to

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <comm/detail/diagnostics/flight_recorder.hpp>
+#include <comm/detail/engine/op.hpp>
 #include <comm/types.hpp>
 #include <comm/work.hpp>
 
@@ -49,6 +50,8 @@ template <class Policy>
   else
     return true;
 }
+
+struct ErasedLaunch;
 
 template <class Policy>
 class ForwardOps {
@@ -137,6 +140,8 @@ class ForwardOps {
   }
 
  private:
+  friend struct ErasedLaunch;
+
   [[nodiscard]] auto& engine() noexcept { return *static_cast<Policy&>(*this).engine_; }
   [[nodiscard]] const auto& engine() const noexcept { return *static_cast<const Policy&>(*this).engine_; }
 
@@ -148,5 +153,42 @@ class ForwardOps {
     }
   }
 };
+
+/// The erased entry of a policy whose engine is an EngineCore: a ready Op record (op.hpp) goes to
+/// the engine's launch after the policy's `admit` hook, with no re-typing on the way. A composing
+/// engine (Hierarchical) hands its members their steps this way. What a policy adapts in its own
+/// typed operations (Gloo's device staging) is not applied: callers pass host buffers.
+struct ErasedLaunch {
+  template <class Policy, class Launch>
+  static auto launch(Policy& p, Op& op, Launch l) -> decltype(std::declval<ForwardOps<Policy>&>().engine().launch(op, l)) {
+    auto& f = static_cast<ForwardOps<Policy>&>(p);
+    f.template check_call<Launch>(call_of(op, f.size()));
+    return f.engine().launch(op, l);
+  }
+
+  /// What `admit` sees of `op` (see ForwardCall).
+  [[nodiscard]] static ForwardCall call_of(const Op& op, int size) {
+    ForwardCall c{op.desc.kind};
+    switch (op.desc.kind) {
+      case OpKind::reduce_scatter:
+      case OpKind::scatter: c.block = op.out_count; break;
+      case OpKind::all_gather:
+      case OpKind::gather: c.block = op.in_count; break;
+      case OpKind::all_to_all: c.block = op.in_count / static_cast<std::size_t>(size); break;
+      case OpKind::all_to_all_v: {
+        const std::span<const std::size_t> counts(op.counts);
+        c.in_counts = counts.first(counts.size() / 2);
+        c.out_counts = counts.subspan(counts.size() / 2);
+        break;
+      }
+      default: break;
+    }
+    return c;
+  }
+};
+
+/// Policies whose operations ErasedLaunch can launch (their engine takes Op records).
+template <class Policy>
+concept erased_launch = requires(Policy& p, Op& op) { ErasedLaunch::launch(p, op, blocking); };
 
 }  // namespace comm::detail

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <array>
 #include <type_traits>
 #include <vector>
 
@@ -98,6 +99,66 @@ void prescale_erased(void* dst, const void* src, std::size_t n, double factor) {
 template <class T>
 void finish_avg_erased(void* data, std::size_t n, int size) {
   finish_avg<T>(static_cast<T*>(data), n, size);
+}
+
+/// The record of an operation from its erased arguments (`root`: the root or peer, -1 for none).
+/// `desc.count` is what ranks compare in the desync check: the typed entry points (core.hpp) and
+/// AnyCommunicator's erased calls build it here, so both forms of a call describe it alike.
+[[nodiscard]] inline Op erased_op(OpKind kind, Dtype d, const void* in, void* out, std::size_t in_n,
+                                  std::size_t out_n, int root = -1) {
+  Op op;
+  std::size_t count = in_n;
+  switch (kind) {
+    case OpKind::reduce_scatter:
+    case OpKind::scatter:
+    case OpKind::broadcast:
+    case OpKind::recv: count = out_n; break;
+    case OpKind::all_to_all_v: count = 0; break;  // differs by rank: message headers check each pair
+    default: break;
+  }
+  op.desc = OpDesc{kind, static_cast<std::uint8_t>(d), OpDesc::none, root, count};
+  op.in = in;
+  op.out = out;
+  op.in_count = in_n;
+  op.out_count = out_n;
+  op.elem_size = size_of(d);
+  return op;
+}
+
+/// The kernels of built-in reduction `r` on element type `d`, both known at run time (avg as sum
+/// plus its finish; kernel null where `r` does not apply to `d`). One table, built once with the
+/// dtype visitor: no per-call re-typing.
+struct ReductionKernels {
+  reduce_fn kernel = nullptr;
+  reduce_many_fn many = nullptr;
+  finish_fn finish = nullptr;
+};
+[[nodiscard]] inline const ReductionKernels& reduction_kernels(Dtype d, ReduceOp r) {
+  constexpr std::size_t kDtypes = static_cast<std::size_t>(Dtype::float8_e5m2) + 1;
+  constexpr std::size_t kOps = static_cast<std::size_t>(ReduceOp::bxor) + 1;
+  using Table = std::array<std::array<ReductionKernels, kOps>, kDtypes>;
+  static const Table table = [] {
+    Table t{};
+    for (std::size_t i = 0; i < kDtypes; ++i)
+      visit_dtype(static_cast<Dtype>(i), [&]<class T>() {
+        for (std::size_t j = 0; j < kOps; ++j) {
+          const auto op = static_cast<ReduceOp>(j);
+          t[i][j] = ReductionKernels{reduce_kernel_for<T>(op), reduce_many_for<T>(op),
+                                     op == ReduceOp::avg ? &finish_avg_erased<T> : nullptr};
+        }
+      });
+    return t;
+  }();
+  return table[static_cast<std::size_t>(d)][static_cast<std::size_t>(r)];
+}
+
+/// Sets built-in reduction `r` on `op` (its element type: op.desc.dtype).
+inline void set_reduction(Op& op, ReduceOp r) {
+  const ReductionKernels& k = reduction_kernels(static_cast<Dtype>(op.desc.dtype), r);
+  op.desc.reduce = static_cast<std::uint8_t>(r);
+  op.kernel = k.kernel;
+  op.many = k.many;
+  op.finish = k.finish;
 }
 
 }  // namespace comm::detail
