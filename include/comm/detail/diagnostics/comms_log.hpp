@@ -56,7 +56,6 @@
 
 #include <unistd.h>
 
-#include <comm/detail/engine/op.hpp>
 #include <comm/detail/init/env.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/detail/diagnostics/logging.hpp>
@@ -91,7 +90,8 @@ struct Traffic {
 }
 
 /// The traffic of an operation of `count` elements of `elem` bytes over `n` ranks (the file
-/// comment's table). all_to_all_v and batch_isend_irecv need their counts: see traffic_of(Op).
+/// comment's table). all_to_all_v and batch_isend_irecv need their counts: see traffic_of(Op) in
+/// detail/engine/core.hpp.
 [[nodiscard]] inline Traffic traffic(OpKind kind, std::uint64_t count, std::size_t elem, int n) noexcept {
   const double ranks = n > 0 ? static_cast<double>(n) : 1.0;
   const double shared = (ranks - 1.0) / ranks;  // (n-1)/n
@@ -117,21 +117,6 @@ struct Traffic {
   return {b, 1.0};
 }
 
-/// The traffic of an engine-core operation record.
-[[nodiscard]] inline Traffic traffic_of(const Op& op, int n) noexcept {
-  if (op.desc.kind == OpKind::all_to_all_v) {
-    std::uint64_t sent = 0, received = 0;
-    const std::size_t half = op.counts.size() / 2;
-    for (std::size_t i = 0; i < op.counts.size(); ++i) (i < half ? sent : received) += op.counts[i];
-    return traffic(OpKind::all_to_all_v, std::max(sent, received), op.elem_size, n);
-  }
-  if (op.desc.kind == OpKind::p2p_batch) {
-    std::uint64_t sent = 0, received = 0;
-    for (const P2PItem& it : op.p2p) (it.send ? sent : received) += it.count;
-    return traffic(OpKind::p2p_batch, std::max(sent, received), op.elem_size, n);
-  }
-  return traffic(op.desc.kind, op.desc.count, op.elem_size, n);
-}
 
 /// `path` with every "{rank}" replaced by `rank`, else `path.<rank>`.
 [[nodiscard]] inline std::string comms_log_file(const std::string& path, int rank) {
@@ -438,12 +423,6 @@ class CommsLog {
     file_rank_ = file_rank;
     rank_ = rank;
     size_ = size;
-  }
-
-  /// An engine-core operation that started at `start` and ends now.
-  void record(const Op& op, std::uint64_t seq, Clock::time_point start) noexcept {
-    const auto end = Clock::now();
-    record(op.desc, traffic_of(op, size_), seq, start, end - start);
   }
 
   /// Any operation: its description, traffic, sequence number, start and duration.

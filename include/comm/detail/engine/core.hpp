@@ -26,6 +26,7 @@
 //     at once instead of waiting for their timeout; a peer the liveness watch saw die is named as
 //     the cause.
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <atomic>
@@ -86,6 +87,22 @@ template <class Red>
     return static_cast<std::uint8_t>(reduce_op_of<Red>);
   else
     return OpDesc::custom;
+}
+
+/// The traffic of an engine-core operation record.
+[[nodiscard]] inline Traffic traffic_of(const Op& op, int n) noexcept {
+  if (op.desc.kind == OpKind::all_to_all_v) {
+    std::uint64_t sent = 0, received = 0;
+    const std::size_t half = op.counts.size() / 2;
+    for (std::size_t i = 0; i < op.counts.size(); ++i) (i < half ? sent : received) += op.counts[i];
+    return traffic(OpKind::all_to_all_v, std::max(sent, received), op.elem_size, n);
+  }
+  if (op.desc.kind == OpKind::p2p_batch) {
+    std::uint64_t sent = 0, received = 0;
+    for (const P2PItem& it : op.p2p) (it.send ? sent : received) += it.count;
+    return traffic(OpKind::p2p_batch, std::max(sent, received), op.elem_size, n);
+  }
+  return traffic(op.desc.kind, op.desc.count, op.elem_size, n);
 }
 
 template <class Derived>
@@ -542,7 +559,7 @@ class EngineCore : public CommCore {
         if (op.hooks.after) run_hook(name, op.hooks.after);
       }
       recorder().completed(id);
-      if (log_.on()) log_.record(op, seq, log_start);
+      if (log_.on()) log_.record(op.desc, traffic_of(op, size()), seq, log_start, CommsLog::Clock::now() - log_start);
     } catch (const std::exception& e) {
       recorder().failed(id, e.what());
       // A desync (every rank throws it, the communicator stays usable) and the first failure are
