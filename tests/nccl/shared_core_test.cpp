@@ -84,7 +84,7 @@ TEST_CASE("the core under NCCL: place, dump naming, flight record, first failure
   CHECK(core.key_prefix() == "comm/nccl/2/");
   CHECK(core.next_group_index() == 0);
   CHECK(core.next_group_index() == 1);
-  core.recorder().issued(0, cd::OpDesc{cd::OpKind::all_reduce, cd::OpDesc::none, cd::OpDesc::none, -1, 4});
+  core.recorder().issued(0, comm::OpDesc{comm::OpKind::all_reduce, comm::OpDesc::none, comm::OpDesc::none, -1, 4});
   core.recorder().started(0);
   const comm::FlightRecord r = core.flight_record();
   CHECK(r.backend == "nccl");
