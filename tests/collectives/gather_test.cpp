@@ -9,7 +9,7 @@ using namespace suite;
 namespace {
 
 template <class T>
-T gather_value(int rank, std::size_t i) {
+T rooted_gather_value(int rank, std::size_t i) {
   return input_value<T>(rank, i, ReduceOp::sum);
 }
 
@@ -18,7 +18,7 @@ void run_gather(Comm& c, std::size_t count, int root, bool use_async) {
   const int n = c.size();
   INFO("gather ", type_name(comm::dtype_of<T>), " count=", count, " root=", root, use_async ? " async" : " blocking");
   std::vector<T> in(count);
-  for (std::size_t i = 0; i < count; ++i) in[i] = gather_value<T>(c.rank(), i);
+  for (std::size_t i = 0; i < count; ++i) in[i] = rooted_gather_value<T>(c.rank(), i);
   // Off the root the output is not used: pass an empty one.
   std::vector<T> out(c.rank() == root ? count * static_cast<std::size_t>(n) : 0);
   if (use_async)
@@ -26,7 +26,7 @@ void run_gather(Comm& c, std::size_t count, int root, bool use_async) {
   else
     c.gather(in, out, root);
   if (c.rank() == root)
-    CHECK(first_mismatch(out, [&](std::size_t i) { return gather_value<T>(static_cast<int>(i / count), i % count); }) ==
+    CHECK(first_mismatch(out, [&](std::size_t i) { return rooted_gather_value<T>(static_cast<int>(i / count), i % count); }) ==
           -1);
   else
     CHECK(out.empty());

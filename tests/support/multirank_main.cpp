@@ -21,6 +21,7 @@ int g_store_seq = 0;
 int g_barrier_seq = 0;
 int g_port_seq = 0;
 std::string g_current_test;
+int g_cases_run = 0;
 
 // Records the running case's name so skips can say which case they skip.
 struct CaseTracker : doctest::IReporter {
@@ -28,7 +29,10 @@ struct CaseTracker : doctest::IReporter {
   void report_query(const doctest::QueryData&) override {}
   void test_run_start() override {}
   void test_run_end(const doctest::TestRunStats&) override {}
-  void test_case_start(const doctest::TestCaseData& d) override { g_current_test = d.m_name; }
+  void test_case_start(const doctest::TestCaseData& d) override {
+    g_current_test = d.m_name;
+    ++g_cases_run;
+  }
   void test_case_reenter(const doctest::TestCaseData&) override {}
   void test_case_end(const doctest::CurrentTestCaseStats&) override {}
   void test_case_exception(const doctest::TestCaseException&) override {}
@@ -107,8 +111,14 @@ int main(int argc, char** argv) {
   doctest::Context ctx;
   ctx.applyCommandLine(argc, argv);
   if (g_world.rank != 0) ctx.setOption("minimal", true);  // only rank 0 prints the summary
-  const int rc = ctx.run();
+  int rc = ctx.run();
   if (ctx.shouldExit()) return rc;
+  // A suite is picked from a shared executable by a filter (tests/collectives): a filter that
+  // matches nothing must not pass as an empty success.
+  if (comm::test::g_cases_run == 0) {
+    std::fprintf(stderr, "test harness: rank %d ran no test case (does the filter match?)\n", g_world.rank);
+    rc = 1;
+  }
 
   // Gather every rank's outcome on rank 0 so its summary covers the whole job.
   int exit_code = rc == 0 ? 0 : 1;
