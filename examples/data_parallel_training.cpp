@@ -15,6 +15,20 @@
 //   - rank 0 prints the loss every 50 steps and at the end. It does not depend on the number of
 //     ranks beyond float rounding: 1 rank and 4 ranks print the same losses to about 6 digits
 //     (tests/examples checks it on every CPU backend).
+//
+// --elastic trains through faults (Gloo, Shm, Hierarchical; under comm-run --max-restarts N):
+//   - when an operation fails (a rank died, or revoked the communicator), the survivors call
+//     comm::shrink_world() and redo the step with the same global batch split over fewer ranks; a
+//     rank that had already finished the step steps back to the state it kept from before it, so
+//     that every survivor redoes the same step;
+//   - at each step boundary they call comm::grow_world() (one store round trip when nobody waits):
+//     a replacement that comm-run started (its init_distributed() joins the running job) receives
+//     the step, the weights and the momentum from rank 0 and goes on with the others;
+//   - the global batch and its average do not depend on the number of ranks, so a run with faults
+//     prints the same losses as a run without (to float rounding).
+//   --kill-rank R --kill-step S: fault injection, the process started as rank R SIGKILLs itself at
+//   step S (its replacement does not); --revoke-step S: rank 0 revokes the communicator at step S.
+//
 // With COMM_COMMS_LOG=ops.csv or COMM_TRACE=trace.json the collectives' times are recorded (see
 // the README, "Comms log and trace"): the trace shows each bucket's all_reduce overlapping the
 // next bucket's backward.
@@ -25,6 +39,10 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
 #include <random>
 #include <span>
 #include <string>
@@ -189,12 +207,18 @@ struct Args {
   int steps = 300;
   float lr = 0.05f;
   std::string checkpoint = "data_parallel.ckpt";
+  bool elastic = false;
+  int kill_rank = -1, kill_step = -1, revoke_step = -1;
 };
 
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
+    if (k == "--elastic") {
+      a.elastic = true;
+      continue;
+    }
     if (i + 1 >= argc) throw std::runtime_error("option " + k + " needs a value");
     const std::string v = argv[++i];
     if (k == "--backend")
@@ -205,10 +229,196 @@ Args parse(int argc, char** argv) {
       a.lr = std::stof(v);
     else if (k == "--checkpoint")
       a.checkpoint = v;
+    else if (k == "--kill-rank")
+      a.kill_rank = std::stoi(v);
+    else if (k == "--kill-step")
+      a.kill_step = std::stoi(v);
+    else if (k == "--revoke-step")
+      a.revoke_step = std::stoi(v);
     else
       throw std::runtime_error("unknown option " + k);
   }
   return a;
+}
+
+/// The model's state, and one step's worth of work on it (shared by both modes).
+struct Trainer {
+  const Args& args;
+  std::vector<Sample> data = make_data();
+  std::vector<float> params = init_params();
+  std::vector<float> momentum = std::vector<float>(Layout::size, 0.0f);
+  std::vector<float> grad = std::vector<float>(Layout::size);
+  std::vector<Activations> acts;
+  std::vector<std::array<float, kHidden>> delta1, delta2;
+
+  /// Step `step` on `world`: this rank's share of the global batch, forward, backward with each
+  /// bucket's all_reduce overlapping the next bucket's backward, then SGD with momentum on the
+  /// average gradient. Returns the step's mean loss. Throws comm::Error before the update when an
+  /// operation fails (the state is then as it was).
+  double step(comm::AnyCommunicator& world, int step) {
+    const int rank = world.rank(), n = world.size();
+    // This rank's share of the step's global batch (shares differ by one when n does not divide it).
+    const int first = (step * kGlobalBatch) % kSamples;
+    const int lo = kGlobalBatch * rank / n, hi = kGlobalBatch * (rank + 1) / n;
+    const std::span<const Sample> share(data.data() + first + lo, static_cast<std::size_t>(hi - lo));
+
+    std::fill(grad.begin(), grad.end(), 0.0f);
+    std::vector<double> loss{forward(params, share, acts)};
+    comm::Work loss_sum = world.all_reduce(std::span<double>(loss), comm::ReduceOp::sum, comm::async);
+
+    // Backward, bucket by bucket: each bucket's all_reduce runs while the next one is computed.
+    std::vector<comm::Work> pending;
+    auto bucket = [&](std::size_t b) {
+      const auto [offset, count] = Layout::buckets[b];
+      return std::span<float>(grad.data() + offset, count);
+    };
+    backward_layer3(params, acts, grad, delta2);
+    pending.push_back(world.all_reduce(bucket(0), comm::ReduceOp::sum, comm::async));
+    backward_layer2(params, acts, delta2, grad, delta1);
+    pending.push_back(world.all_reduce(bucket(1), comm::ReduceOp::sum, comm::async));
+    backward_layer1(share, delta1, grad);
+    pending.push_back(world.all_reduce(bucket(2), comm::ReduceOp::sum, comm::async));
+    for (auto& w : pending) w.wait();
+    loss_sum.wait();
+
+    // SGD with momentum on the average gradient over the global batch.
+    const float scale = 1.0f / static_cast<float>(kGlobalBatch);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      momentum[i] = kMomentum * momentum[i] + grad[i] * scale;
+      params[i] -= args.lr * momentum[i];
+    }
+    return loss[0] / kGlobalBatch;
+  }
+
+  void report(comm::AnyCommunicator& world, int step, double mean_loss) const {
+    if (world.rank() == 0 && (step % 50 == 0 || step == args.steps - 1)) std::printf("step %d loss %.9g\n", step, mean_loss);
+    if (step == args.steps - 1 && world.rank() == 0) std::printf("final loss %.9g\n", mean_loss);
+    std::fflush(stdout);
+  }
+};
+
+long long mono_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+/// --elastic (see the file comment).
+int train_elastic(const Args& args) {
+  const char* restarts = std::getenv("COMM_RESTART_COUNT");
+  const bool replacement = restarts != nullptr && std::atoi(restarts) > 0;
+  const char* launch_rank = std::getenv("RANK");
+  const int started_as = launch_rank != nullptr ? std::atoi(launch_rank) : -1;
+
+  comm::InitOptions o;
+  o.backend = args.backend;
+  comm::AnyCommunicator* joined = nullptr;
+  try {
+    joined = &comm::init_distributed(o);  // a replacement returns when the members next grow()
+  } catch (const comm::InvalidArgument& e) {
+    if (replacement && e.op() == "join") {  // the job finished before this process could join
+      std::printf("replacement: nothing to join, the job has finished\n");
+      return 0;
+    }
+    throw;
+  }
+  comm::AnyCommunicator& world = *joined;
+  Trainer t{args};
+  int step = 0;
+  // The step, the weights and the momentum, from rank 0 to every rank (newcomers after a grow).
+  auto share_state = [&] {
+    std::vector<std::int64_t> at{step};
+    world.broadcast(std::span<std::int64_t>(at), 0);
+    step = static_cast<int>(at[0]);
+    world.broadcast(std::span<float>(t.params), 0);
+    world.broadcast(std::span<float>(t.momentum), 0);
+  };
+  bool have_state = !replacement;  // a newcomer has none until share_state() completes
+  if (replacement) {
+    share_state();
+    have_state = true;
+    std::printf("replacement: joined as rank %d of %d at step %d\n", world.rank(), world.size(), step);
+  } else {
+    world.broadcast(std::span<float>(t.params), 0);  // everyone starts from rank 0's weights
+    if (world.rank() == 0)
+      std::printf("training an MLP (%zu parameters) on %d rank(s) over %s, global batch %d, elastic\n",
+                  t.params.size(), world.size(), std::string(world.backend()).c_str(), kGlobalBatch);
+  }
+  std::fflush(stdout);
+
+  std::vector<float> kept_params, kept_momentum;  // the state before the step this rank ran last
+  int kept_step = -1;
+  long long failed_at = 0;  // when this rank saw the failure it is recovering from (0: none)
+  // The survivors' new world, and the step they all redo: a rank that finished the failed step
+  // (its all_reduce completed here but not everywhere) steps back to the state it kept; a newcomer
+  // whose state did not arrive gets it again from rank 0 (a member: members rank first).
+  auto recover = [&] {
+    comm::shrink_world();
+    std::vector<std::int64_t> lowest{have_state ? step : std::numeric_limits<std::int64_t>::max()};
+    world.all_reduce(std::span<std::int64_t>(lowest), comm::ReduceOp::min);
+    if (have_state && lowest[0] < step) {
+      if (kept_step != lowest[0]) throw std::runtime_error("no state kept for the step to redo");
+      t.params = kept_params;
+      t.momentum = kept_momentum;
+      step = kept_step;
+    }
+    std::vector<std::int32_t> missing{have_state ? 0 : 1};
+    world.all_reduce(std::span<std::int32_t>(missing), comm::ReduceOp::max);
+    if (missing[0] != 0) {
+      share_state();
+      have_state = true;
+    }
+  };
+
+  while (step < args.steps) {
+    try {
+      const int before = world.size();
+      comm::grow_world();  // at each step boundary: one store round trip when nobody waits
+      if (world.size() != before || !have_state) {
+        share_state();
+        have_state = true;
+        if (world.rank() == 0) std::printf("grew from %d to %d rank(s) at step %d\n", before, world.size(), step);
+      }
+      if (!replacement && started_as == args.kill_rank && step == args.kill_step) {
+        std::printf("KILL rank=%d step=%d t_ns=%lld\n", started_as, step, mono_ns());
+        std::fflush(stdout);
+        std::raise(SIGKILL);
+      }
+      if (step == args.revoke_step && world.rank() == 0 && !replacement && failed_at == 0 && kept_step < step) {
+        std::printf("rank 0 revokes the communicator at step %d\n", step);
+        world.revoke("the example's --revoke-step");
+      }
+      kept_params = t.params;
+      kept_momentum = t.momentum;
+      kept_step = step;
+      const double loss = t.step(world, step);
+      if (failed_at != 0) {  // the first collective after the recovery succeeded
+        std::printf("RECOVERED rank=%d size=%d t_ns=%lld ms=%.3f\n", world.rank(), world.size(), mono_ns(),
+                    static_cast<double>(mono_ns() - failed_at) / 1e6);
+        failed_at = 0;
+      }
+      t.report(world, step, loss);
+      ++step;
+    } catch (const comm::Error& e) {
+      if (failed_at == 0) failed_at = mono_ns();
+      std::printf("rank %d: %s; shrinking\n", world.rank(), e.what());
+      std::fflush(stdout);
+      // A rank may die during the recovery too: then shrink again, to the deadline.
+      for (int attempt = 1;; ++attempt) {
+        try {
+          recover();
+          break;
+        } catch (const comm::Error& again) {
+          if (attempt >= 8) throw;
+          std::printf("rank %d: recovery failed (%s); shrinking again\n", world.rank(), again.what());
+          std::fflush(stdout);
+        }
+      }
+    }
+  }
+  world.close_joins();  // replacements still on their way exit instead of waiting
+  world.barrier();
+  comm::destroy();
+  return 0;
 }
 
 }  // namespace
@@ -216,63 +426,26 @@ Args parse(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     const Args args = parse(argc, argv);
+    if (args.elastic) return train_elastic(args);
     comm::InitOptions o;
     o.backend = args.backend;
     comm::AnyCommunicator& world = comm::init_distributed(o);
     const int rank = world.rank(), n = world.size();
 
-    const std::vector<Sample> data = make_data();
-    std::vector<float> params = init_params();
-    world.broadcast(std::span<float>(params), 0);  // everyone starts from rank 0's weights
-    std::vector<float> momentum(Layout::size, 0.0f), grad(Layout::size);
-    std::vector<Activations> acts;
-    std::vector<std::array<float, kHidden>> delta1, delta2;
+    Trainer t{args};
+    world.broadcast(std::span<float>(t.params), 0);  // everyone starts from rank 0's weights
     if (rank == 0)
-      std::printf("training an MLP (%zu parameters) on %d rank(s) over %s, global batch %d\n", params.size(), n,
+      std::printf("training an MLP (%zu parameters) on %d rank(s) over %s, global batch %d\n", t.params.size(), n,
                   std::string(world.backend()).c_str(), kGlobalBatch);
 
     const int save_at = args.steps / 2;
     for (int step = 0; step < args.steps; ++step) {
-      // This rank's share of the step's global batch (shares differ by one when n does not divide it).
-      const int first = (step * kGlobalBatch) % kSamples;
-      const int lo = kGlobalBatch * rank / n, hi = kGlobalBatch * (rank + 1) / n;
-      const std::span<const Sample> share(data.data() + first + lo, static_cast<std::size_t>(hi - lo));
-
-      std::fill(grad.begin(), grad.end(), 0.0f);
-      std::vector<double> loss{forward(params, share, acts)};
-      comm::Work loss_sum = world.all_reduce(std::span<double>(loss), comm::ReduceOp::sum, comm::async);
-
-      // Backward, bucket by bucket: each bucket's all_reduce runs while the next one is computed.
-      std::vector<comm::Work> pending;
-      auto bucket = [&](std::size_t b) {
-        const auto [offset, count] = Layout::buckets[b];
-        return std::span<float>(grad.data() + offset, count);
-      };
-      backward_layer3(params, acts, grad, delta2);
-      pending.push_back(world.all_reduce(bucket(0), comm::ReduceOp::sum, comm::async));
-      backward_layer2(params, acts, delta2, grad, delta1);
-      pending.push_back(world.all_reduce(bucket(1), comm::ReduceOp::sum, comm::async));
-      backward_layer1(share, delta1, grad);
-      pending.push_back(world.all_reduce(bucket(2), comm::ReduceOp::sum, comm::async));
-      for (auto& w : pending) w.wait();
-      loss_sum.wait();
-
-      // SGD with momentum on the average gradient over the global batch.
-      const float scale = 1.0f / static_cast<float>(kGlobalBatch);
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        momentum[i] = kMomentum * momentum[i] + grad[i] * scale;
-        params[i] -= args.lr * momentum[i];
-      }
-      const double mean_loss = loss[0] / kGlobalBatch;
-      if (rank == 0 && (step % 50 == 0 || step == args.steps - 1))
-        std::printf("step %d loss %.9g\n", step, mean_loss);
-      if (step == args.steps - 1 && rank == 0) std::printf("final loss %.9g\n", mean_loss);
-
+      t.report(world, step, t.step(world, step));
       if (step + 1 == save_at) {
         // Rank 0 writes; the barrier orders every rank's read after the write.
-        if (rank == 0) save_checkpoint(args.checkpoint, static_cast<std::uint64_t>(step + 1), params, momentum);
+        if (rank == 0) save_checkpoint(args.checkpoint, static_cast<std::uint64_t>(step + 1), t.params, t.momentum);
         world.barrier();
-        const std::uint64_t resumed = load_checkpoint(args.checkpoint, params, momentum);
+        const std::uint64_t resumed = load_checkpoint(args.checkpoint, t.params, t.momentum);
         if (resumed != static_cast<std::uint64_t>(step + 1)) throw std::runtime_error("the checkpoint is of another step");
         if (rank == 0)
           std::printf("checkpoint of step %llu written by rank 0 to %s, loaded by all %d rank(s)\n",

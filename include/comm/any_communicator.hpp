@@ -222,6 +222,14 @@ class AnyCommunicator {
   [[nodiscard]] std::optional<AnyCommunicator> new_group(std::initializer_list<int> ranks) {
     return new_group(std::span<const int>(ranks.begin(), ranks.size()));
   }
+  /// See Communicator::shrink, grow and revoke (Gloo, Shm, Hierarchical; InvalidArgument on a
+  /// backend without them). `c = c.grow();`: afterwards the old object may only be destroyed or
+  /// assigned. For cdb's world, comm::shrink_world() and comm::grow_world() (world.hpp).
+  [[nodiscard]] AnyCommunicator shrink() { return AnyCommunicator(impl_->shrink()); }
+  [[nodiscard]] AnyCommunicator grow() { return AnyCommunicator(impl_->grow()); }
+  void revoke(std::string_view reason = {}) { impl_->revoke(reason); }
+  void close_joins() { impl_->close_joins(); }
+
   /// See Communicator::monitored_barrier.
   void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks = false) {
     if (timeout.count() <= 0)

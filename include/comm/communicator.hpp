@@ -51,6 +51,7 @@
 #include <ranges>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -59,6 +60,7 @@
 #include <comm/concepts.hpp>
 #include <comm/detail/facade/checks.hpp>
 #include <comm/detail/facade/reduction.hpp>
+#include <comm/detail/init/rejoin.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/init.hpp>
@@ -82,9 +84,19 @@ class Communicator {
   /// Wraps a constructed backend object.
   explicit Communicator(Backend b) noexcept(std::is_nothrow_move_constructible_v<Backend>) : b_(std::move(b)) {}
 
-  /// env:// rendezvous (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; rank 0 hosts the TcpStore),
-  /// then the backend's connection. Blocking; ends by the options' timeout.
+  /// env:// rendezvous (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; rank 0 hosts the TcpStore
+  /// unless COMM_AGENT_STORE=1 says the launcher does), then the backend's connection. Blocking;
+  /// ends by the options' timeout. In a process started to replace a dead rank
+  /// (COMM_RESTART_COUNT > 0, comm-run --max-restarts) on a backend that can grow, it joins the
+  /// job instead: it returns when the members next call grow(), with the rank and size it has
+  /// there (use rank() and size(), not RANK).
   [[nodiscard]] static Communicator from_env(options_type options = {}) {
+    if constexpr (supports_grow<Backend>) {
+      if (detail::elastic_restart_count() > 0) {
+        const auto timeout = options.timeout.count() > 0 ? std::chrono::milliseconds(options.timeout) : timeout_from_env();
+        return Communicator(Backend::join(detail::join_store_from_env(timeout), options, timeout));
+      }
+    }
     InitResult r = init_env(std::chrono::milliseconds(options.timeout));
     return create(std::move(r.store), r.rank, r.size, options);
   }
@@ -382,6 +394,52 @@ class Communicator {
   }
   [[nodiscard]] std::optional<Communicator> new_group(std::initializer_list<int> ranks) {
     return new_group(std::span<const int>(ranks.begin(), ranks.size()));
+  }
+
+  /// Fault tolerance (optional capability 12; Gloo, Shm, Hierarchical). After a failure (or
+  /// whenever the application decides), the live members call shrink() and get a new communicator
+  /// over themselves, ranks renumbered in their old order. The members agree through the store on
+  /// who is alive (a rank that died, also during the shrink, is left out; members never get
+  /// different memberships); it ends by the timeout with comm::Timeout naming the ranks that neither
+  /// took part nor are known dead. This communicator's queued and running operations end with their
+  /// error first, and it stays failed. Needs a store that outlives every rank (comm-run hosts it)
+  /// and the liveness watch (a TcpStore).
+  [[nodiscard]] Communicator shrink() {
+    static_assert(supports_shrink<Backend>,
+                  "comm: this backend cannot shrink communicators (it lacks the optional capability "
+                  "`B shrink()`, see concepts.hpp)");
+    if constexpr (supports_shrink<Backend>) return Communicator(b_.shrink());
+  }
+
+  /// A collective of the members and every process waiting to join (a replacement's from_env()):
+  /// newcomers are ranked after the members, who keep their ranks. With nobody waiting it costs one
+  /// store round trip and returns this communicator itself, so it may be called at every step
+  /// boundary. Write `c = c.grow();`: afterwards this object may only be destroyed or assigned.
+  [[nodiscard]] Communicator grow() {
+    static_assert(supports_grow<Backend>,
+                  "comm: this backend cannot grow communicators (it lacks the optional capability "
+                  "`B grow()`, see concepts.hpp)");
+    if constexpr (supports_grow<Backend>) return Communicator(b_.grow());
+  }
+
+  /// Ends every member's pending and future operations on this communicator at once, with
+  /// comm::RemoteError naming this rank (and `reason`): what a rank calls when the group must
+  /// reconfigure (a bad result, an operator's request). The members then shrink().
+  void revoke(std::string_view reason = {}) {
+    static_assert(supports_revoke<Backend>,
+                  "comm: this backend cannot revoke communicators (it lacks the optional capability "
+                  "`void revoke(std::string_view)`, see concepts.hpp)");
+    if constexpr (supports_revoke<Backend>) b_.revoke(reason);
+  }
+
+  /// At the end of an elastic job (any member, once): processes waiting to join, and any started
+  /// later, get comm::InvalidArgument ("join: the job has finished") instead of waiting for their
+  /// timeout.
+  void close_joins() {
+    static_assert(supports_close_joins<Backend>,
+                  "comm: this backend cannot grow communicators (it lacks the optional capability "
+                  "`void close_joins()`, see concepts.hpp)");
+    if constexpr (supports_close_joins<Backend>) b_.close_joins();
   }
 
   /// A barrier that says who is missing: rank 0 collects every rank's arrival (through the

@@ -175,6 +175,24 @@ concept supports_new_group = backend<B> && requires(B& b, std::span<const int> r
   { b.new_group(ranks) } -> std::same_as<std::optional<B>>;
 };
 
+/// Optional capability 12 (fault tolerance, detail/engine/elastic.hpp): `b.shrink() -> B` (the
+/// live members' new communicator), `b.grow() -> B` (members and waiting replacements),
+/// `b.revoke(std::string_view)`, `B::join(store, options, timeout) -> B` for a replacement and
+/// `b.close_joins()` when the job ends.
+template <class B>
+concept supports_shrink = backend<B> && requires(B& b) {
+  { b.shrink() } -> std::same_as<B>;
+};
+template <class B>
+concept supports_grow = backend<B> && requires(B& b, std::shared_ptr<Store> s, const typename B::Options& o) {
+  { b.grow() } -> std::same_as<B>;
+  { B::join(s, o, std::chrono::milliseconds(1)) } -> std::same_as<B>;
+};
+template <class B>
+concept supports_revoke = backend<B> && requires(B& b, std::string_view reason) { b.revoke(reason); };
+template <class B>
+concept supports_close_joins = supports_grow<B> && requires(B& b) { b.close_joins(); };
+
 /// Optional capability 9: `b.monitored_barrier(std::chrono::milliseconds, bool)`.
 template <class B>
 concept supports_monitored_barrier = backend<B> && requires(B& b, std::chrono::milliseconds t) {

@@ -58,7 +58,7 @@ inline void check_rank_size(int rank, int size, std::string_view rank_name = "RA
 [[nodiscard]] inline std::shared_ptr<Store> connect_tcp_store(const std::string& host, std::uint16_t port, int rank,
                                                               std::chrono::milliseconds timeout) {
   TcpStoreOptions o;
-  o.is_server = rank == 0;
+  o.is_server = rank == 0 && env_nonneg_int("COMM_AGENT_STORE", "init").value_or(0) == 0;
   o.rank = rank;
   o.timeout = timeout;
   auto store = std::make_shared<TcpStore>(host, port, o);

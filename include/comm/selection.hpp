@@ -207,6 +207,36 @@ inline void check_init_matches(const InitOptions& o, int rank, int size, const s
   return world;
 }
 
+/// Where rank 0 of cdb's world says which backend the world runs, for replacements.
+inline constexpr const char* kWorldBackendKey = "comm/world/backend";
+
+/// A replacement process's world (COMM_RESTART_COUNT > 0): the backend named in `o`, else the one
+/// the world's rank 0 recorded; joined when the members next call grow().
+[[nodiscard]] inline std::unique_ptr<AnyCommunicator> join_world(const InitOptions& o, std::chrono::milliseconds timeout) {
+  auto store = join_store_from_env(timeout);
+  std::string name = o.backend;
+  if (name.empty() || name == "auto" || name == "cpu") {
+    store->wait({kWorldBackendKey}, timeout);
+    const auto v = store->get(kWorldBackendKey);
+    name.assign(v.begin(), v.end());
+  }
+  std::unique_ptr<AnyCommunicator> world;
+  backends::for_each_backend([&]<class B>(std::type_identity<B>, std::string_view n) {
+    if (world || n != name) return;
+    if constexpr (supports_grow<B>) {
+      typename B::Options bo;
+      bo.timeout = timeout;
+      world = std::make_unique<AnyCommunicator>(Communicator<B>(B::join(store, bo, timeout)));
+    } else {
+      throw InvalidArgument("init_distributed", -1,
+                            "this process replaces a rank (COMM_RESTART_COUNT is set) but the world's backend '" + name +
+                                "' cannot grow (only Gloo, Shm and Hierarchical can)");
+    }
+  });
+  if (!world) throw InvalidArgument("init_distributed", -1, "backend '" + name + "' is not compiled in");
+  return world;
+}
+
 }  // namespace detail
 
 /// Says where rank, sizes and the master address would come from (the discovery of step 3-4).

@@ -60,6 +60,20 @@ AnyCommunicator& set_world(Communicator<B>&& c) {
   return *s.world;
 }
 
+/// Fault tolerance for the world (Communicator::shrink / grow): replaces the world by its next
+/// generation, in place, so that `comm::world()` and references to it follow (use rank() and
+/// size() again afterwards). Called by every live member, like the methods they stand for.
+inline AnyCommunicator& shrink_world() {
+  auto& w = world();
+  w = w.shrink();
+  return w;
+}
+inline AnyCommunicator& grow_world() {
+  auto& w = world();
+  w = w.grow();
+  return w;
+}
+
 /// Destroys the world (its pending work is finished or failed by the backend). Idempotent.
 inline void destroy() {
   std::unique_ptr<AnyCommunicator> old;
@@ -85,6 +99,10 @@ inline AnyCommunicator& init_distributed(InitOptions o = {}) {
     return w;
   }
   const auto timeout = o.timeout.count() > 0 ? o.timeout : timeout_from_env();
+  if (detail::elastic_restart_count() > 0) {  // a replacement joins the running world (rejoin.hpp)
+    s.world = detail::join_world(o, timeout);
+    return *s.world;
+  }
   std::string backend = detail::resolve_backend(o.backend, o.rank);
 #if defined(COMM_HAS_MPI)
   if (backend == "mpi") {
@@ -110,6 +128,8 @@ inline AnyCommunicator& init_distributed(InitOptions o = {}) {
     }
   }
   s.world = detail::create_world(backend, r, timeout);
+  // What a replacement reads to join this world with the same backend (join_world).
+  if (r.rank == 0 && r.store) r.store->set(detail::kWorldBackendKey, backend);
   detail::log(detail::LogLevel::info, "init_distributed: rank " + std::to_string(r.rank) + " of " +
                                           std::to_string(r.size) + " ready on " + backend);
   return *s.world;

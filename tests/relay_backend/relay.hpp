@@ -38,6 +38,7 @@
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/p2p.hpp>
 #include <comm/detail/engine/policy.hpp>
+#include <comm/detail/engine/elastic.hpp>
 #include <comm/detail/engine/subgroups.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/error.hpp>
@@ -281,6 +282,7 @@ struct RelayOptions : CommonOptions {};
 class Relay : public comm::detail::ForwardOps<Relay>,
               public comm::detail::BackendDiagnostics<Relay>,
               public comm::detail::Subgroups<Relay>,
+              public comm::detail::Elastic<Relay>,
               public comm::detail::HostReductions {
  public:
   using backend_concept = comm::backend_t;
@@ -301,6 +303,7 @@ class Relay : public comm::detail::ForwardOps<Relay>,
   friend class comm::detail::ForwardOps<Relay>;
   friend class comm::detail::BackendDiagnostics<Relay>;
   friend class comm::detail::Subgroups<Relay>;
+  friend class comm::detail::Elastic<Relay>;
 
   Relay(std::unique_ptr<relay::Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
 

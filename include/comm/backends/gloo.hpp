@@ -94,6 +94,7 @@
 #include <comm/detail/engine/backend_diagnostics.hpp>
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/policy.hpp>
+#include <comm/detail/engine/elastic.hpp>
 #include <comm/detail/engine/subgroups.hpp>
 #include <comm/detail/gloo/device_staging.hpp>
 #include <comm/detail/gloo/engine.hpp>
@@ -134,6 +135,7 @@ struct GlooOptions : CommonOptions {
 class Gloo : public comm::detail::ForwardOps<Gloo>,
              public comm::detail::BackendDiagnostics<Gloo>,
              public comm::detail::Subgroups<Gloo>,
+             public comm::detail::Elastic<Gloo>,
              public comm::detail::HostReductions {
  public:
   using backend_concept = comm::backend_t;
@@ -208,6 +210,7 @@ class Gloo : public comm::detail::ForwardOps<Gloo>,
   friend class comm::detail::ForwardOps<Gloo>;          // the operations without device staging
   friend class comm::detail::BackendDiagnostics<Gloo>;  // monitored_barrier, flight_record, options
   friend class comm::detail::Subgroups<Gloo>;           // split, new_group: child()
+  friend class comm::detail::Elastic<Gloo>;             // shrink, grow: create(), options_
 
   Gloo(std::unique_ptr<detail::gloo::Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
 

@@ -75,6 +75,7 @@
 #include <comm/detail/engine/backend_diagnostics.hpp>
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/policy.hpp>
+#include <comm/detail/engine/elastic.hpp>
 #include <comm/detail/engine/subgroups.hpp>
 #include <comm/detail/init/env.hpp>
 #include <comm/detail/hierarchical/engine.hpp>
@@ -133,7 +134,8 @@ struct HierarchicalOptions : CommonOptions {
 template <class Intra, class Inter>
 class Hierarchical : public comm::detail::ForwardOps<Hierarchical<Intra, Inter>>,
                      public comm::detail::BackendDiagnostics<Hierarchical<Intra, Inter>>,
-                     public comm::detail::Subgroups<Hierarchical<Intra, Inter>> {
+                     public comm::detail::Subgroups<Hierarchical<Intra, Inter>>,
+                     public comm::detail::Elastic<Hierarchical<Intra, Inter>> {
   static_assert(comm::backend<Intra> && comm::backend<Inter>,
                 "comm: Hierarchical<Intra, Inter>: both must satisfy the comm::backend concept (see concepts.hpp)");
   // Gathers across nodes of different sizes are a bitwise or over bytes.
@@ -190,6 +192,7 @@ class Hierarchical : public comm::detail::ForwardOps<Hierarchical<Intra, Inter>>
   friend class comm::detail::ForwardOps<Hierarchical>;
   friend class comm::detail::BackendDiagnostics<Hierarchical>;
   friend class comm::detail::Subgroups<Hierarchical>;
+  friend class comm::detail::Elastic<Hierarchical>;
 
   Hierarchical(std::unique_ptr<Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
 

@@ -50,6 +50,7 @@
 #include <comm/detail/engine/backend_diagnostics.hpp>
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/policy.hpp>
+#include <comm/detail/engine/elastic.hpp>
 #include <comm/detail/engine/subgroups.hpp>
 #include <comm/detail/init/env.hpp>
 #include <comm/detail/shm/engine.hpp>
@@ -87,6 +88,7 @@ struct ShmOptions : CommonOptions {
 class Shm : public comm::detail::ForwardOps<Shm>,
             public comm::detail::BackendDiagnostics<Shm>,
             public comm::detail::Subgroups<Shm>,
+            public comm::detail::Elastic<Shm>,
             public comm::detail::HostReductions {
  public:
   using backend_concept = comm::backend_t;
@@ -118,6 +120,7 @@ class Shm : public comm::detail::ForwardOps<Shm>,
   friend class comm::detail::ForwardOps<Shm>;
   friend class comm::detail::BackendDiagnostics<Shm>;
   friend class comm::detail::Subgroups<Shm>;
+  friend class comm::detail::Elastic<Shm>;
 
   Shm(std::unique_ptr<detail::shm::Engine> e, Options o) noexcept : engine_(std::move(e)), options_(std::move(o)) {}
 

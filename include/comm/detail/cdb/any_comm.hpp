@@ -73,6 +73,12 @@ class AnyCommImpl {
   /// Subgroups: null for "no group" (negative color, not a member).
   [[nodiscard]] virtual std::unique_ptr<AnyCommImpl> split(int color, int key) = 0;
   [[nodiscard]] virtual std::unique_ptr<AnyCommImpl> new_group(std::span<const int> ranks) = 0;
+  /// Fault tolerance (capability 12): the next communicator; InvalidArgument where the backend
+  /// lacks it.
+  [[nodiscard]] virtual std::unique_ptr<AnyCommImpl> shrink() = 0;
+  [[nodiscard]] virtual std::unique_ptr<AnyCommImpl> grow() = 0;
+  virtual void revoke(std::string_view reason) = 0;
+  virtual void close_joins() = 0;
   /// timeout 0: the communicator's own.
   virtual void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) = 0;
   [[nodiscard]] virtual FlightRecord flight_record() const = 0;
@@ -372,6 +378,34 @@ class AnyCommModel final : public AnyCommImpl {
     } else {
       throw lacks("new_group", "make groups");
     }
+  }
+
+  std::unique_ptr<AnyCommImpl> shrink() override {
+    if constexpr (supports_shrink<B>)
+      return std::make_unique<AnyCommModel<B>>(c_.shrink());
+    else
+      throw lacks("shrink", "shrink communicators");
+  }
+
+  std::unique_ptr<AnyCommImpl> grow() override {
+    if constexpr (supports_grow<B>)
+      return std::make_unique<AnyCommModel<B>>(c_.grow());
+    else
+      throw lacks("grow", "grow communicators");
+  }
+
+  void revoke(std::string_view reason) override {
+    if constexpr (supports_revoke<B>)
+      c_.revoke(reason);
+    else
+      throw lacks("revoke", "revoke communicators");
+  }
+
+  void close_joins() override {
+    if constexpr (supports_close_joins<B>)
+      c_.close_joins();
+    else
+      throw lacks("close_joins", "grow communicators");
   }
 
   void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) override {

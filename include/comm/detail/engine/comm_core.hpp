@@ -56,6 +56,16 @@ struct CommPlace {
   bool root = false;  ///< a root communicator (not a subgroup): it runs the liveness watch
 };
 
+/// The communicators one root communicator becomes through shrink() and grow()
+/// (detail/engine/elastic.hpp): they share a store and a place on it where replacements wait.
+struct Lineage {
+  std::shared_ptr<comm::Store> base;  ///< the store of the lineage's first communicator
+  std::string room;                   ///< its keys there: "<first communicator's prefix>elastic/"
+  std::uint64_t epoch = 0;            ///< reconfigurations so far (the same on every member)
+  std::uint64_t next_grow = 0;        ///< grow() calls so far (the same on every member)
+  std::uint64_t shrinks = 0;          ///< shrink() attempts on this communicator
+};
+
 /// Takes this communicator's number on `store` (each rank counts its own communicators, so ranks
 /// that create them in the same order agree) and, for size > 1, runs the membership check, so
 /// that ranks started with different world sizes fail before the engine connects.
@@ -95,7 +105,10 @@ class CommCore {
         desync_(cfg.desync_check),
         place_(std::move(place)),
         recorder_(cfg.flight_recorder_size),
-        dump_path_(flight_recorder_path()) {}
+        dump_path_(flight_recorder_path()) {
+    // A root communicator starts a lineage: shrink() and grow() may follow it.
+    if (place_.root && place_.store) lineage_ = Lineage{place_.store, place_.key_prefix + "elastic/"};
+  }
 
   CommCore(const CommCore&) = delete;
   CommCore& operator=(const CommCore&) = delete;
@@ -119,6 +132,18 @@ class CommCore {
   [[nodiscard]] std::string dump_file() const {
     return dump_path_ + "." + std::to_string(place_.file_rank) + (place_.name.empty() ? std::string() : "." + place_.name);
   }
+
+  /// Its lineage (room empty: none, a subgroup or an adopted communicator).
+  [[nodiscard]] Lineage& lineage() noexcept { return lineage_; }
+  /// Makes this communicator the next of `l` (after shrink/grow): it watches its members' liveness
+  /// as a root communicator does. Before its first operation (the watch starts there).
+  void continue_lineage(Lineage l) {
+    lineage_ = std::move(l);
+    place_.root = true;
+  }
+  /// The rank hosting the store server, where this communicator's liveness watch knows it (-1:
+  /// none of its ranks, or not known).
+  [[nodiscard]] int store_host() const noexcept { return liveness_ ? liveness_->store_host() : -1; }
 
   /// True when the communicator has failed (cheap; for engines' wait loops).
   [[nodiscard]] bool has_failed() const noexcept { return failed_.load(std::memory_order_acquire); }
@@ -254,6 +279,7 @@ class CommCore {
   std::optional<Failure> failure_;
   bool liveness_started_ = false;
   std::unique_ptr<Liveness> liveness_;
+  Lineage lineage_;
 };
 
 }  // namespace comm::detail

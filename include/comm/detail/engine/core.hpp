@@ -308,6 +308,32 @@ class EngineCore : public CommCore {
     (void)queue_.wait_idle_until(std::chrono::steady_clock::now() + grace);
   }
 
+  /// Ends this communicator for a reconfiguration (shrink): its failure is recorded unless it
+  /// failed already, the transport closes, and queued and running operations end with their error
+  /// before this returns (or after the timeout).
+  void retire(const std::string& why) {
+    if (record_failure(FailureKind::remote, why, {})) derived().close_transport();
+    (void)queue_.wait_idle_until(std::chrono::steady_clock::now() + timeout());
+  }
+
+  /// revoke(): every member's pending and future operations end with RemoteError naming this
+  /// rank. Published first on the liveness key (every member's watch wakes on it within ms), then
+  /// failed here. Without a store (adopted) only this rank's operations end.
+  void revoke(const std::string& reason) {
+    const std::string why = "rank " + std::to_string(rank()) + " revoked the communicator" +
+                            (reason.empty() ? std::string() : ": " + reason);
+    if (store()) {
+      try {
+        const auto v = Liveness::revoke_value(rank(), reason);
+        (void)store()->compare_set(Liveness::key(key_prefix()), {},
+                                   std::span(reinterpret_cast<const std::uint8_t*>(v.data()), v.size()));
+      } catch (const std::exception& e) {  // the store is gone: the members find out by their own means
+        log(LogLevel::warn, std::string("comm: revoke could not tell the other ranks: ") + e.what());
+      }
+    }
+    if (record_failure(FailureKind::remote, why, "rank " + std::to_string(rank()))) derived().close_transport();
+  }
+
   // ---- liveness (detail/engine/liveness.hpp) ----
 
   /// The liveness watch's news (`why`: "rank 2 is dead: ...", "rank 1's operation failed: ..."):

@@ -129,7 +129,7 @@ class Liveness {
     o.rank = rank;
     o.timeout = std::min(store->timeout(), std::max(cfg.silence, std::chrono::milliseconds(5000)));
     auto own = std::make_unique<TcpStore>(tcp->host(), tcp->port(), o);
-    const std::string key = prefix + key_prefix + "liveness/dead";
+    const std::string key = prefix + Liveness::key(key_prefix);
     const int host = own->watch(key, std::to_string(rank) + "|", cfg.silence);
     return std::unique_ptr<Liveness>(new Liveness(std::move(own), key, rank, size, host, cfg, std::move(on_dead)));
   }
@@ -137,6 +137,19 @@ class Liveness {
   Liveness(const Liveness&) = delete;
   Liveness& operator=(const Liveness&) = delete;
   ~Liveness() { stop(); }
+
+  /// The key (under a communicator's prefix) every watcher of it wakes on, and where the server
+  /// keeps each member's death on its own (tcp_store_requests.hpp: fire_will).
+  [[nodiscard]] static std::string key(const std::string& key_prefix) { return key_prefix + "liveness/dead"; }
+  [[nodiscard]] static std::string death_key(const std::string& key_prefix, int rank) {
+    return key(key_prefix) + "/" + std::to_string(rank);
+  }
+  /// What revoke() publishes on key(): every member's watch fails its communicator, naming `rank`.
+  [[nodiscard]] static std::string revoke_value(int rank, const std::string& reason) {
+    return std::to_string(rank) + "^|" + reason.substr(0, kAnnouncedMax);
+  }
+  /// The rank hosting the store server (-1: none of this communicator's ranks, e.g. comm-run's).
+  [[nodiscard]] int store_host() const noexcept { return host_; }
 
   struct Verdict {
     int rank = -1;    // the rank an error names
@@ -333,7 +346,8 @@ class Liveness {
   }
 
   /// "<rank>|<reason>": the server fired a rank's will (a death); "<host>~|left": the store's
-  /// host left normally; "<rank>!<blamed>|<error>": a rank's operation failed (announce_failure).
+  /// host left normally; "<rank>!<blamed>|<error>": a rank's operation failed (announce_failure);
+  /// "<rank>^|<reason>": a rank revoked the communicator (revoke_value()).
   /// An announcement that blames this rank names its announcer: the rank this one failed to reach.
   [[nodiscard]] Verdict parse(const Store::Bytes& v) const {
     const std::string s(v.begin(), v.end());
@@ -344,6 +358,12 @@ class Liveness {
     if (head.ends_with('~')) {  // "<host>~|left": the store's host left normally
       d.source = rank_in(head.substr(0, head.size() - 1));
       d.left = true;
+      return d;
+    }
+    if (head.ends_with('^')) {  // "<rank>^|<reason>": a rank revoked the communicator
+      d.source = rank_in(head.substr(0, head.size() - 1));
+      d.rank = d.source;
+      d.why = "rank " + std::to_string(d.source) + " revoked the communicator" + (tail.empty() ? "" : ": " + tail);
       return d;
     }
     const auto bang = head.find('!');

@@ -396,13 +396,26 @@ class TcpStoreRequests {
 
   // The first will to fire sets its key; later ones (the same death seen twice, or a second
   // death) leave the first cause in place.
+  // The will's key keeps the first death (what every watcher wakes on); each death is also kept
+  // under "<key>/<id>", id being the value up to its first '|' (the rank, for liveness), so that
+  // a shrink can tell every dead member from a live one, not only the first.
   void fire_will(Conn& c, const std::string& reason) {
     Will w = std::move(*c.will);
     c.will.reset();
     parked_bytes_ -= w.cost;
-    if (kv_.find(w.key) != kv_.end()) return;
     Bytes v = std::move(w.value);
     v.insert(v.end(), reason.begin(), reason.end());
+    const auto bar = std::find(v.begin(), v.end(), std::uint8_t{'|'});
+    if (bar != v.end() && bar != v.begin()) {
+      std::string record = w.key + "/";
+      record.append(v.begin(), bar);
+      if (kv_.find(record) == kv_.end()) {
+        total_bytes_ += record.size() + v.size();  // bounded like the will: one per connection
+        kv_.emplace(record, v);
+        key_changed(record);
+      }
+    }
+    if (kv_.find(w.key) != kv_.end()) return;
     total_bytes_ += w.key.size() + v.size();  // bounded: charged as parked while the will was held
     kv_.emplace(w.key, std::move(v));
     key_changed(w.key);
