@@ -6,6 +6,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <comm/init.hpp>
 #include <comm/store.hpp>
 
 #include <algorithm>
@@ -798,4 +799,24 @@ TEST_CASE("--max-restarts: from a rank's death to its replacement's start (measu
   std::printf("comm-run --max-restarts: death to replacement's main(), %d restarts: p50 %.2f ms, max %.2f ms\n", n, p50,
               worst);
   CHECK(p50 < 1000);
+}
+
+TEST_CASE("COMM_AGENT_STORE: 1 makes rank 0 a client; another value is InvalidArgument naming it") {
+  // In this process, as a rank would see it (nothing listens on the port: a client times out).
+  const std::map<std::string, std::string> vars{
+      {"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}};
+  for (const auto& [k, v] : vars) ::setenv(k.c_str(), v.c_str(), 1);
+  ::setenv("COMM_AGENT_STORE", "yes", 1);
+  try {
+    (void)comm::init_env(std::chrono::milliseconds(200));
+    FAIL("init_env accepted COMM_AGENT_STORE=yes");
+  } catch (const comm::InvalidArgument& e) {
+    CHECK_MESSAGE(contains(e.what(), "COMM_AGENT_STORE='yes'"), e.what());
+  }
+  ::setenv("COMM_AGENT_STORE", "1", 1);
+  const auto t0 = Clock::now();
+  CHECK_THROWS_AS((void)comm::init_env(std::chrono::milliseconds(300)), comm::Timeout);  // connected, did not host
+  CHECK(seconds_since(t0) >= 0.25);
+  for (const auto& [k, v] : vars) ::unsetenv(k.c_str());
+  ::unsetenv("COMM_AGENT_STORE");
 }
