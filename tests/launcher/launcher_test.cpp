@@ -591,12 +591,15 @@ TEST_CASE("the launcher hosts the store unless --no-agent-store") {
   // The port comm-run hosts the store on is taken for the job's life: another launcher given the
   // same port cannot host there and says so.
   const std::string port = "29517";
-  Launch holder({"-n", "1", "--master-port", port, probe, "sleep", "2000"});
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  TempDir dir;
+  Launch holder({"-n", "1", "--master-port", port, probe, "pidfile", dir.path.string()});
+  // Its rank runs: the store was bound before.
+  REQUIRE(holder.wait_stdout([](const std::string& out) { return contains(out, "ready\n"); }, 10));
   const Result second = run({"-n", "1", "--master-port", port, probe, "env"});
   CHECK(second.code == 1);
   CHECK_MESSAGE(contains(second.err, "cannot host the job's store"), second.err);
-  CHECK(holder.finish().code == 0);
+  ::kill(holder.pid(), SIGTERM);
+  CHECK(holder.finish().code == 128 + SIGTERM);
 }
 
 TEST_CASE("rank 0 SIGKILLed: the others see it within ms, and the store stays up for them") {
@@ -819,4 +822,26 @@ TEST_CASE("COMM_AGENT_STORE: 1 makes rank 0 a client; another value is InvalidAr
   CHECK(seconds_since(t0) >= 0.25);
   for (const auto& [k, v] : vars) ::unsetenv(k.c_str());
   ::unsetenv("COMM_AGENT_STORE");
+}
+
+TEST_CASE("--nnodes 2: node 0's launcher hosts the store, node 1's ranks use it, rank 0's death included") {
+  const std::map<std::string, std::string> env{{"COMM_STORE_TOKEN", "two-nodes"}, {"COMM_TIMEOUT", "20s"}};
+  auto node = [&](int i) {
+    return std::vector<std::string>{"--nnodes", "2", "--node-rank", std::to_string(i), "--master-port", "29518",
+                                    "-n", "2", "--max-restarts", "1", store_probe, "survive"};
+  };
+  Launch one(node(1), env);  // first: its ranks retry until node 0's launcher listens
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  Launch zero(node(0), env);
+  const Result r0 = zero.finish(40), r1 = one.finish(40);
+  INFO(std::string(r0.out + r0.err));
+  INFO(std::string(r1.out + r1.err));
+  CHECK(r0.code == 0);
+  CHECK(r1.code == 0);
+  CHECK(contains(r0.out, "[1] STORE OK"));
+  CHECK(contains(r0.out, "[0] REPLACEMENT restart=1"));
+  for (int rank : {2, 3}) {
+    CHECK(contains(r1.out, "[" + std::to_string(rank) + "] DEAD rank=0 "));
+    CHECK(contains(r1.out, "[" + std::to_string(rank) + "] STORE OK"));
+  }
 }
