@@ -2,10 +2,12 @@
 //
 // Starts N ranks of a program on this node with the launcher environment (RANK, LOCAL_RANK,
 // WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK/NODE_RANK, MASTER_ADDR, MASTER_PORT,
-// COMM_STORE_TOKEN), prefixes every line the ranks print with "[rank] ", forwards
-// SIGINT/SIGTERM/SIGHUP to them, and stops the whole job when one rank fails, exiting with the
-// first failing rank's code. A small standalone POSIX program: fork + exec, one poll() loop,
-// signals read through a signalfd so nothing runs in a signal handler.
+// COMM_STORE_TOKEN), hosts the job's TcpStore (so that it outlives any rank), prefixes every line
+// the ranks print with "[rank] ", forwards SIGINT/SIGTERM/SIGHUP to them, restarts a failed rank
+// alone when --max-restarts allows, and otherwise stops the whole job when one rank fails, exiting
+// with the first failing rank's code. A small POSIX program: fork + exec, one poll() loop, signals
+// read through a signalfd so nothing runs in a signal handler; the store server is the library's
+// (its own thread, started after the signals are blocked so that they still reach the signalfd).
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -30,6 +32,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -37,6 +40,8 @@
 #include <vector>
 
 #include <comm/detail/init/duration.hpp>
+#include <comm/detail/store/common.hpp>
+#include <comm/detail/store/tcp_store_server.hpp>
 
 #ifndef COMM_RUN_VERSION
 #define COMM_RUN_VERSION "unknown"
@@ -53,6 +58,7 @@ constexpr int exit_usage = 2;
 constexpr int exit_timeout = 124;
 constexpr int max_nproc = 1024;
 constexpr int max_nnodes = 65536;
+constexpr int max_restarts_limit = 1'000'000;
 // A line longer than this is cut (with a newline) so one rank cannot make us buffer without bound.
 constexpr std::size_t max_line = 64 * 1024;
 
@@ -65,9 +71,14 @@ Options:
   -n, --nproc-per-node N  ranks to start on this node (default 1, at most 1024)
   --nnodes K              nodes in the job (default 1); WORLD_SIZE = K * N
   --node-rank I           this node's index, 0 <= I < K (default 0)
-  --master-addr A         address of the rank-0 store (default 127.0.0.1)
-  --master-port P         port of the rank-0 store (default: a free port on 127.0.0.1;
-                          required when --nnodes > 1)
+  --master-addr A         address of the job's store (default 127.0.0.1)
+  --master-port P         port of the job's store (default: a free port; required when
+                          --nnodes > 1)
+  --no-agent-store        do not host the store: rank 0 does (the behaviour before comm-run
+                          hosted it; for programs that bind MASTER_PORT themselves)
+  --max-restarts N        restart a rank that fails (non-zero exit or a signal), alone, up to
+                          N times in all on this node (default 0: a failure ends the job);
+                          also --max_restarts
   --grace-period S        after SIGTERM, wait S before SIGKILL (default 5s)
   --timeout S             stop the whole job after S and exit with code 124
   --no-prefix             do not prefix output lines with "[rank] "
@@ -88,10 +99,24 @@ Each rank gets in its environment:
                     with --nnodes > 1 it must be set, to the same value on every node
   COMM_JOB_ID       kept if set, else (one node) a fresh id per job: a store of another job
                     on the same port refuses this job's ranks, naming both job ids
+  COMM_AGENT_STORE  1: the launcher hosts the store (unless --no-agent-store), so every rank,
+                    rank 0 too, connects to it as a client
+  COMM_RESTART_COUNT  only in a restarted rank: this node's restarts so far, this one
+                    included (1, 2, ...); unset in the ranks first started
+
+Store: comm-run hosts the job's TcpStore on MASTER_ADDR:MASTER_PORT (with the job's
+COMM_STORE_TOKEN and COMM_JOB_ID) from before the ranks start until the job ends, so the death of
+any rank, rank 0 included, leaves it up; with --nnodes > 1 node 0's comm-run hosts it and the
+others do not. A connection with a wrong or no token is refused (logged with COMM_DEBUG=WARN).
 
 Output: every line a rank writes to stdout (stderr) is written to stdout (stderr) prefixed with
 "[RANK] ", whole lines only; a last line without a newline is completed at exit. Ranks run with
 stdin from /dev/null, except rank 0, which inherits stdin when it is not a terminal.
+
+Restarts: with --max-restarts N, a rank that exits non-zero or is killed by a signal is started
+again, alone, with the same environment plus COMM_RESTART_COUNT (stdin from /dev/null; its
+leftover child processes are killed first); the other ranks are neither restarted nor signalled.
+Each restart prints one line on stderr. Once N restarts are used, the next failure ends the job.
 
 Failure: when a rank exits non-zero or is killed by a signal, comm-run reports it, sends SIGTERM
 to the other ranks (their whole process groups), SIGKILL after the grace period, and exits with
@@ -116,6 +141,8 @@ struct Options {
   milliseconds grace{5000};
   std::optional<milliseconds> timeout;
   bool prefix = true;
+  bool agent_store = true;  // this launcher (node 0's) hosts the store
+  int max_restarts = 0;
   std::vector<char*> command;  // program and its arguments, null-terminated
 };
 
@@ -171,6 +198,10 @@ Options parse_args(int argc, char** argv) {
       o.prefix = false;
       continue;
     }
+    if (arg == "--no-agent-store") {
+      o.agent_store = false;
+      continue;
+    }
     // Options with a value: "--name value", "--name=value", and for -n also "-nVALUE".
     std::string_view name = arg;
     std::optional<std::string_view> value;
@@ -185,7 +216,8 @@ Options parse_args(int argc, char** argv) {
     }
     static constexpr std::string_view with_value[] = {"-n",          "--nproc-per-node", "--nnodes",
                                                       "--node-rank", "--master-addr",    "--master-port",
-                                                      "--grace-period", "--timeout"};
+                                                      "--grace-period", "--timeout",    "--max-restarts",
+                                                      "--max_restarts"};
     if (std::find(std::begin(with_value), std::end(with_value), name) == std::end(with_value))
       usage_error("unknown option '" + std::string(arg) + "'");
     if (!value) {
@@ -207,6 +239,8 @@ Options parse_args(int argc, char** argv) {
       o.grace = parse_duration_option("--grace-period", *value, true);
     } else if (name == "--timeout") {
       o.timeout = parse_duration_option("--timeout", *value, false);
+    } else if (name == "--max-restarts" || name == "--max_restarts") {
+      o.max_restarts = parse_int_option("--max-restarts", *value, 0, max_restarts_limit);
     }
   }
   if (i >= argc) usage_error("no program given");
@@ -410,6 +444,7 @@ struct Stream {
 
 struct Rank {
   int rank = 0;
+  int local = 0;
   pid_t pid = -1;  // also its process group id
   bool running = false;
   Stream out, err;
@@ -422,6 +457,7 @@ class Job {
   int run() {
     setup_signals();
     prepare_env();
+    host_store();
     const auto started = std::filesystem::file_time_type::clock::now();
     start_ranks();
     event_loop();
@@ -448,7 +484,8 @@ class Job {
     static constexpr std::string_view ours[] = {"RANK=",       "LOCAL_RANK=",       "WORLD_SIZE=",
                                                 "LOCAL_WORLD_SIZE=", "GROUP_RANK=", "NODE_RANK=",
                                                 "GROUP_WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT=",
-                                                "COMM_STORE_TOKEN=", "COMM_JOB_ID="};
+                                                "COMM_STORE_TOKEN=", "COMM_JOB_ID=", "COMM_AGENT_STORE=",
+                                                "COMM_RESTART_COUNT="};
     for (char** e = environ; *e != nullptr; ++e) {
       std::string_view kv = *e;
       if (std::none_of(std::begin(ours), std::end(ours), [&](std::string_view k) { return kv.starts_with(k); }))
@@ -471,6 +508,27 @@ class Job {
       job_id_ = "comm-run-" + std::to_string(::getpid()) + "-" + random_token().substr(0, 8);
   }
 
+  /// Node 0's launcher hosts the job's store from before the ranks start until the job ends (the
+  /// server's thread; the signals are blocked already, so they still come to the signalfd). Rank
+  /// -1 as the host: no rank's death takes the store with it.
+  void host_store() {
+    if (!opt_.agent_store || opt_.node_rank != 0) return;
+    comm::detail::TcpStoreServerConfig cfg;
+    cfg.token = token_;
+    // What the ranks' stores will send: COMM_JOB_ID as we export it, else their inherited
+    // TORCHELASTIC_RUN_ID / SLURM_JOB_ID.
+    cfg.job_id = job_id_.empty() ? comm::detail::job_id_from_env() : job_id_;
+    try {
+      store_ = std::make_unique<comm::detail::TcpStoreServer>(opt_.master_addr,
+                                                             static_cast<std::uint16_t>(opt_.master_port), cfg, -1);
+    } catch (const std::exception& e) {
+      message(std::string("cannot host the job's store: ") + e.what() +
+              (opt_.master_port == 0 ? "" : " (pick another --master-port)"));
+      std::exit(1);
+    }
+    opt_.master_port = store_->port();
+  }
+
   std::vector<std::string> rank_env(int local) const {
     std::vector<std::string> env = base_env_;
     const int world = opt_.nnodes * opt_.nproc;
@@ -485,6 +543,7 @@ class Job {
     env.push_back("MASTER_PORT=" + std::to_string(opt_.master_port));
     env.push_back("COMM_STORE_TOKEN=" + token_);
     if (!job_id_.empty()) env.push_back("COMM_JOB_ID=" + job_id_);
+    if (opt_.agent_store) env.push_back("COMM_AGENT_STORE=1");
     return env;
   }
 
@@ -493,54 +552,74 @@ class Job {
     const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (devnull < 0) fatal("open /dev/null");
     if (opt_.master_port == 0) opt_.master_port = pick_free_port();
-    const pid_t self = ::getpid();
     ranks_.resize(static_cast<std::size_t>(opt_.nproc));
     for (int local = 0; local < opt_.nproc && !stopping_; ++local) {
       Rank& r = ranks_[static_cast<std::size_t>(local)];
       r.rank = opt_.node_rank * opt_.nproc + local;
-      // Everything the child needs is built before fork: it only calls async-signal-safe functions.
-      std::vector<std::string> env = rank_env(local);
-      std::vector<char*> envp;
-      for (auto& kv : env) envp.push_back(kv.data());
-      envp.push_back(nullptr);
-      const int in_fd = (inherit_stdin && r.rank == 0) ? STDIN_FILENO : devnull;
-
-      int out[2], err[2], status_pipe[2];
-      if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0 || ::pipe2(status_pipe, O_CLOEXEC) != 0)
-        fatal("pipe");
-      const pid_t pid = ::fork();
-      if (pid < 0) {
-        message("cannot start rank " + std::to_string(r.rank) + ": fork: " + std::strerror(errno));
-        for (int fd : {out[0], out[1], err[0], err[1], status_pipe[0], status_pipe[1]}) ::close(fd);
-        begin_stop(1, SIGTERM);
-        break;
-      }
-      if (pid == 0) exec_child(self, in_fd, out[1], err[1], status_pipe[1], envp.data());
-
-      ::setpgid(pid, pid);  // also done in the child; whichever runs first wins the race
-      ::close(out[1]);
-      ::close(err[1]);
-      ::close(status_pipe[1]);
-      r.pid = pid;
-      r.running = true;
-      ++running_;
-      r.out = Stream{out[0], STDOUT_FILENO, {}};
-      r.err = Stream{err[0], STDERR_FILENO, {}};
-      for (int fd : {out[0], err[0]}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
-
-      // The status pipe closes on a successful exec, or carries errno when exec failed.
-      int exec_errno = 0;
-      ssize_t n;
-      do n = ::read(status_pipe[0], &exec_errno, sizeof exec_errno);
-      while (n < 0 && errno == EINTR);
-      ::close(status_pipe[0]);
-      if (n == static_cast<ssize_t>(sizeof exec_errno)) {
-        message("cannot run '" + std::string(opt_.command[0]) + "': " + std::strerror(exec_errno));
-        begin_stop(exec_errno == ENOENT ? 127 : 126, SIGTERM);
-      }
+      r.local = local;
+      spawn(r, rank_env(local), (inherit_stdin && r.rank == 0) ? STDIN_FILENO : devnull);
     }
     ::close(devnull);
     if (opt_.timeout) deadline_ = Clock::now() + *opt_.timeout;
+  }
+
+  /// Starts rank `r`'s process with `env`; on failure starts stopping the job.
+  void spawn(Rank& r, std::vector<std::string> env, int in_fd) {
+    const pid_t self = ::getpid();
+    // Everything the child needs is built before fork: it only calls async-signal-safe functions.
+    std::vector<char*> envp;
+    for (auto& kv : env) envp.push_back(kv.data());
+    envp.push_back(nullptr);
+
+    int out[2], err[2], status_pipe[2];
+    if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0 || ::pipe2(status_pipe, O_CLOEXEC) != 0)
+      fatal("pipe");
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      message("cannot start rank " + std::to_string(r.rank) + ": fork: " + std::strerror(errno));
+      for (int fd : {out[0], out[1], err[0], err[1], status_pipe[0], status_pipe[1]}) ::close(fd);
+      begin_stop(1, SIGTERM);
+      return;
+    }
+    if (pid == 0) exec_child(self, in_fd, out[1], err[1], status_pipe[1], envp.data());
+
+    ::setpgid(pid, pid);  // also done in the child; whichever runs first wins the race
+    ::close(out[1]);
+    ::close(err[1]);
+    ::close(status_pipe[1]);
+    r.pid = pid;
+    r.running = true;
+    ++running_;
+    r.out = Stream{out[0], STDOUT_FILENO, {}};
+    r.err = Stream{err[0], STDERR_FILENO, {}};
+    for (int fd : {out[0], err[0]}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+
+    // The status pipe closes on a successful exec, or carries errno when exec failed.
+    int exec_errno = 0;
+    ssize_t n;
+    do n = ::read(status_pipe[0], &exec_errno, sizeof exec_errno);
+    while (n < 0 && errno == EINTR);
+    ::close(status_pipe[0]);
+    if (n == static_cast<ssize_t>(sizeof exec_errno)) {
+      message("cannot run '" + std::string(opt_.command[0]) + "': " + std::strerror(exec_errno));
+      begin_stop(exec_errno == ENOENT ? 127 : 126, SIGTERM);
+    }
+  }
+
+  /// Starts rank `r` again, alone, after its process failed (`how`): the same environment plus
+  /// COMM_RESTART_COUNT. What the dead process left (its output, its children) goes first.
+  void restart(Rank& r, const std::string& how) {
+    ++restarts_;
+    message("rank " + std::to_string(r.rank) + " " + how + "; restarting it (restart " + std::to_string(restarts_) +
+            " of " + std::to_string(opt_.max_restarts) + ")");
+    ::killpg(r.pid, SIGKILL);  // children it left behind belong to the dead process
+    for (Stream* st : {&r.out, &r.err}) close_stream(*st, r.rank);
+    std::vector<std::string> env = rank_env(r.local);
+    env.push_back("COMM_RESTART_COUNT=" + std::to_string(restarts_));
+    const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (devnull < 0) fatal("open /dev/null");
+    spawn(r, std::move(env), devnull);
+    ::close(devnull);
   }
 
   [[noreturn]] void exec_child(pid_t parent, int in_fd, int out_fd, int err_fd, int status_fd, char** envp) {
@@ -699,6 +778,13 @@ class Job {
       if (WIFEXITED(status) && WEXITSTATUS(status) == 0) continue;
       if (stopping_) continue;  // the job is already going down; the first cause is known
       drain(*it);               // its last words come before our report
+      if (restarts_ < opt_.max_restarts) {
+        restart(*it, WIFEXITED(status) ? "exited with code " + std::to_string(WEXITSTATUS(status))
+                                       : "was killed by signal " + signal_name(WTERMSIG(status)));
+        continue;
+      }
+      if (opt_.max_restarts > 0)
+        message("no restart left (--max-restarts " + std::to_string(opt_.max_restarts) + " used up)");
       if (WIFEXITED(status)) {
         message("rank " + std::to_string(it->rank) + " exited with code " + std::to_string(WEXITSTATUS(status)));
         begin_stop(WEXITSTATUS(status), SIGTERM);
@@ -760,6 +846,8 @@ class Job {
   std::string token_;
   std::string job_id_;  // COMM_JOB_ID for the ranks; empty: not set
   std::vector<Rank> ranks_;
+  std::unique_ptr<comm::detail::TcpStoreServer> store_;  // node 0's store; null: not ours to host
+  int restarts_ = 0;
   sigset_t old_mask_{};
   int sfd_ = -1;
   int running_ = 0;

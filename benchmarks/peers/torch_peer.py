@@ -5,9 +5,10 @@ Same command line subset, methodology and JSON lines (schema comm-bench/1) as co
 every rank times each call back to back with perf_counter; the time of an iteration is the max
 over ranks; the reported time is the median over iterations. Launched like comm-bench, e.g.
 
-    comm-run -n 2 /usr/bin/python3 benchmarks/peers/torch_peer.py --op all_reduce --json
+    comm-run -n 2 --no-agent-store /usr/bin/python3 benchmarks/peers/torch_peer.py --op all_reduce --json
 
-(env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the launcher). Needs Debian's
+(env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the launcher; torch's rank 0
+hosts its own store on MASTER_PORT, so comm-run must not host comm's there: --no-agent-store). Needs Debian's
 python3-torch (1.13), whose gloo process group has no reduce_scatter: that op is timed as the usual
 workaround, all_reduce of the whole buffer then a copy of this rank's block (algo
 "all_reduce+copy").

@@ -5,7 +5,9 @@
 ///
 /// Variables read by env:// (as set by comm-run, torchrun and most launchers):
 ///   RANK, WORLD_SIZE            required; 0 <= RANK < WORLD_SIZE
-///   MASTER_ADDR, MASTER_PORT    required; rank 0 hosts the TcpStore there
+///   MASTER_ADDR, MASTER_PORT    required; rank 0 hosts the TcpStore there, unless
+///   COMM_AGENT_STORE=1          (set by comm-run) the launcher hosts it: every rank, rank 0 too,
+///                               connects as a client, so the store outlives any rank
 ///   LOCAL_RANK, LOCAL_WORLD_SIZE optional; -1 in the result when not set
 ///   COMM_TIMEOUT                seconds, or a number with ms/s/m suffix (default 30 min)
 /// Every value is checked: a bad one throws comm::InvalidArgument quoting the variable and value.
@@ -55,10 +57,23 @@ inline void check_rank_size(int rank, int size, std::string_view rank_name = "RA
   return *v;
 }
 
+/// COMM_AGENT_STORE: 1 when the launcher hosts the store (comm-run does), 0 or unset when rank 0
+/// does; anything else is comm::InvalidArgument naming the variable.
+[[nodiscard]] inline bool agent_hosts_store(int rank) {
+  auto v = getenv_str("COMM_AGENT_STORE");
+  if (!v) return false;
+  const auto t = trim(*v);
+  if (t.empty() || t == "0") return false;
+  if (t == "1") return true;
+  bad_env("init", rank, "COMM_AGENT_STORE", *v, "not 0 or 1 (1: the launcher hosts the store)");
+}
+
+/// The rendezvous store at host:port: rank 0 hosts it, unless the launcher does
+/// (COMM_AGENT_STORE=1); the clients retry connecting until `timeout`.
 [[nodiscard]] inline std::shared_ptr<Store> connect_tcp_store(const std::string& host, std::uint16_t port, int rank,
                                                               std::chrono::milliseconds timeout) {
   TcpStoreOptions o;
-  o.is_server = rank == 0 && env_nonneg_int("COMM_AGENT_STORE", "init").value_or(0) == 0;
+  o.is_server = rank == 0 && !agent_hosts_store(rank);
   o.rank = rank;
   o.timeout = timeout;
   auto store = std::make_shared<TcpStore>(host, port, o);
@@ -89,8 +104,8 @@ inline std::pair<std::string, std::uint16_t> split_host_port(std::string_view hp
 }  // namespace detail
 
 /// env://: reads the variables above; rank 0 hosts the TcpStore on MASTER_ADDR:MASTER_PORT
-/// (bound to that address only: loopback for 127.0.0.1/localhost), the others connect to it,
-/// retrying until `timeout`.
+/// (bound to that address only: loopback for 127.0.0.1/localhost), or with COMM_AGENT_STORE=1 the
+/// launcher does; the others (all ranks, then) connect to it, retrying until `timeout`.
 [[nodiscard]] inline InitResult init_env(std::chrono::milliseconds timeout = timeout_from_env()) {
   InitResult r;
   r.rank = detail::required_env_int("RANK", "env://");
@@ -118,7 +133,7 @@ inline std::pair<std::string, std::uint16_t> split_host_port(std::string_view hp
 }
 
 /// Any init method: "env://" (rank and size from the environment when given as -1),
-/// "tcp://host:port" (rank 0 hosts the store there) or "file:///path" (a FileStore on a shared
+/// "tcp://host:port" (rank 0 hosts the store there, unless COMM_AGENT_STORE=1) or "file:///path" (a FileStore on a shared
 /// file system). `rank` and `size` are required for tcp:// and file://.
 [[nodiscard]] inline InitResult init_method(std::string_view url, int rank = -1, int size = -1,
                                             std::chrono::milliseconds timeout = timeout_from_env()) {

@@ -9,6 +9,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+
 #include <array>
 #include <chrono>
 #include <cstring>
@@ -26,6 +31,7 @@ using comm::detail::Fd;
 using comm::detail::gloo::Deadline;
 using comm::detail::gloo::DeviceSpec;
 using comm::detail::gloo::DirectLinks;
+using comm::detail::gloo::DirectSecret;
 using comm::detail::gloo::WaitGate;
 
 namespace {
@@ -36,8 +42,16 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-/// Rank 0 played by hand: connects to rank 1's published address with a hello.
-Fd impersonate_rank0(comm::Store& store, const std::string& prefix, std::uint64_t token) {
+/// Rank 0's part of the secret, played by hand: draws one and publishes it.
+DirectSecret publish_secret(comm::Store& store, const std::string& prefix) {
+  const DirectSecret s = comm::detail::gloo::draw_direct_secret(0);
+  store.set(comm::detail::gloo::direct_secret_key(prefix), std::span<const std::uint8_t>(s.data(), s.size()));
+  return s;
+}
+
+/// Connects to rank 1's published address and sends `hello_bytes` of a hello with `secret`.
+Fd impersonate_rank0(comm::Store& store, const std::string& prefix, const DirectSecret& secret,
+                     std::size_t hello_bytes = DirectLinks::kHelloSize) {
   store.wait({prefix + "1"}, 10s);
   const auto v = store.get(prefix + "1");
   const std::string addr(v.begin(), v.end());
@@ -48,9 +62,11 @@ Fd impersonate_rank0(comm::Store& store, const std::string& prefix, std::uint64_
   REQUIRE(::inet_pton(AF_INET, addr.substr(0, colon).c_str(), &sa.sin_addr) == 1);
   Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   REQUIRE(::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
-  std::array<std::uint32_t, 4> hello{DirectLinks::kHelloMagic, 0, 0, 0};
-  std::memcpy(&hello[2], &token, 8);
-  REQUIRE(::send(fd.get(), hello.data(), 16, MSG_NOSIGNAL) == 16);
+  std::array<std::uint8_t, DirectLinks::kHelloSize> hello{};
+  const std::uint32_t head[2] = {DirectLinks::kHelloMagic, 0};
+  std::memcpy(hello.data(), head, 8);
+  std::memcpy(hello.data() + 8, secret.data(), secret.size());
+  REQUIRE(::send(fd.get(), hello.data(), hello_bytes, MSG_NOSIGNAL) == static_cast<ssize_t>(hello_bytes));
   return fd;
 }
 
@@ -87,14 +103,15 @@ struct AgainstRaw {
   template <class Before>
   AgainstRaw(const std::string& prefix, std::chrono::milliseconds t, std::size_t cap, Before&& before) : d(t, gate) {
     std::thread th([&] { links = std::make_unique<DirectLinks>(store, prefix, 1, 2, kLoopback, 10s); });
-    before(store);
-    raw = impersonate_rank0(store, prefix, comm::detail::gloo::direct_token(prefix));
+    const DirectSecret secret = publish_secret(store, prefix);
+    before(store, secret);
+    raw = impersonate_rank0(store, prefix, secret);
     th.join();
     REQUIRE(links);
     ticket = links->post_recv(0, buf.data(), cap);
   }
   AgainstRaw(const std::string& prefix, std::chrono::milliseconds t, std::size_t cap = 64)
-      : AgainstRaw(prefix, t, cap, [](comm::Store&) {}) {}
+      : AgainstRaw(prefix, t, cap, [](comm::Store&, const DirectSecret&) {}) {}
 
   void wait(std::uint64_t seq) { links->wait_received(0, ticket, d, "all_gather", seq); }
   /// The posted receive's error (a RemoteError naming rank 0), as text.
@@ -114,6 +131,45 @@ struct Pair {
     REQUIRE(l1);
   }
 };
+
+/// While alive: COMM_DEBUG=WARN, and what this process writes to stderr goes to a file.
+struct StderrCapture {
+  std::string path;
+  int saved = -1;
+  StderrCapture() {
+    char tmpl[] = "/tmp/comm-direct-log-XXXXXX";
+    const int fd = ::mkstemp(tmpl);
+    REQUIRE(fd >= 0);
+    path = tmpl;
+    std::fflush(stderr);
+    saved = ::dup(2);
+    ::dup2(fd, 2);
+    ::close(fd);
+    ::setenv("COMM_DEBUG", "WARN", 1);
+  }
+  /// Restores stderr and returns what was written meanwhile.
+  std::string finish() {
+    if (saved >= 0) {
+      std::fflush(stderr);
+      ::dup2(saved, 2);
+      ::close(saved);
+      saved = -1;
+      ::unsetenv("COMM_DEBUG");
+    }
+    std::ifstream in(path);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
+  ~StderrCapture() {
+    (void)finish();
+    std::remove(path.c_str());
+  }
+};
+
+std::size_t count_of(const std::string& hay, const std::string& needle) {
+  std::size_t n = 0;
+  for (auto p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;
+  return n;
+}
 
 }  // namespace
 
@@ -220,16 +276,45 @@ TEST_CASE("direct links: a peer that goes away mid-message is a RemoteError, not
   CHECK(seconds_since(t0) < 5.0);
 }
 
-TEST_CASE("direct links: a stranger's connection (wrong token) is dropped, the real peer is accepted") {
-  AgainstRaw c("stranger/", 10s, 64, [](comm::Store& store) {
-    // Connects first, with another communicator's token: rank 1 must not take it for rank 0.
-    Fd s = impersonate_rank0(store, "stranger/", comm::detail::gloo::direct_token("someone-else/"));
-    const std::array<std::uint32_t, 3> frame{DirectLinks::kFrameMagic, 4, 0x6c697665};
-    (void)::send(s.get(), frame.data(), 12, MSG_NOSIGNAL);  // may meet the reset of the refusal
-  });
-  send_raw(c.raw, DirectLinks::kFrameMagic, 4, "good", 4);
-  c.wait(1);
-  CHECK(std::memcmp(c.buf.data(), "good", 4) == 0);
+TEST_CASE("direct links: strangers (a wrong secret, no secret) are refused and logged, the real peer is accepted") {
+  StderrCapture log;
+  Fd silent;  // a stranger that never completes its hello, open until the end
+  const auto t0 = Clock::now();
+  {
+    AgainstRaw c("stranger/", 10s, 64, [&](comm::Store& store, const DirectSecret& secret) {
+      // Connect first, with one bit of the secret wrong: rank 1 must not take it for rank 0.
+      DirectSecret wrong = secret;
+      wrong[5] ^= 0x10;
+      Fd s = impersonate_rank0(store, "stranger/", wrong);
+      const std::array<std::uint32_t, 3> frame{DirectLinks::kFrameMagic, 4, 0x6c697665};
+      (void)::send(s.get(), frame.data(), 12, MSG_NOSIGNAL);  // may meet the reset of the refusal
+      // No secret: the old 16-byte hello (magic, rank, a hash anyone could compute), then silence.
+      silent = impersonate_rank0(store, "stranger/", DirectSecret{}, 16);
+    });
+    // The silent stranger held up nobody: its 5 s for a hello ran beside the real handshake.
+    CHECK(seconds_since(t0) < 3.0);
+    send_raw(c.raw, DirectLinks::kFrameMagic, 4, "good", 4);
+    c.wait(1);
+    CHECK(std::memcmp(c.buf.data(), "good", 4) == 0);
+  }
+  const std::string said = log.finish();
+  INFO(said);
+  CHECK(count_of(said, "comm WARN: gloo direct connections: rank 1 refused a connection from 127.0.0.1:") == 2);
+  CHECK(count_of(said, ": wrong secret") == 1);
+  CHECK(count_of(said, "\n") == 2);  // nothing else
+}
+
+TEST_CASE("direct links: the secret is rank 0's random draw, published under the prefix") {
+  Pair a("secret-a/"), b("secret-b/");
+  const auto sa = a.store.get(comm::detail::gloo::direct_secret_key("secret-a/"));
+  const auto sb = b.store.get(comm::detail::gloo::direct_secret_key("secret-b/"));
+  CHECK(sa.size() == 16);
+  CHECK(sb.size() == 16);
+  CHECK(sa != sb);  // per communicator, not derived from anything a stranger knows
+  comm::HashStore store;
+  store.set(comm::detail::gloo::direct_secret_key("short/"), std::string("0123"));
+  const auto what = expect_error<comm::Error>([&] { DirectLinks l(store, "short/", 1, 2, kLoopback, 2s); });
+  CHECK(what.find("secret") != std::string::npos);
 }
 
 TEST_CASE("direct links: a malformed address in the store is a clear error, not a crash") {

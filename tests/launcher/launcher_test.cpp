@@ -1,11 +1,19 @@
 // Tests of comm-run: runs the built launcher on tests/launcher/probe.cpp and checks the
 // environment contract, output prefixing, exit codes, kill-on-failure, signal forwarding,
-// argument validation and --timeout. Every launch has a hard time limit, so nothing can hang.
+// argument validation and --timeout; the store comm-run hosts (it outlives rank 0, and refuses a
+// stranger), and --max-restarts. Every launch has a hard time limit, so nothing can hang.
 
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <comm/init.hpp>
+#include <comm/store.hpp>
+
+#include <algorithm>
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -32,6 +40,9 @@
 #endif
 #ifndef PROBE_PATH
 #error "PROBE_PATH must name the probe executable"
+#endif
+#ifndef STORE_PROBE_PATH
+#error "STORE_PROBE_PATH must name the store probe executable"
 #endif
 
 extern char** environ;
@@ -64,7 +75,8 @@ class Launch {
       std::string_view kv = *e;
       const std::string key(kv.substr(0, kv.find('=')));
       if (key == "COMM_STORE_TOKEN" || key == "RANK" || key == "WORLD_SIZE" || key == "MASTER_ADDR" ||
-          key == "MASTER_PORT" || env.count(key) != 0)
+          key == "MASTER_PORT" || key == "COMM_AGENT_STORE" || key == "COMM_RESTART_COUNT" || key == "COMM_DEBUG" ||
+          env.count(key) != 0)
         continue;
       envs.emplace_back(kv);
     }
@@ -245,6 +257,31 @@ struct TempDir {
 };
 
 const std::string probe = PROBE_PATH;
+const std::string store_probe = STORE_PROBE_PATH;
+
+/// The value of `key` in "key=value" fields of the first line of `out` holding `marker`.
+std::string field_of(const std::string& out, std::string_view marker, const std::string& key) {
+  for (const auto& line : lines(out)) {
+    if (!contains(line, marker)) continue;
+    const auto at = line.find(" " + key + "=");
+    if (at == std::string::npos) return {};
+    const auto from = at + key.size() + 2;
+    return line.substr(from, line.find(' ', from) - from);
+  }
+  return {};
+}
+
+/// The t_ns= values of rank `rank`'s lines holding `marker`, in order.
+std::vector<long long> times_of(const std::string& out, int rank, std::string_view marker) {
+  std::vector<long long> v;
+  const std::string prefix = "[" + std::to_string(rank) + "] ";
+  for (const auto& line : lines(out)) {
+    if (!line.starts_with(prefix) || !contains(line, marker)) continue;
+    const auto at = line.find("t_ns=");
+    if (at != std::string::npos) v.push_back(std::stoll(line.substr(at + 5)));
+  }
+  return v;
+}
 
 }  // namespace
 
@@ -276,6 +313,8 @@ TEST_CASE("environment contract for -n 1..4") {
       CHECK(e["MASTER_ADDR"] == "127.0.0.1");
       CHECK(e["MASTER_PORT"] == port);
       CHECK(e["COMM_STORE_TOKEN"] == token);
+      CHECK(e["COMM_AGENT_STORE"] == "1");
+      CHECK(e["COMM_RESTART_COUNT"] == "<unset>");
     }
   }
 }
@@ -303,6 +342,7 @@ TEST_CASE("environment contract for --nnodes 2 --node-rank 1") {
       CHECK(e[rank]["MASTER_ADDR"] == "127.0.0.1");
       CHECK(e[rank]["MASTER_PORT"] == "29513");
       CHECK(e[rank]["COMM_STORE_TOKEN"] == "0123abcd");
+      CHECK(e[rank]["COMM_AGENT_STORE"] == "1");  // node 0's launcher hosts it
     }
   }
   SUBCASE("--flag=value forms, --nproc-per-node and --") {
@@ -497,6 +537,9 @@ TEST_CASE("bad arguments: a clear message and exit code 2") {
       {{"--timeout=inf", probe, "env"}, "--timeout"},
       {{"--grace-period", "1.5.2", probe, "env"}, "--grace-period"},
       {{"--bogus", probe, "env"}, "unknown option '--bogus'"},
+      {{"--max-restarts", "-1", probe, "env"}, "--max-restarts"},
+      {{"--max-restarts", "two", probe, "env"}, "--max-restarts"},
+      {{"--max_restarts=1x", probe, "env"}, "--max-restarts"},
   };
   for (const auto& c : cases) {
     std::string joined;
@@ -515,6 +558,9 @@ TEST_CASE("--help") {
   CHECK(r.code == 0);
   CHECK(contains(r.out, "Usage: comm-run"));
   CHECK(contains(r.out, "--nproc-per-node"));
+  CHECK(contains(r.out, "--max-restarts N"));
+  CHECK(contains(r.out, "COMM_RESTART_COUNT"));
+  CHECK(contains(r.out, "COMM_AGENT_STORE"));
 }
 
 TEST_CASE("a program that cannot be found is reported") {
@@ -532,4 +578,270 @@ TEST_CASE("a program that cannot be found is reported") {
   const Result r = run({"-n", "1", file.string()});
   CHECK(r.code == 126);
   CHECK(contains(r.err, std::strerror(EACCES)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The store comm-run hosts
+
+TEST_CASE("the launcher hosts the store unless --no-agent-store") {
+  auto e = parse_env(run({"-n", "2", "--no-agent-store", probe, "env"}).out);
+  REQUIRE(e.size() == 2);
+  CHECK(e[0]["COMM_AGENT_STORE"] == "<unset>");
+  CHECK(e[1]["COMM_AGENT_STORE"] == "<unset>");
+  // The port comm-run hosts the store on is taken for the job's life: another launcher given the
+  // same port cannot host there and says so.
+  const std::string port = "29517";
+  TempDir dir;
+  Launch holder({"-n", "1", "--master-port", port, probe, "pidfile", dir.path.string()});
+  // Its rank runs: the store was bound before.
+  REQUIRE(holder.wait_stdout([](const std::string& out) { return contains(out, "ready\n"); }, 10));
+  const Result second = run({"-n", "1", "--master-port", port, probe, "env"});
+  CHECK(second.code == 1);
+  CHECK_MESSAGE(contains(second.err, "cannot host the job's store"), second.err);
+  ::kill(holder.pid(), SIGTERM);
+  CHECK(holder.finish().code == 128 + SIGTERM);
+}
+
+TEST_CASE("rank 0 SIGKILLed: the others see it within ms, and the store stays up for them") {
+  const std::map<std::string, std::string> env{{"COMM_TIMEOUT", "20s"}};
+  const Result r = run({"-n", "3", "--max-restarts", "1", store_probe, "survive"}, env, 40);
+  INFO(r.out);
+  INFO(r.err);
+  CHECK(r.code == 0);
+  const auto died = times_of(r.out, 0, "DYING");
+  REQUIRE(died.size() == 1);
+  for (int rank : {1, 2}) {
+    CAPTURE(rank);
+    CHECK(contains(r.out, "[" + std::to_string(rank) + "] DEAD rank=0 "));
+    CHECK(contains(r.out, "[" + std::to_string(rank) + "] STORE OK"));
+    const auto seen = times_of(r.out, rank, "DEAD rank=0");
+    REQUIRE(seen.size() == 1);
+    const double ms = static_cast<double>(seen[0] - died[0]) / 1e6;
+    MESSAGE("rank " << rank << " saw rank 0's death after " << ms << " ms");
+    CHECK(ms < 1000);
+  }
+  CHECK(contains(r.out, "[0] REPLACEMENT restart=1"));
+  CHECK(contains(r.err, "rank 0 was killed by signal SIGKILL; restarting it (restart 1 of 1)"));
+
+  // The same job with rank 0 hosting the store: its death takes the store with it, and the job fails.
+  const Result old = run({"-n", "3", "--max-restarts", "1", "--no-agent-store", store_probe, "survive"}, env, 40);
+  CHECK_MESSAGE(old.code != 0, std::string(old.out + old.err));
+  CHECK(!contains(old.out, "STORE OK"));
+}
+
+TEST_CASE("a stranger without the job's token is refused and logged; the members see nothing") {
+  ::unsetenv("COMM_STORE_TOKEN");  // the stranger's "no token" must really be none
+  const std::string token = "0123456789abcdef0123456789abcdef";
+  Launch job({"-n", "2", store_probe, "members"},
+             {{"COMM_STORE_TOKEN", token}, {"COMM_DEBUG", "WARN"}, {"COMM_TIMEOUT", "20s"}});
+  std::string out;
+  REQUIRE(job.wait_stdout(
+      [&](const std::string& o) {
+        out = o;
+        return contains(o, "[0] JOB port=") && o.find('\n', o.find("[0] JOB port=")) != std::string::npos;
+      },
+      15));
+  const int port = std::stoi(field_of(out, "[0] JOB", "port"));
+  const std::string job_id = field_of(out, "[0] JOB", "job");
+  REQUIRE(port > 0);
+  REQUIRE(!job_id.empty());
+
+  auto options = [&](std::string t) {
+    comm::TcpStoreOptions o;
+    o.token = std::move(t);
+    o.job_id = job_id;  // job ids are not secret: the stranger gets as far as the token check
+    o.timeout = std::chrono::seconds(3);
+    o.rank = 0;  // it claims to be rank 0
+    return o;
+  };
+  // A wrong token and no token: refused at connect, before any set/get/add.
+  for (const std::string& t : {std::string("not-the-token"), std::string()}) {
+    CAPTURE(t);
+    CHECK_THROWS_AS(
+        {
+          comm::TcpStore stranger("127.0.0.1", static_cast<std::uint16_t>(port), options(t));
+          stranger.set(t.empty() ? "stranger-none" : "stranger", "x");
+        },
+        comm::Error);
+  }
+  // A raw stranger that sends its requests right behind a wrong hello: the server answers the
+  // hello with a refusal and closes; the set and add are never applied.
+  {
+    namespace sp = comm::detail::store_proto;
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(fd >= 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<std::uint16_t>(port));
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    auto buf = sp::encode_hello("guess", 1, job_id);
+    for (auto op : {sp::Op::set, sp::Op::add}) {
+      const auto at = sp::begin_frame(buf);
+      sp::Writer w(buf);
+      w.u8(static_cast<std::uint8_t>(op));
+      w.str("stranger-raw");
+      if (op == sp::Op::set)
+        w.str("x");
+      else
+        w.i64(1);
+      sp::finish_frame(buf, at);
+    }
+    REQUIRE(::send(fd, buf.data(), buf.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(buf.size()));
+    std::vector<std::uint8_t> got;
+    timeval tv{5, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    std::uint8_t chunk[512];
+    for (ssize_t n; (n = ::recv(fd, chunk, sizeof chunk, 0)) > 0;) got.insert(got.end(), chunk, chunk + n);
+    ::close(fd);
+    REQUIRE(got.size() >= sp::hello_reply_size);
+    sp::Reader rd(got);
+    CHECK(rd.u32() == sp::magic);
+    (void)rd.u16();
+    CHECK(rd.u8() == static_cast<std::uint8_t>(sp::HelloStatus::wrong_token));
+    const std::size_t msg = rd.u16();
+    CHECK(got.size() == sp::hello_reply_size + msg);  // the refusal and nothing else
+  }
+  // The job's own client (the right token) lets the members go on.
+  {
+    comm::TcpStore member("127.0.0.1", static_cast<std::uint16_t>(port), options(token));
+    CHECK(!member.check("stranger"));
+    CHECK(!member.check("stranger-raw"));
+    member.set("go", "1");
+  }
+  const Result r = job.finish(30);
+  INFO(r.out);
+  INFO(r.err);
+  CHECK(r.code == 0);
+  CHECK(contains(r.out, "[0] MEMBER OK"));
+  CHECK(contains(r.out, "[1] MEMBER OK"));
+  // One WARN line per refused connection, from comm-run's store, naming the peer.
+  CHECK(count_of(r.err, "store server refused a connection from 127.0.0.1:") == 3);
+  CHECK(count_of(r.err, ": no token") == 1);
+  CHECK(count_of(r.err, ": a wrong token") == 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// --max-restarts
+
+TEST_CASE("--max-restarts: a failed rank is restarted alone with COMM_RESTART_COUNT; the job ends 0") {
+  struct Case {
+    std::vector<std::string> flag;
+    std::string code;  // probe's CODE: an exit code, or -signal
+    std::string said;
+  };
+  for (const Case& c : {Case{{"--max-restarts", "2"}, "5", "rank 1 exited with code 5; restarting it (restart 1 of 2)"},
+                        Case{{"--max_restarts=3"}, "-9", "rank 1 was killed by signal SIGKILL; restarting it (restart 1 of 3)"}}) {
+    CAPTURE(c.said);
+    std::vector<std::string> args = c.flag;
+    for (const std::string& a : {std::string("-n"), std::string("3"), probe, std::string("restart"), std::string("1"),
+                                 c.code, std::string("1"), std::string("1500")})
+      args.push_back(a);
+    const Result r = run(args);
+    INFO(r.out);
+    INFO(r.err);
+    CHECK(r.code == 0);
+    CHECK(contains(r.err, c.said));
+    CHECK(count_of(r.err, "restarting it") == 1);
+    CHECK(count_of(r.out, "[1] START rank=1 restart=unset") == 1);
+    CHECK(count_of(r.out, "[1] START rank=1 restart=1 ") == 1);
+    CHECK(count_of(r.out, "[1] DONE") == 1);
+    for (int other : {0, 2}) {  // neither restarted nor signalled: one start, and it finished
+      const std::string p = "[" + std::to_string(other) + "] ";
+      CHECK(count_of(r.out, p + "START") == 1);
+      CHECK(count_of(r.out, p + "DONE") == 1);
+    }
+  }
+}
+
+TEST_CASE("--max-restarts: once the budget is spent, the next failure ends the job") {
+  const Result r = run({"--max-restarts", "2", "-n", "2", probe, "restart", "1", "4", "10", "30000"});
+  INFO(r.out);
+  INFO(r.err);
+  CHECK(r.code == 4);
+  CHECK(r.seconds < 10);
+  CHECK(contains(r.err, "restarting it (restart 1 of 2)"));
+  CHECK(contains(r.err, "restarting it (restart 2 of 2)"));
+  CHECK(count_of(r.err, "restarting it") == 2);
+  CHECK(contains(r.err, "no restart left"));
+  CHECK(contains(r.err, "rank 1 exited with code 4\n"));
+  CHECK(count_of(r.out, "[1] START") == 3);
+  CHECK(contains(r.out, "[1] START rank=1 restart=2 "));
+  CHECK(count_of(r.out, "[0] START") == 1);
+}
+
+TEST_CASE("without --max-restarts nothing is restarted") {
+  for (const char* code : {"4", "-9"}) {
+    const Result r = run({"-n", "2", probe, "restart", "1", code, "1", "30000"});
+    INFO(r.err);
+    CHECK(r.code == (std::string(code) == "4" ? 4 : 128 + SIGKILL));
+    CHECK(r.seconds < 10);
+    CHECK(!contains(r.err, "restart"));
+    CHECK(count_of(r.out, "[1] START") == 1);
+    CHECK(contains(r.err, "stopping the other 1 rank(s)"));
+  }
+}
+
+TEST_CASE("--max-restarts: from a rank's death to its replacement's start (measured)") {
+  const int n = 30;
+  const Result r = run({"--max-restarts", std::to_string(n), "-n", "2", probe, "restart", "1", "3", std::to_string(n), "0"},
+                       {}, 60);
+  INFO(r.err);
+  REQUIRE(r.code == 0);
+  const auto died = times_of(r.out, 1, "DYING");
+  std::vector<long long> started;
+  for (const auto& line : lines(r.out))
+    if (line.starts_with("[1] START") && !contains(line, "restart=unset"))
+      started.push_back(std::stoll(line.substr(line.find("t_ns=") + 5)));
+  REQUIRE(died.size() == static_cast<std::size_t>(n));
+  REQUIRE(started.size() == static_cast<std::size_t>(n));
+  std::vector<double> ms;
+  for (int i = 0; i < n; ++i) ms.push_back(static_cast<double>(started[i] - died[i]) / 1e6);
+  std::sort(ms.begin(), ms.end());
+  const double p50 = ms[ms.size() / 2], worst = ms.back();
+  std::printf("comm-run --max-restarts: death to replacement's main(), %d restarts: p50 %.2f ms, max %.2f ms\n", n, p50,
+              worst);
+  CHECK(p50 < 1000);
+}
+
+TEST_CASE("COMM_AGENT_STORE: 1 makes rank 0 a client; another value is InvalidArgument naming it") {
+  // In this process, as a rank would see it (nothing listens on the port: a client times out).
+  const std::map<std::string, std::string> vars{
+      {"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "1"}};
+  for (const auto& [k, v] : vars) ::setenv(k.c_str(), v.c_str(), 1);
+  ::setenv("COMM_AGENT_STORE", "yes", 1);
+  try {
+    (void)comm::init_env(std::chrono::milliseconds(200));
+    FAIL("init_env accepted COMM_AGENT_STORE=yes");
+  } catch (const comm::InvalidArgument& e) {
+    CHECK_MESSAGE(contains(e.what(), "COMM_AGENT_STORE='yes'"), e.what());
+  }
+  ::setenv("COMM_AGENT_STORE", "1", 1);
+  const auto t0 = Clock::now();
+  CHECK_THROWS_AS((void)comm::init_env(std::chrono::milliseconds(300)), comm::Timeout);  // connected, did not host
+  CHECK(seconds_since(t0) >= 0.25);
+  for (const auto& [k, v] : vars) ::unsetenv(k.c_str());
+  ::unsetenv("COMM_AGENT_STORE");
+}
+
+TEST_CASE("--nnodes 2: node 0's launcher hosts the store, node 1's ranks use it, rank 0's death included") {
+  const std::map<std::string, std::string> env{{"COMM_STORE_TOKEN", "two-nodes"}, {"COMM_TIMEOUT", "20s"}};
+  auto node = [&](int i) {
+    return std::vector<std::string>{"--nnodes", "2", "--node-rank", std::to_string(i), "--master-port", "29518",
+                                    "-n", "2", "--max-restarts", "1", store_probe, "survive"};
+  };
+  Launch one(node(1), env);  // first: its ranks retry until node 0's launcher listens
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  Launch zero(node(0), env);
+  const Result r0 = zero.finish(40), r1 = one.finish(40);
+  INFO(std::string(r0.out + r0.err));
+  INFO(std::string(r1.out + r1.err));
+  CHECK(r0.code == 0);
+  CHECK(r1.code == 0);
+  CHECK(contains(r0.out, "[1] STORE OK"));
+  CHECK(contains(r0.out, "[0] REPLACEMENT restart=1"));
+  for (int rank : {2, 3}) {
+    CHECK(contains(r1.out, "[" + std::to_string(rank) + "] DEAD rank=0 "));
+    CHECK(contains(r1.out, "[" + std::to_string(rank) + "] STORE OK"));
+  }
 }

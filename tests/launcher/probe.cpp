@@ -16,11 +16,18 @@
 //                                     once all those files exist; the others sleep 30 s
 //   probe pidfile DIR                 writes its pid to DIR/rank.RANK, prints "ready", sleeps 30 s
 //   probe sleep MS                    sleeps MS and exits 0
+//   probe restart R CODE FAILS MS     prints "START rank=.. restart=<COMM_RESTART_COUNT> t_ns=..";
+//                                     rank R, while COMM_RESTART_COUNT (unset: 0) < FAILS, prints
+//                                     "DYING t_ns=.." and exits with CODE (CODE < 0: kills itself
+//                                     with signal -CODE); every process that does not die prints
+//                                     "DONE" after MS (rank R: at once) and exits 0. t_ns: steady
+//                                     clock, comparable across processes.
 
 #include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <filesystem>
 #include <cstdio>
 #include <cstdlib>
@@ -95,7 +102,8 @@ int main(int argc, char** argv) {
 
   if (mode == "env") {
     for (const char* name : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                             "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "COMM_STORE_TOKEN"}) {
+                             "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "COMM_STORE_TOKEN", "COMM_AGENT_STORE",
+                             "COMM_RESTART_COUNT"}) {
       const char* v = std::getenv(name);
       say(STDOUT_FILENO, std::string(name) + "=" + (v != nullptr ? v : "<unset>") + "\n");
     }
@@ -136,6 +144,27 @@ int main(int argc, char** argv) {
       }
     }
     sleep_ms(30'000);
+    return 0;
+  }
+  if (mode == "restart") {
+    const char* count_env = std::getenv("COMM_RESTART_COUNT");
+    const int count = count_env != nullptr ? std::atoi(count_env) : 0;
+    auto t_ns = [] {
+      return std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now().time_since_epoch())
+                                .count());
+    };
+    say(STDOUT_FILENO, "START rank=" + std::to_string(rank) + " restart=" + (count_env != nullptr ? count_env : "unset") +
+                           " t_ns=" + t_ns() + "\n");
+    const int victim = arg_int(argc, argv, 2, 0);
+    const int code = arg_int(argc, argv, 3, 1);
+    if (rank == victim && count < arg_int(argc, argv, 4, 1)) {
+      say(STDOUT_FILENO, "DYING t_ns=" + t_ns() + "\n");
+      if (code < 0) ::kill(::getpid(), -code);
+      return code;
+    }
+    if (rank != victim) sleep_ms(arg_int(argc, argv, 5, 0));
+    say(STDOUT_FILENO, "DONE\n");
     return 0;
   }
   if (mode == "trap") {

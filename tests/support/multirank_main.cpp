@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <comm/detail/init/env.hpp>
+#include <comm/init.hpp>
 #include <comm/store.hpp>
 #include <support/multirank.hpp>
 
@@ -64,7 +65,7 @@ void join_world() {
   if (!port_text) throw InvalidArgument("test harness", *rank, "MASTER_PORT is not set");
   auto port = detail::parse_port("MASTER_PORT", *port_text, "test harness");
   TcpStoreOptions o;
-  o.is_server = *rank == 0;
+  o.is_server = *rank == 0 && !detail::agent_hosts_store(*rank);  // comm-run hosts it: COMM_AGENT_STORE=1
   o.rank = *rank;
   o.timeout = std::chrono::seconds(60);
   g_world = World{*rank, size, std::make_shared<TcpStore>(addr, port, o)};

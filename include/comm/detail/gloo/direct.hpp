@@ -9,8 +9,8 @@
 // is sent at once (header + bytes, written by the calling thread) and read by the thread that
 // waits for it: one one-way trip, no hand-off.
 //
-// Protocol, one connection per pair of ranks (the lower rank connects, sends a 16-byte hello:
-// magic, its rank, a token of the communicator's store prefix): every message is an 8-byte header
+// Protocol, one connection per pair of ranks (the lower rank connects, sends a 24-byte hello:
+// magic, its rank, the communicator's secret): every message is an 8-byte header
 // (magic, payload length) and the payload. Messages from one peer are matched to receives in the
 // order both were made, which is gloo's rule for one slot: framed operations run one at a time and
 // in the same order on every rank. A receive is read only once posted, into its frame; a length
@@ -18,10 +18,19 @@
 //
 // Every wait has the operation's deadline. close() (any thread: the engine's close_transport)
 // shuts every connection down, so that a wait here returns at once and peers read end-of-stream.
+//
+// The door: a listener accepts anyone who can reach it, so the hello proves membership with a
+// secret nobody outside the job can compute: per communicator, rank 0 draws 16 random bytes
+// (getrandom) and publishes them under the communicator's store prefix; the store admits only
+// holders of the job's token (COMM_STORE_TOKEN), so only the communicator's ranks read them. A
+// connection whose hello lacks them (compared in constant time), or that sends none within 5 s,
+// is closed and logged (COMM_DEBUG=WARN, naming the peer's address); handshakes run side by side,
+// so a silent stranger delays nobody, and the members never see it.
 
 #include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -44,6 +53,7 @@
 #include <gloo/transport/tcp/device.h>
 
 #include <comm/detail/init/env.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
 #include <comm/detail/gloo/device.hpp>
 #include <comm/detail/gloo/waits.hpp>
 #include <comm/detail/net/socket.hpp>
@@ -63,11 +73,51 @@ namespace comm::detail::gloo {
   throw InvalidArgument("gloo.init", -1, "COMM_GLOO_DIRECT='" + std::string(*v) + "' is not 0 or 1");
 }
 
-/// The hello's proof that a connection comes from the same communicator (its store prefix).
-[[nodiscard]] inline std::uint64_t direct_token(const std::string& prefix) noexcept {
-  std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
-  for (const char c : prefix) h = (h ^ static_cast<std::uint8_t>(c)) * 0x100000001b3ull;
-  return h;
+/// The hello's proof that a connection comes from a rank of the communicator (see the file comment).
+using DirectSecret = std::array<std::uint8_t, 16>;
+
+/// The store key under which rank 0 publishes the communicator's secret.
+[[nodiscard]] inline std::string direct_secret_key(const std::string& prefix) { return prefix + "secret"; }
+
+/// 16 bytes from the kernel's random source.
+[[nodiscard]] inline DirectSecret draw_direct_secret(int rank) {
+  DirectSecret s{};
+  std::size_t got = 0;
+  while (got < s.size()) {
+    const ssize_t n = ::getrandom(s.data() + got, s.size() - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw BackendError("gloo.init", rank, "comm's direct connections: getrandom: " + errno_text(errno));
+    got += static_cast<std::size_t>(n);
+  }
+  return s;
+}
+
+/// The communicator's secret: rank 0 draws and publishes it, the others read it (by `deadline`).
+[[nodiscard]] inline DirectSecret direct_secret(comm::Store& store, const std::string& prefix, int rank,
+                                                Clock::time_point deadline) {
+  const std::string key = direct_secret_key(prefix);
+  if (rank == 0) {
+    const DirectSecret s = draw_direct_secret(rank);
+    store.set(key, std::span<const std::uint8_t>(s.data(), s.size()));
+    return s;
+  }
+  store.wait({key}, remaining(deadline));
+  const auto v = store.get(key);
+  DirectSecret s{};
+  if (v.size() != s.size())
+    throw BackendError("gloo.connect", rank,
+                       "the direct connections' secret in the store is malformed (" + std::to_string(v.size()) +
+                           " bytes, not " + std::to_string(s.size()) + ")",
+                       "rank 0");
+  std::copy(v.begin(), v.end(), s.begin());
+  return s;
+}
+
+/// Constant time in the bytes: how long a refusal takes tells a stranger nothing about the secret.
+[[nodiscard]] inline bool same_secret(const std::uint8_t* got, const DirectSecret& secret) noexcept {
+  unsigned diff = 0;
+  for (std::size_t i = 0; i < secret.size(); ++i) diff |= static_cast<unsigned>(got[i] ^ secret[i]);
+  return diff == 0;
 }
 
 class DirectLinks {
@@ -75,16 +125,24 @@ class DirectLinks {
   static constexpr std::uint32_t kHelloMagic = 0x48444d43u;  // "CMDH"
   static constexpr std::uint32_t kFrameMagic = 0x46444d43u;  // "CMDF"
 
+  static constexpr std::size_t kHelloSize = 24;  // magic, rank, secret
+  static constexpr auto kHelloWithin = std::chrono::seconds(5);
+  static constexpr std::size_t kMaxHandshakes = 64;  // at once; more wait in the backlog
+  static constexpr int kLoggedRefusals = 10;         // then one line with the count
+
   /// Connects this rank to every other of `size` through `store` (keys under `prefix`), listening
   /// on the address gloo's device for `spec` binds to, within `timeout`.
   DirectLinks(comm::Store& store, const std::string& prefix, int rank, int size, const DeviceSpec& spec,
               std::chrono::milliseconds timeout)
       : rank_(rank), peers_(static_cast<std::size_t>(size)) {
     const auto deadline = deadline_after(timeout);
-    const std::uint64_t token = direct_token(prefix);
     Fd listener = listen_like(spec);
     const SockAddr here = local_address(listener.get());
+    // Rank 0's secret is in the store before its address: whoever sees one can read the other.
+    DirectSecret secret{};
+    if (rank == 0) secret = direct_secret(store, prefix, rank, deadline);
     store.set(prefix + std::to_string(rank), to_string(here));
+    if (rank != 0) secret = direct_secret(store, prefix, rank, deadline);
     // Lower ranks connect: a connect completes in the listener's backlog, so every rank first
     // connects to the ranks above it, then accepts the ones below.
     for (int q = rank + 1; q < size; ++q) {
@@ -100,36 +158,16 @@ class DirectLinks {
                             "rank " + std::to_string(q));
         ::usleep(10000);
       }
-      std::array<std::uint8_t, 16> hello{};
+      std::array<std::uint8_t, kHelloSize> hello{};
       put32(hello.data(), kHelloMagic);
       put32(hello.data() + 4, static_cast<std::uint32_t>(rank));
-      std::memcpy(hello.data() + 8, &token, 8);
+      std::copy(secret.begin(), secret.end(), hello.begin() + 8);
       if (auto r = send_all(fd.get(), hello, deadline); !r.ok())
         throw RemoteError("gloo.connect", rank, "comm's direct connection to rank " + std::to_string(q) + ": " + r.text(),
                           "rank " + std::to_string(q));
       peers_[static_cast<std::size_t>(q)].fd = std::move(fd);
     }
-    for (int accepted = 0; accepted < rank;) {
-      if (auto r = wait_ready(listener.get(), POLLIN, deadline); !r.ok())
-        throw Timeout("gloo.connect", rank,
-                      "comm's direct connections: " + std::to_string(rank - accepted) + " of the ranks below " +
-                          std::to_string(rank) + " did not connect: " + r.text());
-      Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
-      if (!fd) continue;
-      std::array<std::uint8_t, 16> hello{};
-      // A stranger's connection (wrong magic or token, a rank that is not below or already came)
-      // is dropped: only the communicator's ranks know the token.
-      if (!recv_all(fd.get(), hello, std::min(deadline, Clock::now() + std::chrono::seconds(5))).ok()) continue;
-      std::uint64_t got = 0;
-      std::memcpy(&got, hello.data() + 8, 8);
-      const std::uint32_t q = get32(hello.data() + 4);
-      if (get32(hello.data()) != kHelloMagic || got != token || q >= static_cast<std::uint32_t>(rank) ||
-          peers_[q].fd)
-        continue;
-      set_nodelay(fd.get());
-      peers_[q].fd = std::move(fd);
-      ++accepted;
-    }
+    accept_lower(listener.get(), secret, deadline);
   }
 
   DirectLinks(const DirectLinks&) = delete;
@@ -193,6 +231,101 @@ class DirectLinks {
     std::size_t header_got = 0;
     std::string failed;  // why the connection is unusable ("" while it is)
   };
+
+  /// A connection being accepted: its hello so far.
+  struct Handshake {
+    Fd fd;
+    SockAddr from;
+    std::array<std::uint8_t, kHelloSize> hello{};
+    std::size_t got = 0;
+    Clock::time_point until;
+  };
+
+  /// Accepts the ranks below this one. Every connection gets kHelloWithin to send a hello with
+  /// the secret; the others are refused (closed, one log line each), side by side with the rest.
+  void accept_lower(int listener, const DirectSecret& secret, Clock::time_point deadline) {
+    std::vector<Handshake> pending;
+    std::vector<pollfd> fds;
+    int refused = 0;
+    const auto refuse = [&](const Handshake& h, const std::string& why) {
+      if (++refused <= kLoggedRefusals)
+        log(LogLevel::warn, "gloo direct connections: rank " + std::to_string(rank_) + " refused a connection from " +
+                                to_string(h.from) + ": " + why);
+    };
+    for (int accepted = 0; accepted < rank_;) {
+      auto now = Clock::now();
+      for (auto it = pending.begin(); it != pending.end();) {
+        if (now >= it->until) {
+          refuse(*it, "no hello within " + std::to_string(kHelloWithin.count()) + " s");
+          it = pending.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (now >= deadline)
+        throw Timeout("gloo.connect", rank_,
+                      "comm's direct connections: " + std::to_string(rank_ - accepted) + " of the ranks below " +
+                          std::to_string(rank_) + " did not connect" +
+                          (refused > 0 ? " (" + std::to_string(refused) + " other connections refused)" : ""));
+      auto wake = deadline;
+      fds.clear();
+      fds.push_back({listener, static_cast<short>(pending.size() < kMaxHandshakes ? POLLIN : 0), 0});
+      for (const auto& h : pending) {
+        fds.push_back({h.fd.get(), POLLIN, 0});
+        wake = std::min(wake, h.until);
+      }
+      const auto ms = std::chrono::ceil<std::chrono::milliseconds>(wake - now).count();
+      if (::poll(fds.data(), fds.size(), static_cast<int>(std::clamp<long long>(ms, 0, 100))) < 0 && errno != EINTR)
+        throw BackendError("gloo.connect", rank_, "comm's direct connections: poll: " + errno_text(errno));
+      now = Clock::now();
+      // Handshakes first (fds[1..] are pending[0..] as polled), then new connections.
+      for (std::size_t i = pending.size(); i-- > 0;) {
+        if (fds[i + 1].revents == 0) continue;
+        Handshake& h = pending[i];
+        const ssize_t n = ::recv(h.fd.get(), h.hello.data() + h.got, h.hello.size() - h.got, MSG_DONTWAIT);
+        if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+        if (n <= 0) {
+          refuse(h, n == 0 ? "closed before its hello" : "failed before its hello: " + errno_text(errno));
+          pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+          continue;
+        }
+        h.got += static_cast<std::size_t>(n);
+        if (h.got < h.hello.size()) continue;
+        const std::uint32_t q = get32(h.hello.data() + 4);
+        std::string why;
+        if (get32(h.hello.data()) != kHelloMagic)
+          why = "not a comm hello";
+        else if (!same_secret(h.hello.data() + 8, secret))
+          why = "wrong secret";
+        else if (q >= static_cast<std::uint32_t>(rank_) || peers_[q].fd)
+          why = "claims rank " + std::to_string(q) + ", which is not a rank below " + std::to_string(rank_) +
+                " still to connect";
+        if (!why.empty()) {
+          refuse(h, why);
+        } else {
+          set_nodelay(h.fd.get());
+          peers_[q].fd = std::move(h.fd);
+          ++accepted;
+        }
+        pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+      if ((fds[0].revents & POLLIN) != 0) {
+        for (int k = 0; k < 16 && pending.size() < kMaxHandshakes; ++k) {
+          Fd fd(::accept4(listener, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+          if (!fd) break;
+          Handshake h;
+          h.from = peer_address(fd.get());
+          h.fd = std::move(fd);
+          h.until = now + kHelloWithin;
+          pending.push_back(std::move(h));
+        }
+      }
+    }
+    for (const auto& h : pending) refuse(h, "no hello yet when every rank below had connected");
+    if (refused > kLoggedRefusals)
+      log(LogLevel::warn, "gloo direct connections: rank " + std::to_string(rank_) + " refused " +
+                              std::to_string(refused - kLoggedRefusals) + " more connections (not logged one by one)");
+  }
 
   Peer& at(int peer) {
     if (peer < 0 || static_cast<std::size_t>(peer) >= peers_.size() || !peers_[static_cast<std::size_t>(peer)].fd)

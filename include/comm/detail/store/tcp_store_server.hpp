@@ -33,6 +33,7 @@
 #include <vector>
 
 #include <comm/error.hpp>
+#include <comm/detail/diagnostics/logging.hpp>
 #include <comm/detail/net/socket.hpp>
 #include <comm/detail/store/common.hpp>
 #include <comm/detail/store/protocol.hpp>
@@ -386,6 +387,7 @@ class TcpStoreServer : private TcpStoreRequests {
       return false;
     }
     if (!token_equal(token)) {
+      log_refusal(c, rank, token.empty() ? "no token" : "a wrong token", now);
       send_hello(c, sp::HelloStatus::wrong_token, "wrong token");
       close_after_reply(c, now);
       return false;
@@ -395,6 +397,25 @@ class TcpStoreServer : private TcpStoreRequests {
     c.progress = now;
     send_hello(c, sp::HelloStatus::ok, "");
     return true;
+  }
+
+  /// One COMM_DEBUG=WARN line per refused connection, naming the peer: a stranger knocking is
+  /// worth knowing about, and the members never hear of it. At most 10 lines a second, so a
+  /// flood cannot fill the log; the next line says how many went unlogged.
+  void log_refusal(const Conn& c, std::int32_t claimed_rank, std::string_view what, Clock::time_point now) {
+    if (now - refusal_window_ >= std::chrono::seconds(1)) {
+      refusal_window_ = now;
+      refusals_in_window_ = 0;
+    }
+    if (++refusals_in_window_ > 10) {
+      ++refusals_unlogged_;
+      return;
+    }
+    std::string line = "store server refused a connection from " + to_string(peer_address(c.fd.get())) + " (claims rank " +
+                       std::to_string(claimed_rank) + "): " + std::string(what);
+    if (refusals_unlogged_ > 0) line += " (" + std::to_string(refusals_unlogged_) + " earlier refusals not logged)";
+    refusals_unlogged_ = 0;
+    log(LogLevel::warn, line);
   }
 
   [[nodiscard]] bool token_equal(std::span<const std::uint8_t> t) const noexcept {
@@ -525,6 +546,9 @@ class TcpStoreServer : private TcpStoreRequests {
   Fd wake_w_;
   std::atomic<bool> stop_{false};
   Clock::time_point accept_pause_until_{};
+  Clock::time_point refusal_window_{};  // log_refusal's rate limit
+  int refusals_in_window_ = 0;
+  std::uint64_t refusals_unlogged_ = 0;
   std::uint64_t next_id_ = 1;
 
   std::thread thread_;  // last: starts after everything above is constructed
