@@ -26,8 +26,8 @@
 //     the step, the weights and the momentum from rank 0 and goes on with the others;
 //   - the global batch and its average do not depend on the number of ranks, so a run with faults
 //     prints the same losses as a run without (to float rounding).
-//   --kill-rank R --kill-step S: fault injection, the process started as rank R SIGKILLs itself at
-//   step S (its replacement does not); --revoke-step S: rank 0 revokes the communicator at step S.
+//   --kill R:S[,R:S...]: fault injection, the process started as rank R SIGKILLs itself at step S
+//   (its replacement does not); --revoke-step S: rank 0 revokes the communicator at step S.
 //
 // With COMM_COMMS_LOG=ops.csv or COMM_TRACE=trace.json the collectives' times are recorded (see
 // the README, "Comms log and trace"): the trace shows each bucket's all_reduce overlapping the
@@ -208,7 +208,8 @@ struct Args {
   float lr = 0.05f;
   std::string checkpoint = "data_parallel.ckpt";
   bool elastic = false;
-  int kill_rank = -1, kill_step = -1, revoke_step = -1;
+  std::vector<std::pair<int, int>> kills;  // (rank started as, step)
+  int revoke_step = -1;
 };
 
 Args parse(int argc, char** argv) {
@@ -229,10 +230,15 @@ Args parse(int argc, char** argv) {
       a.lr = std::stof(v);
     else if (k == "--checkpoint")
       a.checkpoint = v;
-    else if (k == "--kill-rank")
-      a.kill_rank = std::stoi(v);
-    else if (k == "--kill-step")
-      a.kill_step = std::stoi(v);
+    else if (k == "--kill")
+      for (std::size_t at = 0; at < v.size();) {
+        const auto comma = std::min(v.find(',', at), v.size());
+        const std::string item = v.substr(at, comma - at);
+        const auto colon = item.find(':');
+        if (colon == std::string::npos) throw std::runtime_error("--kill takes RANK:STEP[,RANK:STEP...]");
+        a.kills.emplace_back(std::stoi(item.substr(0, colon)), std::stoi(item.substr(colon + 1)));
+        at = comma + 1;
+      }
     else if (k == "--revoke-step")
       a.revoke_step = std::stoi(v);
     else
@@ -304,6 +310,7 @@ long long mono_ns() {
 
 /// --elastic (see the file comment).
 int train_elastic(const Args& args) {
+  const long long started_ns = mono_ns();
   const char* restarts = std::getenv("COMM_RESTART_COUNT");
   const bool replacement = restarts != nullptr && std::atoi(restarts) > 0;
   const char* launch_rank = std::getenv("RANK");
@@ -336,7 +343,8 @@ int train_elastic(const Args& args) {
   if (replacement) {
     share_state();
     have_state = true;
-    std::printf("replacement: joined as rank %d of %d at step %d\n", world.rank(), world.size(), step);
+    std::printf("replacement: joined as rank %d of %d at step %d, %.1f ms after its start\n", world.rank(),
+                world.size(), step, static_cast<double>(mono_ns() - started_ns) / 1e6);
   } else {
     world.broadcast(std::span<float>(t.params), 0);  // everyone starts from rank 0's weights
     if (world.rank() == 0)
@@ -378,7 +386,9 @@ int train_elastic(const Args& args) {
         have_state = true;
         if (world.rank() == 0) std::printf("grew from %d to %d rank(s) at step %d\n", before, world.size(), step);
       }
-      if (!replacement && started_as == args.kill_rank && step == args.kill_step) {
+      const bool kill_now = std::find(args.kills.begin(), args.kills.end(), std::make_pair(started_as, step)) !=
+                            args.kills.end();
+      if (!replacement && kill_now) {
         std::printf("KILL rank=%d step=%d t_ns=%lld\n", started_as, step, mono_ns());
         std::fflush(stdout);
         std::raise(SIGKILL);
@@ -408,7 +418,8 @@ int train_elastic(const Args& args) {
           recover();
           break;
         } catch (const comm::Error& again) {
-          if (attempt >= 8) throw;
+          // The agreement itself failed (its deadline, or the store is gone): no second try helps.
+          if (again.op() == "shrink" || attempt >= 8) throw;
           std::printf("rank %d: recovery failed (%s); shrinking again\n", world.rank(), again.what());
           std::fflush(stdout);
         }

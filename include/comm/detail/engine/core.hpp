@@ -309,11 +309,15 @@ class EngineCore : public CommCore {
   }
 
   /// Ends this communicator for a reconfiguration (shrink): its failure is recorded unless it
-  /// failed already, the transport closes, and queued and running operations end with their error
-  /// before this returns (or after the timeout).
+  /// failed already and the transport closes, which wakes the pending waits.
   void retire(const std::string& why) {
     if (record_failure(FailureKind::remote, why, {})) derived().close_transport();
-    (void)queue_.wait_idle_until(std::chrono::steady_clock::now() + timeout());
+  }
+  /// Waits until queued and running operations have ended (with their error, after retire), at
+  /// most `grace`; false if one still runs (a wait the transport's close does not reach, e.g. a
+  /// send libgloo began writing: it ends by its own deadline).
+  bool wait_retired(std::chrono::milliseconds grace) {
+    return queue_.wait_idle_until(std::chrono::steady_clock::now() + grace);
   }
 
   /// revoke(): every member's pending and future operations end with RemoteError naming this

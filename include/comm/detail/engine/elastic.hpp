@@ -98,6 +98,11 @@ inline constexpr std::uint64_t kMarkEvery = 256;  // grows between two gmark wri
 
 template <class Policy>
 class Elastic {
+  /// How long shrink() lets the old communicator's operations end after the agreement, before it
+  /// connects the new one regardless (an operation the transport's close does not reach ends by
+  /// its own deadline; its buffers stay in use until then, as Work's contract says).
+  static constexpr std::chrono::milliseconds kRetireGrace{500};
+
  public:
   /// The live members' new communicator (see the file comment). The old one stays failed: its
   /// queued and running operations end with their error before the agreement starts.
@@ -105,6 +110,9 @@ class Elastic {
     auto& e = engine();
     Lineage& lin = lineage("shrink");
     e.retire("the communicator was shrunk (rank " + std::to_string(e.rank()) + " called shrink())");
+    // The operations still queued or running end with their error while the members agree; they
+    // have until the agreement is made (at most kRetireGrace more) to be gone.
+    const auto retired_by = std::chrono::steady_clock::now() + kRetireGrace;
     const std::string k = lin.room + "e" + std::to_string(lin.epoch) + "/shrink" + std::to_string(lin.shrinks++) + "/";
     Store& base = *lin.base;
     const int n = e.size(), me = e.rank();
@@ -160,15 +168,19 @@ class Elastic {
       throw;
     } catch (const Timeout& t) {
       if (std::string_view(t.op()) == "shrink") throw;
-      store_lost(t);
+      store_lost("shrink", t);
     } catch (const Error& err) {
-      store_lost(err);
+      store_lost("shrink", err);
     }
     const auto pos = std::find(members.begin(), members.end(), me);
     if (pos == members.end())
       throw RemoteError("shrink", me,
                         "the other members formed the new communicator without this rank (they agreed before it took "
                         "part, or took it for dead)");
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(retired_by - std::chrono::steady_clock::now());
+    if (!e.wait_retired(std::max(left, std::chrono::milliseconds(0))))
+      log(LogLevel::warn, "comm: shrink on rank " + std::to_string(me) +
+                              ": an operation of the old communicator still runs (it ends by its own deadline)");
     Lineage next{lin.base, lin.room, lin.epoch + 1, static_cast<std::uint64_t>(grows), 0};
     return connect(std::make_shared<PrefixStore>(k + "comm", lin.base), static_cast<int>(pos - members.begin()),
                    static_cast<int>(members.size()), self().options_, std::move(next));
@@ -212,7 +224,7 @@ class Elastic {
     } catch (const InvalidArgument&) {
       throw;
     } catch (const Error& err) {
-      store_lost(err);
+      store_lost("grow", err);
     }
     log(LogLevel::info, "comm: grow(): " + std::to_string(joined) + " process(es) join " + std::to_string(e.size()) +
                             " member(s) on rank " + std::to_string(e.rank()));
@@ -326,11 +338,11 @@ class Elastic {
 
   /// A store failure during shrink/grow: where the store lived in a rank of this communicator,
   /// that rank's death took it.
-  [[noreturn]] void store_lost(const Error& err) {
+  [[noreturn]] void store_lost(const char* op, const Error& err) {
     auto& e = engine();
     const int host = e.store_host();
     if (host >= 0 && host != e.rank())
-      throw RemoteError(err.op(), e.rank(),
+      throw RemoteError(op, e.rank(),
                         "the store is gone with rank " + std::to_string(host) +
                             ", which hosted it: reconfiguring needs a store that outlives every rank (comm-run hosts "
                             "it; COMM_AGENT_STORE=1); " +

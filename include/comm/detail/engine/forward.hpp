@@ -61,6 +61,15 @@ class ForwardOps {
   /// The deadline of each operation.
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return engine().timeout(); }
 
+  /// Fails this communicator and wakes its pending waits now, from any thread: what a composite
+  /// engine (Hierarchical) does to a member when the composite fails (detail/engine/transport.hpp).
+  void stop_transport(const char* why) noexcept {
+    try {
+      engine().abort(why, std::chrono::milliseconds(0));
+    } catch (...) {  // best effort: the member is being abandoned
+    }
+  }
+
   template <element T, class Red, class Launch>
   auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l) {
     check_call<Launch>({OpKind::all_reduce});

@@ -16,6 +16,16 @@ struct TransportAbort {
   static void abort(Member& /*m*/) noexcept {}
 };
 
+/// A member over an engine core (ForwardOps: Shm, Mpi, ...) is stopped through its engine: its
+/// failure is recorded and its transport closed, which wakes its pending waits at once (Shm: the
+/// segment's abort word). Gloo's own specialization (detail/gloo/abort.hpp) takes precedence.
+template <class Member>
+  requires requires(Member& x) { x.stop_transport("why"); } && (!requires(Member& x) { x.num_devices(); })
+struct TransportAbort<Member> {
+  static constexpr bool stops = true;
+  static void abort(Member& m) noexcept { m.stop_transport("the composite communicator failed"); }
+};
+
 /// Stops `m`'s connections (bounded, never throws); see TransportAbort.
 template <class Member>
 void abort_transport(Member& m) noexcept {
