@@ -1,6 +1,6 @@
 #pragma once
 // What the TcpStore server stores and how it answers a request, apart from the network side
-// (tcp_store_server.hpp: listening, the poll() loop, reading frames, the handshake, sending).
+// (tcp_store_server.hpp: listening, the epoll loop, reading frames, the handshake, sending).
 // The table of keys and values with its memory bound, the replies, the get()/wait() requests
 // parked until their keys appear, and the wills (Op::watch) that set a key when a rank dies.
 // Requests arrive one frame at a time from the loop; nothing here blocks or throws out of it.
@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include <comm/detail/net/socket.hpp>
@@ -27,7 +28,7 @@ namespace comm::detail {
 struct TcpStoreServerConfig {
   std::string token;
   std::string job_id;  // a client of another job is refused (HelloStatus::wrong_job)
-  std::size_t max_connections = 1024;
+  std::size_t max_connections = 16384;
   std::size_t max_key_bytes = 4096;
   std::size_t max_value_bytes = std::size_t{64} << 20;
   std::size_t max_total_bytes = std::size_t{1} << 30;
@@ -50,7 +51,8 @@ class TcpStoreRequests {
     Op op = Op::get;
     std::vector<std::string> keys;
     Clock::time_point deadline;
-    std::size_t cost = 0;  // counted in parked_bytes_
+    std::size_t cost = 0;     // counted in parked_bytes_
+    std::size_t missing = 0;  // distinct keys not set yet: the request is answered when it reaches 0
   };
 
   // What one key of a parked get()/wait() costs the server: its copy, its place in the request's
@@ -86,6 +88,10 @@ class TcpStoreRequests {
     bool counted = true;  // counts against max_connections (false: being rejected)
     int rank = -1;
     std::optional<Will> will;
+    // The network side's bookkeeping (tcp_store_server.hpp): the events registered with epoll,
+    // and the earliest time this connection is queued in the timer heap (max: not queued).
+    std::uint32_t events = 0;
+    Clock::time_point timer = Clock::time_point::max();
 
     [[nodiscard]] std::size_t unread() const noexcept { return in.size() - in_off; }
     [[nodiscard]] bool out_pending() const noexcept { return out_off < out.size(); }
@@ -306,6 +312,7 @@ class TcpStoreRequests {
         });
       }
       case Op::wait:
+      case Op::multi_get:
       case Op::check: {
         // Two passes over the keys. The first checks and counts them without copying anything:
         // a key costs 8 bytes on the wire but much more once copied and parked, so nothing is
@@ -321,16 +328,22 @@ class TcpStoreRequests {
           cost += parked_cost(key);
           if (kv_.find(key) == kv_.end()) ++missing;
         }
-        const auto ms = op == Op::wait ? clamp_ms(r.u64()) : 0;
+        const auto ms = op != Op::check ? clamp_ms(r.u64()) : 0;
         if (!r.done()) return malformed(c, now);
         if (op == Op::check) {
           return reply_ok_with(c, [&](store_proto::Writer& w) { w.u8(missing == 0 ? 1 : 0); });
         }
-        if (missing == 0) return reply_ok(c);
         auto each_key = [&](auto&& f) {
           store_proto::Reader k = first_key;
           for (std::size_t i = 0; i < count; ++i) f(k.str());
         };
+        if (missing == 0 && op == Op::multi_get) {
+          std::vector<std::string_view> keys;
+          keys.reserve(count);
+          each_key([&](std::string_view key) { keys.push_back(key); });
+          return reply_values(c, keys);
+        }
+        if (missing == 0) return reply_ok(c);
         if (ms == 0) {
           return reply_timeout_with(c, missing, [&](store_proto::Writer& w) {
             each_key([&](std::string_view key) {
@@ -342,7 +355,7 @@ class TcpStoreRequests {
         std::vector<std::string> keys;
         keys.reserve(count);
         each_key([&](std::string_view key) { keys.emplace_back(key); });
-        return park(c, Op::wait, std::move(keys), now + std::chrono::milliseconds(ms), cost);
+        return park(c, op, std::move(keys), now + std::chrono::milliseconds(ms), cost);
       }
       case Op::num_keys: {
         if (!r.done()) return malformed(c, now);
@@ -423,10 +436,18 @@ class TcpStoreRequests {
 
   // --- parked get()/wait() ----------------------------------------------------------------------
 
+  // A parked request is listed under each of its keys not yet set (waiters_), and counts them:
+  // setting a key costs one step per waiter on it, never a scan of every waiter's keys (a
+  // rendezvous of N ranks each waiting on N keys would otherwise cost N^3).
   void park(Conn& c, Op op, std::vector<std::string> keys, Clock::time_point deadline, std::size_t cost) {
+    std::size_t missing = 0;
     for (const auto& k : keys)
-      if (kv_.find(k) == kv_.end()) waiters_[k].push_back(c.id);
-    c.pending = Pending{op, std::move(keys), deadline, cost};
+      if (kv_.find(k) == kv_.end()) {
+        auto it = waiters_.find(k);
+        if (it == waiters_.end()) it = waiters_.emplace(k, std::unordered_set<std::uint64_t>{}).first;
+        missing += it->second.insert(c.id).second ? 1 : 0;
+      }
+    c.pending = Pending{op, std::move(keys), deadline, cost, missing};
     parked_bytes_ += cost;
   }
 
@@ -434,33 +455,68 @@ class TcpStoreRequests {
     for (const auto& k : c.pending->keys) {
       auto it = waiters_.find(k);
       if (it == waiters_.end()) continue;
-      std::erase(it->second, c.id);
+      it->second.erase(c.id);
       if (it->second.empty()) waiters_.erase(it);
     }
     parked_bytes_ -= c.pending->cost;
     c.pending.reset();
   }
 
+  // Answers a parked request whose keys all exist (or whose deadline passed: then the missing
+  // keys are named), and unparks it.
+  void answer_parked(Conn& c) {
+    const auto& p = *c.pending;
+    std::vector<std::string> missing;
+    for (const auto& k : p.keys)
+      if (kv_.find(k) == kv_.end()) missing.push_back(k);
+    if (p.op == Op::heartbeat) {
+      reply_heartbeat(c, missing.empty() ? &kv_.find(p.keys.front())->second : nullptr);
+    } else if (!missing.empty()) {
+      reply_timeout(c, missing);
+    } else if (p.op == Op::get) {
+      const auto& value = kv_.find(p.keys.front())->second;
+      reply_ok_with(c, [&](store_proto::Writer& w) { w.bytes(value); });
+    } else if (p.op == Op::multi_get) {
+      reply_values(c, std::vector<std::string_view>(p.keys.begin(), p.keys.end()));
+    } else {
+      reply_ok(c);
+    }
+    unpark(c);
+  }
+
+  // multi_get's answer: every key's value in order (all exist), unless the reply would pass the
+  // frame limit a client accepts.
+  void reply_values(Conn& c, const std::vector<std::string_view>& keys) {
+    std::size_t size = 1 + 4;
+    for (const auto k : keys) size = store_proto::sat_add(size, 8 + kv_.find(k)->second.size());
+    const std::size_t cap = store_proto::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes);
+    if (size > cap)
+      return reply_error(c, Status::invalid,
+                         "the values of " + std::to_string(keys.size()) + " keys take " + std::to_string(size) +
+                             " bytes, more than one reply holds (" + std::to_string(cap) +
+                             "); ask for fewer keys at a time");
+    reply_ok_with(c, [&](store_proto::Writer& w) {
+      w.u32(static_cast<std::uint32_t>(keys.size()));
+      for (const auto k : keys) w.bytes(kv_.find(k)->second);
+    });
+  }
+
   void key_changed(std::string_view key) {
     auto it = waiters_.find(key);
     if (it == waiters_.end()) return;
-    const std::vector<std::uint64_t> ids = it->second;  // unpark() edits the list
+    const std::unordered_set<std::uint64_t> ids = std::move(it->second);  // the key exists now: none waits on it
+    waiters_.erase(it);
     for (const auto id : ids) {
       auto ct = conns_.find(id);
       if (ct == conns_.end() || ct->second->dead || !ct->second->pending) continue;
       Conn& c = *ct->second;
-      const auto& p = *c.pending;
-      if (!std::all_of(p.keys.begin(), p.keys.end(), [&](const auto& k) { return kv_.find(k) != kv_.end(); }))
-        continue;
-      if (p.op == Op::get) {
-        const auto& value = kv_.find(p.keys.front())->second;
-        reply_ok_with(c, [&](store_proto::Writer& w) { w.bytes(value); });
-      } else if (p.op == Op::heartbeat) {
-        reply_heartbeat(c, &kv_.find(p.keys.front())->second);
-      } else {
-        reply_ok(c);
-      }
-      unpark(c);
+      if (c.pending->missing > 0) --c.pending->missing;
+      if (c.pending->missing > 0) continue;
+      // All counted keys were set; one may have been deleted since: then wait on it again.
+      for (const auto& k : c.pending->keys)
+        if (kv_.find(k) == kv_.end() && waiters_[k].insert(c.id).second) ++c.pending->missing;
+      if (c.pending->missing > 0) continue;
+      answer_parked(c);
       ready_.push_back(c.id);
     }
   }
@@ -472,7 +528,7 @@ class TcpStoreRequests {
   std::map<std::string, Bytes, std::less<>> kv_;
   std::size_t total_bytes_ = 0;
   std::size_t parked_bytes_ = 0;  // what parked get()/wait() requests hold (Pending::cost)
-  std::map<std::string, std::vector<std::uint64_t>, std::less<>> waiters_;
+  std::map<std::string, std::unordered_set<std::uint64_t>, std::less<>> waiters_;
   std::unordered_map<std::uint64_t, std::unique_ptr<Conn>> conns_;
   std::vector<std::uint64_t> ready_;  // connections to go on with once a reply went out
 };
