@@ -183,7 +183,11 @@ int open_link(int port, int rank) {
 class Driver {
  public:
   Driver(Shared& s, int t) : s_(s), ep_(::epoll_create1(EPOLL_CLOEXEC)) {
-    for (int r = t; r < s.n; r += s.a.threads) ranks_.push_back(Rank{r});
+    for (int r = t; r < s.n; r += s.a.threads) {
+      Rank rk;
+      rk.r = r;
+      ranks_.push_back(std::move(rk));
+    }
   }
   ~Driver() { ::close(ep_); }
 

@@ -47,13 +47,34 @@ class TcpStoreRequests {
 
   enum class Phase : std::uint8_t { hello, ready, closing, draining };
 
+  // A parked request keeps its keys as they came on the wire (u64 length | bytes each, one
+  // allocation however many keys) and waits on one missing key at a time: `at` is the offset of
+  // that key in `keys`. Setting it moves `at` on to the next missing key; the request is answered
+  // when none is left. So a key set costs one step per request waiting on it, and a rendezvous
+  // of N ranks each reading N keys costs O(N^2) steps and bytes in all, never N^2 waiter entries.
   struct Pending {
     Op op = Op::get;
-    std::vector<std::string> keys;
+    Bytes keys;
+    std::size_t count = 0;
+    std::size_t at = 0;
     Clock::time_point deadline;
-    std::size_t cost = 0;     // counted in parked_bytes_
-    std::size_t missing = 0;  // distinct keys not set yet: the request is answered when it reaches 0
+    std::size_t cost = 0;  // counted in parked_bytes_
   };
+
+  template <class F>
+  static void each_key(const Pending& p, F&& f) {
+    store_proto::Reader r(p.keys);
+    for (std::size_t i = 0; i < p.count; ++i) f(r.str());
+  }
+  [[nodiscard]] static std::string_view key_at(const Pending& p) {
+    store_proto::Reader r(std::span<const std::uint8_t>(p.keys).subspan(p.at));
+    return r.str();
+  }
+  [[nodiscard]] static Bytes one_key(std::string_view key) {
+    Bytes b;
+    store_proto::Writer(b).str(key);
+    return b;
+  }
 
   // What one key of a parked get()/wait() costs the server: its copy, its place in the request's
   // key list and in waiters_. Counted against max_total_bytes, so that a request of millions of
@@ -61,6 +82,11 @@ class TcpStoreRequests {
   static constexpr std::size_t parked_key_overhead = 128;
   [[nodiscard]] static std::size_t parked_cost(std::string_view key) noexcept {
     return key.size() + parked_key_overhead;
+  }
+  // A request parked on several keys holds them in one buffer (Pending::keys) and is listed under
+  // one at a time: its wire bytes (8 + size per key) and one overhead.
+  [[nodiscard]] static std::size_t parked_cost(std::size_t wire_bytes) noexcept {
+    return wire_bytes + parked_key_overhead;
   }
 
   // Op::watch: set `key` to `value` + the reason when this connection ends or falls silent.
@@ -257,7 +283,7 @@ class TcpStoreRequests {
         if (it != kv_.end() || !c.will || ms == 0) return reply_heartbeat(c, it != kv_.end() ? &it->second : nullptr);
         const auto wait = std::min(std::chrono::milliseconds(ms), c.will->silence / 2);
         if (!parked_fits(c, 1, parked_cost(c.will->key))) return;
-        return park(c, Op::heartbeat, {c.will->key}, now + wait, parked_cost(c.will->key));
+        return park(c, Op::heartbeat, one_key(c.will->key), 1, now + wait, parked_cost(c.will->key));
       }
       case Op::set: {
         const auto key = r.str();
@@ -277,7 +303,7 @@ class TcpStoreRequests {
         }
         if (ms == 0) return reply_timeout_with(c, 1, [&](store_proto::Writer& w) { w.str(key); });
         if (!parked_fits(c, 1, parked_cost(key))) return;
-        return park(c, Op::get, {std::string(key)}, now + std::chrono::milliseconds(ms), parked_cost(key));
+        return park(c, Op::get, one_key(key), 1, now + std::chrono::milliseconds(ms), parked_cost(key));
       }
       case Op::add: {
         const auto key = r.str();
@@ -314,48 +340,46 @@ class TcpStoreRequests {
       case Op::wait:
       case Op::multi_get:
       case Op::check: {
-        // Two passes over the keys. The first checks and counts them without copying anything:
-        // a key costs 8 bytes on the wire but much more once copied and parked, so nothing is
-        // copied before that cost is known to fit (parked_fits).
+        // Two passes over the keys. The first checks and counts them without copying anything,
+        // so nothing is copied before the cost of parking them is known to fit (parked_fits).
         const std::uint32_t n = r.u32();
         const store_proto::Reader first_key = r;
-        std::size_t count = 0, missing = 0, cost = 0;
+        std::size_t count = 0, missing = 0;
         for (std::uint32_t i = 0; i < n && r.ok(); ++i) {
           const auto key = r.str();
           if (!r.ok()) break;
           if (!key_ok(c, key)) return;
           ++count;
-          cost += parked_cost(key);
           if (kv_.find(key) == kv_.end()) ++missing;
         }
+        const std::size_t wire = first_key.left() - r.left();  // the keys' bytes on the wire
+        const std::size_t cost = parked_cost(wire);
         const auto ms = op != Op::check ? clamp_ms(r.u64()) : 0;
         if (!r.done()) return malformed(c, now);
         if (op == Op::check) {
           return reply_ok_with(c, [&](store_proto::Writer& w) { w.u8(missing == 0 ? 1 : 0); });
         }
-        auto each_key = [&](auto&& f) {
+        auto for_keys = [&](auto&& f) {
           store_proto::Reader k = first_key;
           for (std::size_t i = 0; i < count; ++i) f(k.str());
         };
         if (missing == 0 && op == Op::multi_get) {
           std::vector<std::string_view> keys;
           keys.reserve(count);
-          each_key([&](std::string_view key) { keys.push_back(key); });
+          for_keys([&](std::string_view key) { keys.push_back(key); });
           return reply_values(c, keys);
         }
         if (missing == 0) return reply_ok(c);
         if (ms == 0) {
           return reply_timeout_with(c, missing, [&](store_proto::Writer& w) {
-            each_key([&](std::string_view key) {
+            for_keys([&](std::string_view key) {
               if (kv_.find(key) == kv_.end()) w.str(key);
             });
           });
         }
         if (!parked_fits(c, count, cost)) return;
-        std::vector<std::string> keys;
-        keys.reserve(count);
-        each_key([&](std::string_view key) { keys.emplace_back(key); });
-        return park(c, op, std::move(keys), now + std::chrono::milliseconds(ms), cost);
+        const auto blob = store_proto::Reader(first_key).raw(wire);
+        return park(c, op, Bytes(blob.begin(), blob.end()), count, now + std::chrono::milliseconds(ms), cost);
       }
       case Op::num_keys: {
         if (!r.done()) return malformed(c, now);
@@ -436,29 +460,47 @@ class TcpStoreRequests {
 
   // --- parked get()/wait() ----------------------------------------------------------------------
 
-  // A parked request is listed under each of its keys not yet set (waiters_), and counts them:
-  // setting a key costs one step per waiter on it, never a scan of every waiter's keys (a
-  // rendezvous of N ranks each waiting on N keys would otherwise cost N^3).
-  void park(Conn& c, Op op, std::vector<std::string> keys, Clock::time_point deadline, std::size_t cost) {
-    std::size_t missing = 0;
-    for (const auto& k : keys)
-      if (kv_.find(k) == kv_.end()) {
-        auto it = waiters_.find(k);
-        if (it == waiters_.end()) it = waiters_.emplace(k, std::unordered_set<std::uint64_t>{}).first;
-        missing += it->second.insert(c.id).second ? 1 : 0;
+  // Moves `c`'s parked request on to its next missing key and lists it there; false when every
+  // key is set. Keys before `at` were set when passed; one deleted since is found by the final
+  // check (all_set), which starts over.
+  bool wait_next(Conn& c) {
+    auto& p = *c.pending;
+    while (p.at < p.keys.size()) {
+      store_proto::Reader r(std::span<const std::uint8_t>(p.keys).subspan(p.at));
+      const auto key = r.str();
+      if (kv_.find(key) == kv_.end()) {
+        auto it = waiters_.find(key);
+        if (it == waiters_.end()) it = waiters_.emplace(std::string(key), std::unordered_set<std::uint64_t>{}).first;
+        it->second.insert(c.id);
+        return true;
       }
-    c.pending = Pending{op, std::move(keys), deadline, cost, missing};
+      p.at = p.keys.size() - r.left();
+    }
+    return false;
+  }
+
+  [[nodiscard]] bool all_set(const Pending& p) const {
+    bool all = true;
+    each_key(p, [&](std::string_view k) { all = all && kv_.find(k) != kv_.end(); });
+    return all;
+  }
+
+  void park(Conn& c, Op op, Bytes keys, std::size_t count, Clock::time_point deadline, std::size_t cost) {
+    c.pending = Pending{op, std::move(keys), count, 0, deadline, cost};
     parked_bytes_ += cost;
+    (void)wait_next(c);
   }
 
   void unpark(Conn& c) {
-    for (const auto& k : c.pending->keys) {
-      auto it = waiters_.find(k);
-      if (it == waiters_.end()) continue;
-      it->second.erase(c.id);
-      if (it->second.empty()) waiters_.erase(it);
+    auto& p = *c.pending;
+    if (p.at < p.keys.size()) {
+      auto it = waiters_.find(key_at(p));
+      if (it != waiters_.end()) {
+        it->second.erase(c.id);
+        if (it->second.empty()) waiters_.erase(it);
+      }
     }
-    parked_bytes_ -= c.pending->cost;
+    parked_bytes_ -= p.cost;
     c.pending.reset();
   }
 
@@ -466,18 +508,23 @@ class TcpStoreRequests {
   // keys are named), and unparks it.
   void answer_parked(Conn& c) {
     const auto& p = *c.pending;
-    std::vector<std::string> missing;
-    for (const auto& k : p.keys)
+    std::vector<std::string_view> keys, missing;
+    keys.reserve(p.count);
+    each_key(p, [&](std::string_view k) {
+      keys.push_back(k);
       if (kv_.find(k) == kv_.end()) missing.push_back(k);
+    });
     if (p.op == Op::heartbeat) {
-      reply_heartbeat(c, missing.empty() ? &kv_.find(p.keys.front())->second : nullptr);
+      reply_heartbeat(c, missing.empty() ? &kv_.find(keys.front())->second : nullptr);
     } else if (!missing.empty()) {
-      reply_timeout(c, missing);
+      reply_timeout_with(c, missing.size(), [&](store_proto::Writer& w) {
+        for (const auto k : missing) w.str(k);
+      });
     } else if (p.op == Op::get) {
-      const auto& value = kv_.find(p.keys.front())->second;
+      const auto& value = kv_.find(keys.front())->second;
       reply_ok_with(c, [&](store_proto::Writer& w) { w.bytes(value); });
     } else if (p.op == Op::multi_get) {
-      reply_values(c, std::vector<std::string_view>(p.keys.begin(), p.keys.end()));
+      reply_values(c, keys);
     } else {
       reply_ok(c);
     }
@@ -487,17 +534,24 @@ class TcpStoreRequests {
   // multi_get's answer: every key's value in order (all exist), unless the reply would pass the
   // frame limit a client accepts.
   void reply_values(Conn& c, const std::vector<std::string_view>& keys) {
+    std::vector<const Bytes*> values;
+    values.reserve(keys.size());
     std::size_t size = 1 + 4;
-    for (const auto k : keys) size = store_proto::sat_add(size, 8 + kv_.find(k)->second.size());
+    for (const auto k : keys) {
+      values.push_back(&kv_.find(k)->second);
+      size = store_proto::sat_add(size, 8 + values.back()->size());
+    }
     const std::size_t cap = store_proto::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes);
     if (size > cap)
       return reply_error(c, Status::invalid,
                          "the values of " + std::to_string(keys.size()) + " keys take " + std::to_string(size) +
                              " bytes, more than one reply holds (" + std::to_string(cap) +
                              "); ask for fewer keys at a time");
+    start_reply(c);
+    c.out.reserve(c.out.size() + store_proto::frame_header_size + size);
     reply_ok_with(c, [&](store_proto::Writer& w) {
       w.u32(static_cast<std::uint32_t>(keys.size()));
-      for (const auto k : keys) w.bytes(kv_.find(k)->second);
+      for (const auto* v : values) w.bytes(*v);
     });
   }
 
@@ -510,12 +564,11 @@ class TcpStoreRequests {
       auto ct = conns_.find(id);
       if (ct == conns_.end() || ct->second->dead || !ct->second->pending) continue;
       Conn& c = *ct->second;
-      if (c.pending->missing > 0) --c.pending->missing;
-      if (c.pending->missing > 0) continue;
-      // All counted keys were set; one may have been deleted since: then wait on it again.
-      for (const auto& k : c.pending->keys)
-        if (kv_.find(k) == kv_.end() && waiters_[k].insert(c.id).second) ++c.pending->missing;
-      if (c.pending->missing > 0) continue;
+      if (wait_next(c)) continue;
+      if (!all_set(*c.pending)) {  // a key passed earlier was deleted since: wait for it again
+        c.pending->at = 0;
+        if (wait_next(c)) continue;
+      }
       answer_parked(c);
       ready_.push_back(c.id);
     }
@@ -525,10 +578,15 @@ class TcpStoreRequests {
   int host_rank_;  // the rank of the process hosting this server (-1: unknown)
   std::chrono::milliseconds stall_;
 
-  std::map<std::string, Bytes, std::less<>> kv_;
+  // Hash tables with lookup by string_view: a rendezvous looks up every rank's key once per rank.
+  struct KeyHash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view k) const noexcept { return std::hash<std::string_view>{}(k); }
+  };
+  std::unordered_map<std::string, Bytes, KeyHash, std::equal_to<>> kv_;
   std::size_t total_bytes_ = 0;
   std::size_t parked_bytes_ = 0;  // what parked get()/wait() requests hold (Pending::cost)
-  std::map<std::string, std::unordered_set<std::uint64_t>, std::less<>> waiters_;
+  std::unordered_map<std::string, std::unordered_set<std::uint64_t>, KeyHash, std::equal_to<>> waiters_;
   std::unordered_map<std::uint64_t, std::unique_ptr<Conn>> conns_;
   std::vector<std::uint64_t> ready_;  // connections to go on with once a reply went out
 };
