@@ -146,6 +146,10 @@ struct Shared {
   std::atomic<long long> killed_at_ns{0};
   int victim = 0;
   std::vector<double> seen_s;  // per rank (written by its thread)
+  // Every member key in wire form, and where each starts: a rank's multi_get is this less its own
+  // (built once: the ranks of a real job build theirs in parallel, on their own cores).
+  Bytes all_keys;
+  std::vector<std::size_t> key_off;
 };
 
 void put_frame(Link& l, sp::Op op, auto&& fields) {
@@ -356,8 +360,10 @@ class Driver {
         r.st = St::multi_get;
         put_frame(l, static_cast<sp::Op>(11), [&](sp::Writer& w) {
           w.u32(static_cast<std::uint32_t>(s_.n - 1));
-          for (int q = 0; q < s_.n; ++q)
-            if (q != r.r) w.str(member_key(q));
+          const auto* k = s_.all_keys.data();
+          const auto me = static_cast<std::size_t>(r.r);
+          w.raw(std::span(k, s_.key_off[me]));
+          w.raw(std::span(k + s_.key_off[me + 1], s_.all_keys.size() - s_.key_off[me + 1]));
           w.u64(60000);
         });
         return;
@@ -439,6 +445,14 @@ void run_one(const Args& a, int n) {
   s.run = "scale" + std::to_string(n);
   s.victim = n / 2;
   s.seen_s.assign(static_cast<std::size_t>(n), -1);
+  {
+    sp::Writer w(s.all_keys);
+    for (int q = 0; q < n; ++q) {
+      s.key_off.push_back(s.all_keys.size());
+      w.str(s.run + "/member/" + std::to_string(q));
+    }
+    s.key_off.push_back(s.all_keys.size());
+  }
   const double cpu0 = cpu_of(srv.pid);
   const auto t0 = Clock::now();
   std::vector<std::thread> th;

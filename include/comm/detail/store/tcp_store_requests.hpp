@@ -364,10 +364,10 @@ class TcpStoreRequests {
           for (std::size_t i = 0; i < count; ++i) f(k.str());
         };
         if (missing == 0 && op == Op::multi_get) {
-          std::vector<std::string_view> keys;
-          keys.reserve(count);
-          for_keys([&](std::string_view key) { keys.push_back(key); });
-          return reply_values(c, keys);
+          std::vector<const Bytes*> values;
+          values.reserve(count);
+          for_keys([&](std::string_view key) { values.push_back(&kv_.find(key)->second); });
+          return reply_values(c, values);
         }
         if (missing == 0) return reply_ok(c);
         if (ms == 0) {
@@ -462,7 +462,7 @@ class TcpStoreRequests {
 
   // Moves `c`'s parked request on to its next missing key and lists it there; false when every
   // key is set. Keys before `at` were set when passed; one deleted since is found by the final
-  // check (all_set), which starts over.
+  // check (answer_parked), which starts over.
   bool wait_next(Conn& c) {
     auto& p = *c.pending;
     while (p.at < p.keys.size()) {
@@ -477,12 +477,6 @@ class TcpStoreRequests {
       p.at = p.keys.size() - r.left();
     }
     return false;
-  }
-
-  [[nodiscard]] bool all_set(const Pending& p) const {
-    bool all = true;
-    each_key(p, [&](std::string_view k) { all = all && kv_.find(k) != kv_.end(); });
-    return all;
   }
 
   void park(Conn& c, Op op, Bytes keys, std::size_t count, Clock::time_point deadline, std::size_t cost) {
@@ -504,53 +498,54 @@ class TcpStoreRequests {
     c.pending.reset();
   }
 
-  // Answers a parked request whose keys all exist (or whose deadline passed: then the missing
-  // keys are named), and unparks it.
-  void answer_parked(Conn& c) {
+  // Answers `c`'s parked request when its keys are all set, or when `final` (its deadline passed:
+  // then naming the missing keys), and unparks it; false (nothing sent) when it must wait on.
+  bool answer_parked(Conn& c, bool final) {
     const auto& p = *c.pending;
-    std::vector<std::string_view> keys, missing;
-    keys.reserve(p.count);
+    std::vector<const Bytes*> values;
+    values.reserve(p.count);
+    std::size_t missing = 0;
     each_key(p, [&](std::string_view k) {
-      keys.push_back(k);
-      if (kv_.find(k) == kv_.end()) missing.push_back(k);
+      const auto it = kv_.find(k);
+      values.push_back(it == kv_.end() ? nullptr : &it->second);
+      missing += it == kv_.end() ? 1 : 0;
     });
+    if (missing > 0 && !final) return false;
     if (p.op == Op::heartbeat) {
-      reply_heartbeat(c, missing.empty() ? &kv_.find(keys.front())->second : nullptr);
-    } else if (!missing.empty()) {
-      reply_timeout_with(c, missing.size(), [&](store_proto::Writer& w) {
-        for (const auto k : missing) w.str(k);
+      reply_heartbeat(c, values.front());
+    } else if (missing > 0) {
+      reply_timeout_with(c, missing, [&](store_proto::Writer& w) {
+        std::size_t i = 0;
+        each_key(p, [&](std::string_view k) {
+          if (values[i++] == nullptr) w.str(k);
+        });
       });
     } else if (p.op == Op::get) {
-      const auto& value = kv_.find(keys.front())->second;
-      reply_ok_with(c, [&](store_proto::Writer& w) { w.bytes(value); });
+      reply_ok_with(c, [&](store_proto::Writer& w) { w.bytes(*values.front()); });
     } else if (p.op == Op::multi_get) {
-      reply_values(c, keys);
+      reply_values(c, values);
     } else {
       reply_ok(c);
     }
     unpark(c);
+    return true;
   }
 
   // multi_get's answer: every key's value in order (all exist), unless the reply would pass the
   // frame limit a client accepts.
-  void reply_values(Conn& c, const std::vector<std::string_view>& keys) {
-    std::vector<const Bytes*> values;
-    values.reserve(keys.size());
+  void reply_values(Conn& c, const std::vector<const Bytes*>& values) {
     std::size_t size = 1 + 4;
-    for (const auto k : keys) {
-      values.push_back(&kv_.find(k)->second);
-      size = store_proto::sat_add(size, 8 + values.back()->size());
-    }
+    for (const auto* v : values) size = store_proto::sat_add(size, 8 + v->size());
     const std::size_t cap = store_proto::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes);
     if (size > cap)
       return reply_error(c, Status::invalid,
-                         "the values of " + std::to_string(keys.size()) + " keys take " + std::to_string(size) +
+                         "the values of " + std::to_string(values.size()) + " keys take " + std::to_string(size) +
                              " bytes, more than one reply holds (" + std::to_string(cap) +
                              "); ask for fewer keys at a time");
     start_reply(c);
     c.out.reserve(c.out.size() + store_proto::frame_header_size + size);
     reply_ok_with(c, [&](store_proto::Writer& w) {
-      w.u32(static_cast<std::uint32_t>(keys.size()));
+      w.u32(static_cast<std::uint32_t>(values.size()));
       for (const auto* v : values) w.bytes(*v);
     });
   }
@@ -565,11 +560,11 @@ class TcpStoreRequests {
       if (ct == conns_.end() || ct->second->dead || !ct->second->pending) continue;
       Conn& c = *ct->second;
       if (wait_next(c)) continue;
-      if (!all_set(*c.pending)) {  // a key passed earlier was deleted since: wait for it again
+      if (!answer_parked(c, false)) {  // a key passed earlier was deleted since: wait for it again
         c.pending->at = 0;
-        if (wait_next(c)) continue;
+        (void)wait_next(c);
+        continue;
       }
-      answer_parked(c);
       ready_.push_back(c.id);
     }
   }

@@ -597,7 +597,7 @@ class TcpStoreServer : private TcpStoreRequests {
     }
     if (c.pending && c.pending->deadline <= now) {
       guarded(c, [&] {
-        answer_parked(c);
+        (void)answer_parked(c, true);
         flush(c, now);
         ready_.push_back(c.id);
       });
