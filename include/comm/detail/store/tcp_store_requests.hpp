@@ -342,15 +342,20 @@ class TcpStoreRequests {
       case Op::check: {
         // Two passes over the keys. The first checks and counts them without copying anything,
         // so nothing is copied before the cost of parking them is known to fit (parked_fits).
+        // Keys are looked up only up to the first missing one (check: all); a parked request
+        // goes on from there.
         const std::uint32_t n = r.u32();
         const store_proto::Reader first_key = r;
-        std::size_t count = 0, missing = 0;
+        std::size_t count = 0, missing = 0, first_missing = 0;
         for (std::uint32_t i = 0; i < n && r.ok(); ++i) {
+          const std::size_t at = first_key.left() - r.left();
           const auto key = r.str();
           if (!r.ok()) break;
           if (!key_ok(c, key)) return;
           ++count;
-          if (kv_.find(key) == kv_.end()) ++missing;
+          if ((missing == 0 || op == Op::check) && kv_.find(key) == kv_.end()) {
+            if (missing++ == 0) first_missing = at;
+          }
         }
         const std::size_t wire = first_key.left() - r.left();  // the keys' bytes on the wire
         const std::size_t cost = parked_cost(wire);
@@ -371,15 +376,18 @@ class TcpStoreRequests {
         }
         if (missing == 0) return reply_ok(c);
         if (ms == 0) {
-          return reply_timeout_with(c, missing, [&](store_proto::Writer& w) {
-            for_keys([&](std::string_view key) {
-              if (kv_.find(key) == kv_.end()) w.str(key);
-            });
+          std::vector<std::string_view> absent;
+          for_keys([&](std::string_view key) {
+            if (kv_.find(key) == kv_.end()) absent.push_back(key);
+          });
+          return reply_timeout_with(c, absent.size(), [&](store_proto::Writer& w) {
+            for (const auto k : absent) w.str(k);
           });
         }
         if (!parked_fits(c, count, cost)) return;
         const auto blob = store_proto::Reader(first_key).raw(wire);
-        return park(c, op, Bytes(blob.begin(), blob.end()), count, now + std::chrono::milliseconds(ms), cost);
+        return park(c, op, Bytes(blob.begin(), blob.end()), count, now + std::chrono::milliseconds(ms), cost,
+                    first_missing);
       }
       case Op::num_keys: {
         if (!r.done()) return malformed(c, now);
@@ -479,8 +487,10 @@ class TcpStoreRequests {
     return false;
   }
 
-  void park(Conn& c, Op op, Bytes keys, std::size_t count, Clock::time_point deadline, std::size_t cost) {
-    c.pending = Pending{op, std::move(keys), count, 0, deadline, cost};
+  // `at`: the offset in `keys` of the first key that may be missing.
+  void park(Conn& c, Op op, Bytes keys, std::size_t count, Clock::time_point deadline, std::size_t cost,
+            std::size_t at = 0) {
+    c.pending = Pending{op, std::move(keys), count, at, deadline, cost};
     parked_bytes_ += cost;
     (void)wait_next(c);
   }
