@@ -8,7 +8,7 @@ import struct
 import sys
 
 MAGIC, VERSION, TOKEN = 0x54534D43, 2, b"fuzz-token"
-SET, GET, ADD, CAS, WAIT, CHECK, NUM, DEL, WATCH, BEAT = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
+SET, GET, ADD, CAS, WAIT, CHECK, NUM, DEL, WATCH, BEAT, MGET = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11
 
 
 def s(b):  # u64 length | bytes
@@ -66,6 +66,10 @@ server = {  # flags 0x01: the target sends a valid hello first
     "watch_cancel": req(WATCH, s("dead"), s("1|"), u64(1000)) + req(WATCH, s(""), s(""), u64(0)) + req(BEAT, u64(0)),
     "watch_silent": req(WATCH, s("dead"), s("1|"), u64(1)) + req(GET, s("dead"), u64(30)),
     "beat_parks": req(WATCH, s("dead"), s("1|"), u64(200)) + req(BEAT, u64(50)) + req(BEAT, u64(50)),
+    "multi_get": req(SET, s("a"), s("1")) + req(MGET, u32(2), s("a"), s("a"), u64(0)),
+    "multi_get_miss": req(SET, s("a"), s("1")) + req(MGET, u32(2), s("a"), s("b"), u64(0)),
+    "multi_get_parks": req(MGET, u32(2), s("a"), s("b"), u64(30)),
+    "multi_get_deleted": req(SET, s("a"), s("1")) + req(MGET, u32(2), s("a"), s("b"), u64(40)) + req(DEL, s("a")),
 }
 raw = {  # flags 0x00: the input is the whole stream, hello included
     "hello_set": hello() + req(SET, s("k"), s("v")),
@@ -85,6 +89,8 @@ two = {  # flags 0x05, param = split point: a get parks on A, the set on B wakes
     "will_wakes": (req(GET, s("dead"), u64(2000)), req(WATCH, s("dead"), s("1|"), u64(60000))),
     "beat_woken": (req(WATCH, s("dead"), s("1|"), u64(5000)) + req(BEAT, u64(2000)), req(SET, s("dead"), s("2|x"))),
     "wait_wake": (req(WAIT, u32(2), s("p"), s("q"), u64(2000)), req(SET, s("p"), s("1")) + req(SET, s("q"), s("1"))),
+    "multi_get_wake": (req(MGET, u32(2), s("p"), s("q"), u64(2000)),
+                       req(SET, s("q"), s("1")) + req(DEL, s("q")) + req(SET, s("p"), s("2")) + req(SET, s("q"), s("3"))),
 }
 # flags 0x80, param = first call + 8 * second call (0 get, 1 set, 2 add, 3 compare_set, 4 wait,
 # 5 num_keys, 6 delete_key, 7 check): a good reply for each call, each followed by a check's reply

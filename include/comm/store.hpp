@@ -56,6 +56,18 @@ class Store {
   /// Blocks until all `keys` exist or `timeout` passes (then comm::Timeout naming the missing keys).
   virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
   void wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
+
+  /// Blocks like wait() until all `keys` exist, then returns their values in the order given:
+  /// how a rendezvous reads every rank's record. TcpStore answers it in one round trip (the server
+  /// refuses, with comm::InvalidArgument, a reply larger than one frame: ask for fewer keys);
+  /// PrefixStore forwards it; this default waits, then gets each key.
+  virtual std::vector<Bytes> multi_get(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+    wait(keys, timeout);
+    std::vector<Bytes> values;
+    values.reserve(keys.size());
+    for (const auto& k : keys) values.push_back(get(k));
+    return values;
+  }
   /// Number of keys currently stored.
   virtual std::int64_t num_keys() = 0;
   /// Removes `key`; true if it existed.
@@ -99,8 +111,10 @@ struct TcpStoreOptions {
   /// launch by hand). A client refused for its job id retries for up to 5 s (bounded by `timeout`)
   /// in case the earlier job's store is closing, then throws.
   std::string job_id;
-  /// Server: connections beyond this many are rejected with an error.
-  int max_connections = 1024;
+  /// Server: connections beyond this many are rejected with an error. Each rank holds two (its
+  /// store and its liveness watch), plus short ones; the server raises its process's soft
+  /// RLIMIT_NOFILE toward this (within the hard limit).
+  int max_connections = 16384;
   /// Largest value accepted by set/compare_set (bytes).
   std::size_t max_value_bytes = std::size_t{64} << 20;
   /// Largest key accepted (bytes).
@@ -161,6 +175,7 @@ class TcpStore final : public Store {
   std::int64_t num_keys() override;
   bool delete_key(std::string_view key) override;
   bool check(std::string_view key) override;
+  std::vector<Bytes> multi_get(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
 
   /// The options in effect (token and job id filled in from the environment where they were empty).
   [[nodiscard]] const TcpStoreOptions& options() const noexcept { return opts_; }
@@ -297,6 +312,7 @@ class PrefixStore final : public Store {
   std::int64_t num_keys() override;
   bool delete_key(std::string_view key) override;
   bool check(std::string_view key) override;
+  std::vector<Bytes> multi_get(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
 
  private:
   [[nodiscard]] std::string full(std::string_view key) const;

@@ -72,51 +72,90 @@ struct MemberRecord {
 inline void check_membership(comm::Store& store, const std::string& prefix, std::uint64_t seq, int rank, int size,
                              std::chrono::milliseconds timeout, const std::string& op) {
   const MemberRecord me{size, static_cast<long>(::getpid()), this_host()};
-  store.set(prefix + "member/" + std::to_string(rank), encode(me));
-  for (int p = 0; p < size; ++p) {
-    if (p == rank) continue;
-    const std::string key = prefix + "member/" + std::to_string(p);
-    try {
-      // Each wait gets the whole timeout, as in the engines' own address exchanges: the rank that hosts
-      // the store (rank 0, which starts first) then waits for a missing rank longer than the
-      // others, so they report the missing rank instead of losing the store when it gives up.
-      store.wait({key}, timeout);
-    } catch (const Timeout&) {
-      std::string hint;
-      // A process that holds this rank in the previous communicator of this store, and is not
-      // this process, is most likely a second process started with the same rank.
-      if (seq > 1) {
-        const std::string prev =
-            prefix.substr(0, prefix.rfind('/', prefix.size() - 2) + 1) + std::to_string(seq - 1) + "/member/" +
-            std::to_string(rank);
-        try {
-          if (store.check(prev)) {
-            const auto bytes = store.get(prev);
-            const auto other = decode_member(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
-            if (other && (other->pid != me.pid || other->host != me.host))
-              hint = "; " + describe(rank, *other) + " already joined communicator #" + std::to_string(seq - 1) +
-                     " of this store as rank " + std::to_string(rank) + ", while this process " + describe(rank, me) +
-                     " waits alone in communicator #" + std::to_string(seq) + ": is rank " + std::to_string(rank) +
-                     " used by two processes?";
-          }
-        } catch (...) {  // the hint is best effort; the timeout is the error
-        }
-      }
-      throw Timeout(op, rank,
-                    "rank " + std::to_string(p) + " of " + std::to_string(size) + " did not join within " +
-                        std::to_string(timeout.count()) + " ms (no record " + key + ")" + hint,
-                    "rank " + std::to_string(p));
-    }
-    const auto bytes = store.get(key);
+  auto key_of = [&](int p) { return prefix + "member/" + std::to_string(p); };
+  store.set(key_of(rank), encode(me));
+  auto check_record = [&](int p, const Store::Bytes& bytes) {
     const auto other = decode_member(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
     if (!other)
-      throw InvalidArgument(op, rank, "rank " + std::to_string(p) + "'s membership record " + key +
+      throw InvalidArgument(op, rank, "rank " + std::to_string(p) + "'s membership record " + key_of(p) +
                                           " is not comm's: another program uses this store's keys?");
     if (other->size != size)
       throw InvalidArgument(op, rank,
                             "world size mismatch: this process is " + describe(rank, me) + ", but " +
                                 describe(p, *other) + "; every rank must be started with the same world size");
+  };
+  auto missing = [&](int p) {
+    std::string hint;
+    // A process that holds this rank in the previous communicator of this store, and is not
+    // this process, is most likely a second process started with the same rank.
+    if (seq > 1) {
+      const std::string prev =
+          prefix.substr(0, prefix.rfind('/', prefix.size() - 2) + 1) + std::to_string(seq - 1) + "/member/" +
+          std::to_string(rank);
+      try {
+        if (store.check(prev)) {
+          const auto bytes = store.get(prev);
+          const auto other = decode_member(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+          if (other && (other->pid != me.pid || other->host != me.host))
+            hint = "; " + describe(rank, *other) + " already joined communicator #" + std::to_string(seq - 1) +
+                   " of this store as rank " + std::to_string(rank) + ", while this process " + describe(rank, me) +
+                   " waits alone in communicator #" + std::to_string(seq) + ": is rank " + std::to_string(rank) +
+                   " used by two processes?";
+        }
+      } catch (...) {  // the hint is best effort; the timeout is the error
+      }
+    }
+    return Timeout(op, rank,
+                   "rank " + std::to_string(p) + " of " + std::to_string(size) + " did not join within " +
+                       std::to_string(timeout.count()) + " ms (no record " + key_of(p) + ")" + hint,
+                   "rank " + std::to_string(p));
+  };
+  // Each wait gets the whole timeout, as in the engines' own address exchanges: the rank that hosts
+  // the store (rank 0, which starts first) then waits for a missing rank longer than the others, so
+  // they report the missing rank instead of losing the store when it gives up.
+  // Rank 0's record first: a world size that differs from rank 0's is then an error at once.
+  if (rank != 0) {
+    try {
+      store.wait({key_of(0)}, timeout);
+    } catch (const Timeout&) {
+      throw missing(0);
+    }
+    check_record(0, store.get(key_of(0)));
   }
+  // Then every other record in one request (Store::multi_get: one round trip on a TcpStore, where
+  // a wait and a get per rank made a rendezvous of N ranks cost 2N^2 requests).
+  std::vector<int> ranks;
+  std::vector<std::string> keys;
+  for (int p = 1; p < size; ++p)
+    if (p != rank) {
+      ranks.push_back(p);
+      keys.push_back(key_of(p));
+    }
+  if (keys.empty()) return;
+  std::vector<Store::Bytes> records;
+  try {
+    records = store.multi_get(keys, timeout);
+  } catch (const Timeout&) {
+    // As one rank at a time would have found: a mismatch before the first missing rank wins.
+    int first_missing = ranks.front();
+    try {
+      for (const int p : ranks) {
+        if (!store.check(key_of(p))) {
+          first_missing = p;
+          break;
+        }
+        check_record(p, store.get(key_of(p)));
+      }
+    } catch (const InvalidArgument&) {
+      throw;
+    } catch (...) {  // naming the first missing rank is best effort
+    }
+    throw missing(first_missing);
+  }
+  if (records.size() != keys.size())
+    throw InvalidArgument(op, rank, "the store's multi_get returned " + std::to_string(records.size()) +
+                                        " values for " + std::to_string(keys.size()) + " keys");
+  for (std::size_t i = 0; i < ranks.size(); ++i) check_record(ranks[i], records[i]);
 }
 
 }  // namespace comm::detail

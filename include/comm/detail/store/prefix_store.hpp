@@ -50,6 +50,14 @@ inline void PrefixStore::wait(const std::vector<std::string>& keys, std::chrono:
   base_->wait(ks, timeout);
 }
 
+inline std::vector<Store::Bytes> PrefixStore::multi_get(const std::vector<std::string>& keys,
+                                                        std::chrono::milliseconds timeout) {
+  std::vector<std::string> ks;
+  ks.reserve(keys.size());
+  for (const auto& k : keys) ks.push_back(full(k));
+  return base_->multi_get(ks, timeout);
+}
+
 inline std::int64_t PrefixStore::num_keys() { return base_->num_keys(); }
 
 inline bool PrefixStore::delete_key(std::string_view key) { return base_->delete_key(full(key)); }

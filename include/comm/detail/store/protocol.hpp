@@ -53,6 +53,11 @@ enum class Op : std::uint8_t {
                     //   (the watched key's value, once some connection's will set it; while it is
                     //   not set the server holds the reply up to wait_ms, and sends it the moment
                     //   the key is set)
+  // Batched get (a rendezvous: every rank reads every other's record in one round trip). Waits
+  // like `wait` until every key exists, then answers all the values in the order asked; a reply
+  // that would pass the frame limit is refused (`invalid`) rather than built.
+  multi_get = 11,   // u32 n | n * str key | u64 timeout_ms         -> ok u32 n | n * bytes value
+                    //                                                 | timeout keys
 };
 
 /// Reply status. `timeout` carries u32 n | n * str missing_key; `invalid` (the request was wrong)

@@ -412,6 +412,37 @@ inline void TcpStore::wait(const std::vector<std::string>& keys, std::chrono::mi
       detail::read_nothing, keys);
 }
 
+inline std::vector<Store::Bytes> TcpStore::multi_get(const std::vector<std::string>& keys,
+                                                     std::chrono::milliseconds timeout) {
+  if (keys.empty()) return {};
+  std::size_t bytes = 0;
+  for (const auto& k : keys) {
+    check_key("store.multi_get", k);
+    bytes += k.size() + 8;
+  }
+  if (keys.size() > UINT32_MAX || bytes + 16 > detail::store_proto::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes))
+    throw InvalidArgument("store.multi_get", rank(),
+                          "reading " + std::to_string(keys.size()) + " keys (" + std::to_string(bytes) +
+                              " bytes) exceeds the request size limit",
+                          address_);
+  return request(
+      "store.multi_get", detail::store_proto::Op::multi_get, timeout, true,
+      [&](detail::store_proto::Writer& w, detail::Clock::time_point d) {
+        w.u32(static_cast<std::uint32_t>(keys.size()));
+        for (const auto& k : keys) w.str(k);
+        w.u64(detail::ms_left(d));
+      },
+      [&](detail::store_proto::Reader& r) {
+        std::vector<Bytes> values;
+        const std::uint32_t n = r.u32();
+        if (n != keys.size()) return values;  // malformed: request() finds bytes left unread
+        values.reserve(n);
+        for (std::uint32_t i = 0; i < n && r.ok(); ++i) values.push_back(detail::read_bytes(r));
+        return values;
+      },
+      keys);
+}
+
 inline std::int64_t TcpStore::num_keys() {
   return request("store.num_keys", detail::store_proto::Op::num_keys, timeout(), false, detail::fields(),
                  detail::read_i64);

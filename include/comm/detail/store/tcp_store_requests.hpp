@@ -1,6 +1,6 @@
 #pragma once
 // What the TcpStore server stores and how it answers a request, apart from the network side
-// (tcp_store_server.hpp: listening, the poll() loop, reading frames, the handshake, sending).
+// (tcp_store_server.hpp: listening, the epoll loop, reading frames, the handshake, sending).
 // The table of keys and values with its memory bound, the replies, the get()/wait() requests
 // parked until their keys appear, and the wills (Op::watch) that set a key when a rank dies.
 // Requests arrive one frame at a time from the loop; nothing here blocks or throws out of it.
@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include <comm/detail/net/socket.hpp>
@@ -27,7 +28,7 @@ namespace comm::detail {
 struct TcpStoreServerConfig {
   std::string token;
   std::string job_id;  // a client of another job is refused (HelloStatus::wrong_job)
-  std::size_t max_connections = 1024;
+  std::size_t max_connections = 16384;
   std::size_t max_key_bytes = 4096;
   std::size_t max_value_bytes = std::size_t{64} << 20;
   std::size_t max_total_bytes = std::size_t{1} << 30;
@@ -46,12 +47,34 @@ class TcpStoreRequests {
 
   enum class Phase : std::uint8_t { hello, ready, closing, draining };
 
+  // A parked request keeps its keys as they came on the wire (u64 length | bytes each, one
+  // allocation however many keys) and waits on one missing key at a time: `at` is the offset of
+  // that key in `keys`. Setting it moves `at` on to the next missing key; the request is answered
+  // when none is left. So a key set costs one step per request waiting on it, and a rendezvous
+  // of N ranks each reading N keys costs O(N^2) steps and bytes in all, never N^2 waiter entries.
   struct Pending {
     Op op = Op::get;
-    std::vector<std::string> keys;
+    Bytes keys;
+    std::size_t count = 0;
+    std::size_t at = 0;
     Clock::time_point deadline;
     std::size_t cost = 0;  // counted in parked_bytes_
   };
+
+  template <class F>
+  static void each_key(const Pending& p, F&& f) {
+    store_proto::Reader r(p.keys);
+    for (std::size_t i = 0; i < p.count; ++i) f(r.str());
+  }
+  [[nodiscard]] static std::string_view key_at(const Pending& p) {
+    store_proto::Reader r(std::span<const std::uint8_t>(p.keys).subspan(p.at));
+    return r.str();
+  }
+  [[nodiscard]] static Bytes one_key(std::string_view key) {
+    Bytes b;
+    store_proto::Writer(b).str(key);
+    return b;
+  }
 
   // What one key of a parked get()/wait() costs the server: its copy, its place in the request's
   // key list and in waiters_. Counted against max_total_bytes, so that a request of millions of
@@ -59,6 +82,11 @@ class TcpStoreRequests {
   static constexpr std::size_t parked_key_overhead = 128;
   [[nodiscard]] static std::size_t parked_cost(std::string_view key) noexcept {
     return key.size() + parked_key_overhead;
+  }
+  // A request parked on several keys holds them in one buffer (Pending::keys) and is listed under
+  // one at a time: its wire bytes (8 + size per key) and one overhead.
+  [[nodiscard]] static std::size_t parked_cost(std::size_t wire_bytes) noexcept {
+    return wire_bytes + parked_key_overhead;
   }
 
   // Op::watch: set `key` to `value` + the reason when this connection ends or falls silent.
@@ -86,6 +114,10 @@ class TcpStoreRequests {
     bool counted = true;  // counts against max_connections (false: being rejected)
     int rank = -1;
     std::optional<Will> will;
+    // The network side's bookkeeping (tcp_store_server.hpp): the events registered with epoll,
+    // and the earliest time this connection is queued in the timer heap (max: not queued).
+    std::uint32_t events = 0;
+    Clock::time_point timer = Clock::time_point::max();
 
     [[nodiscard]] std::size_t unread() const noexcept { return in.size() - in_off; }
     [[nodiscard]] bool out_pending() const noexcept { return out_off < out.size(); }
@@ -251,7 +283,7 @@ class TcpStoreRequests {
         if (it != kv_.end() || !c.will || ms == 0) return reply_heartbeat(c, it != kv_.end() ? &it->second : nullptr);
         const auto wait = std::min(std::chrono::milliseconds(ms), c.will->silence / 2);
         if (!parked_fits(c, 1, parked_cost(c.will->key))) return;
-        return park(c, Op::heartbeat, {c.will->key}, now + wait, parked_cost(c.will->key));
+        return park(c, Op::heartbeat, one_key(c.will->key), 1, now + wait, parked_cost(c.will->key));
       }
       case Op::set: {
         const auto key = r.str();
@@ -271,7 +303,7 @@ class TcpStoreRequests {
         }
         if (ms == 0) return reply_timeout_with(c, 1, [&](store_proto::Writer& w) { w.str(key); });
         if (!parked_fits(c, 1, parked_cost(key))) return;
-        return park(c, Op::get, {std::string(key)}, now + std::chrono::milliseconds(ms), parked_cost(key));
+        return park(c, Op::get, one_key(key), 1, now + std::chrono::milliseconds(ms), parked_cost(key));
       }
       case Op::add: {
         const auto key = r.str();
@@ -306,43 +338,56 @@ class TcpStoreRequests {
         });
       }
       case Op::wait:
+      case Op::multi_get:
       case Op::check: {
-        // Two passes over the keys. The first checks and counts them without copying anything:
-        // a key costs 8 bytes on the wire but much more once copied and parked, so nothing is
-        // copied before that cost is known to fit (parked_fits).
+        // Two passes over the keys. The first checks and counts them without copying anything,
+        // so nothing is copied before the cost of parking them is known to fit (parked_fits).
+        // Keys are looked up only up to the first missing one (check: all); a parked request
+        // goes on from there.
         const std::uint32_t n = r.u32();
         const store_proto::Reader first_key = r;
-        std::size_t count = 0, missing = 0, cost = 0;
+        std::size_t count = 0, missing = 0, first_missing = 0;
         for (std::uint32_t i = 0; i < n && r.ok(); ++i) {
+          const std::size_t at = first_key.left() - r.left();
           const auto key = r.str();
           if (!r.ok()) break;
           if (!key_ok(c, key)) return;
           ++count;
-          cost += parked_cost(key);
-          if (kv_.find(key) == kv_.end()) ++missing;
+          if ((missing == 0 || op == Op::check) && kv_.find(key) == kv_.end()) {
+            if (missing++ == 0) first_missing = at;
+          }
         }
-        const auto ms = op == Op::wait ? clamp_ms(r.u64()) : 0;
+        const std::size_t wire = first_key.left() - r.left();  // the keys' bytes on the wire
+        const std::size_t cost = parked_cost(wire);
+        const auto ms = op != Op::check ? clamp_ms(r.u64()) : 0;
         if (!r.done()) return malformed(c, now);
         if (op == Op::check) {
           return reply_ok_with(c, [&](store_proto::Writer& w) { w.u8(missing == 0 ? 1 : 0); });
         }
-        if (missing == 0) return reply_ok(c);
-        auto each_key = [&](auto&& f) {
+        auto for_keys = [&](auto&& f) {
           store_proto::Reader k = first_key;
           for (std::size_t i = 0; i < count; ++i) f(k.str());
         };
+        if (missing == 0 && op == Op::multi_get) {
+          std::vector<const Bytes*> values;
+          values.reserve(count);
+          for_keys([&](std::string_view key) { values.push_back(&kv_.find(key)->second); });
+          return reply_values(c, values);
+        }
+        if (missing == 0) return reply_ok(c);
         if (ms == 0) {
-          return reply_timeout_with(c, missing, [&](store_proto::Writer& w) {
-            each_key([&](std::string_view key) {
-              if (kv_.find(key) == kv_.end()) w.str(key);
-            });
+          std::vector<std::string_view> absent;
+          for_keys([&](std::string_view key) {
+            if (kv_.find(key) == kv_.end()) absent.push_back(key);
+          });
+          return reply_timeout_with(c, absent.size(), [&](store_proto::Writer& w) {
+            for (const auto k : absent) w.str(k);
           });
         }
         if (!parked_fits(c, count, cost)) return;
-        std::vector<std::string> keys;
-        keys.reserve(count);
-        each_key([&](std::string_view key) { keys.emplace_back(key); });
-        return park(c, Op::wait, std::move(keys), now + std::chrono::milliseconds(ms), cost);
+        const auto blob = store_proto::Reader(first_key).raw(wire);
+        return park(c, op, Bytes(blob.begin(), blob.end()), count, now + std::chrono::milliseconds(ms), cost,
+                    first_missing);
       }
       case Op::num_keys: {
         if (!r.done()) return malformed(c, now);
@@ -423,44 +468,113 @@ class TcpStoreRequests {
 
   // --- parked get()/wait() ----------------------------------------------------------------------
 
-  void park(Conn& c, Op op, std::vector<std::string> keys, Clock::time_point deadline, std::size_t cost) {
-    for (const auto& k : keys)
-      if (kv_.find(k) == kv_.end()) waiters_[k].push_back(c.id);
-    c.pending = Pending{op, std::move(keys), deadline, cost};
+  // Moves `c`'s parked request on to its next missing key and lists it there; false when every
+  // key is set. Keys before `at` were set when passed; one deleted since is found by the final
+  // check (answer_parked), which starts over.
+  bool wait_next(Conn& c) {
+    auto& p = *c.pending;
+    while (p.at < p.keys.size()) {
+      store_proto::Reader r(std::span<const std::uint8_t>(p.keys).subspan(p.at));
+      const auto key = r.str();
+      if (kv_.find(key) == kv_.end()) {
+        auto it = waiters_.find(key);
+        if (it == waiters_.end()) it = waiters_.emplace(std::string(key), std::unordered_set<std::uint64_t>{}).first;
+        it->second.insert(c.id);
+        return true;
+      }
+      p.at = p.keys.size() - r.left();
+    }
+    return false;
+  }
+
+  // `at`: the offset in `keys` of the first key that may be missing.
+  void park(Conn& c, Op op, Bytes keys, std::size_t count, Clock::time_point deadline, std::size_t cost,
+            std::size_t at = 0) {
+    c.pending = Pending{op, std::move(keys), count, at, deadline, cost};
     parked_bytes_ += cost;
+    (void)wait_next(c);
   }
 
   void unpark(Conn& c) {
-    for (const auto& k : c.pending->keys) {
-      auto it = waiters_.find(k);
-      if (it == waiters_.end()) continue;
-      std::erase(it->second, c.id);
-      if (it->second.empty()) waiters_.erase(it);
+    auto& p = *c.pending;
+    if (p.at < p.keys.size()) {
+      auto it = waiters_.find(key_at(p));
+      if (it != waiters_.end()) {
+        it->second.erase(c.id);
+        if (it->second.empty()) waiters_.erase(it);
+      }
     }
-    parked_bytes_ -= c.pending->cost;
+    parked_bytes_ -= p.cost;
     c.pending.reset();
+  }
+
+  // Answers `c`'s parked request when its keys are all set, or when `final` (its deadline passed:
+  // then naming the missing keys), and unparks it; false (nothing sent) when it must wait on.
+  bool answer_parked(Conn& c, bool final) {
+    const auto& p = *c.pending;
+    std::vector<const Bytes*> values;
+    values.reserve(p.count);
+    std::size_t missing = 0;
+    each_key(p, [&](std::string_view k) {
+      const auto it = kv_.find(k);
+      values.push_back(it == kv_.end() ? nullptr : &it->second);
+      missing += it == kv_.end() ? 1 : 0;
+    });
+    if (missing > 0 && !final) return false;
+    if (p.op == Op::heartbeat) {
+      reply_heartbeat(c, values.front());
+    } else if (missing > 0) {
+      reply_timeout_with(c, missing, [&](store_proto::Writer& w) {
+        std::size_t i = 0;
+        each_key(p, [&](std::string_view k) {
+          if (values[i++] == nullptr) w.str(k);
+        });
+      });
+    } else if (p.op == Op::get) {
+      reply_ok_with(c, [&](store_proto::Writer& w) { w.bytes(*values.front()); });
+    } else if (p.op == Op::multi_get) {
+      reply_values(c, values);
+    } else {
+      reply_ok(c);
+    }
+    unpark(c);
+    return true;
+  }
+
+  // multi_get's answer: every key's value in order (all exist), unless the reply would pass the
+  // frame limit a client accepts.
+  void reply_values(Conn& c, const std::vector<const Bytes*>& values) {
+    std::size_t size = 1 + 4;
+    for (const auto* v : values) size = store_proto::sat_add(size, 8 + v->size());
+    const std::size_t cap = store_proto::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes);
+    if (size > cap)
+      return reply_error(c, Status::invalid,
+                         "the values of " + std::to_string(values.size()) + " keys take " + std::to_string(size) +
+                             " bytes, more than one reply holds (" + std::to_string(cap) +
+                             "); ask for fewer keys at a time");
+    start_reply(c);
+    c.out.reserve(c.out.size() + store_proto::frame_header_size + size);
+    reply_ok_with(c, [&](store_proto::Writer& w) {
+      w.u32(static_cast<std::uint32_t>(values.size()));
+      for (const auto* v : values) w.bytes(*v);
+    });
   }
 
   void key_changed(std::string_view key) {
     auto it = waiters_.find(key);
     if (it == waiters_.end()) return;
-    const std::vector<std::uint64_t> ids = it->second;  // unpark() edits the list
+    const std::unordered_set<std::uint64_t> ids = std::move(it->second);  // the key exists now: none waits on it
+    waiters_.erase(it);
     for (const auto id : ids) {
       auto ct = conns_.find(id);
       if (ct == conns_.end() || ct->second->dead || !ct->second->pending) continue;
       Conn& c = *ct->second;
-      const auto& p = *c.pending;
-      if (!std::all_of(p.keys.begin(), p.keys.end(), [&](const auto& k) { return kv_.find(k) != kv_.end(); }))
+      if (wait_next(c)) continue;
+      if (!answer_parked(c, false)) {  // a key passed earlier was deleted since: wait for it again
+        c.pending->at = 0;
+        (void)wait_next(c);
         continue;
-      if (p.op == Op::get) {
-        const auto& value = kv_.find(p.keys.front())->second;
-        reply_ok_with(c, [&](store_proto::Writer& w) { w.bytes(value); });
-      } else if (p.op == Op::heartbeat) {
-        reply_heartbeat(c, &kv_.find(p.keys.front())->second);
-      } else {
-        reply_ok(c);
       }
-      unpark(c);
       ready_.push_back(c.id);
     }
   }
@@ -469,10 +583,15 @@ class TcpStoreRequests {
   int host_rank_;  // the rank of the process hosting this server (-1: unknown)
   std::chrono::milliseconds stall_;
 
-  std::map<std::string, Bytes, std::less<>> kv_;
+  // Hash tables with lookup by string_view: a rendezvous looks up every rank's key once per rank.
+  struct KeyHash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view k) const noexcept { return std::hash<std::string_view>{}(k); }
+  };
+  std::unordered_map<std::string, Bytes, KeyHash, std::equal_to<>> kv_;
   std::size_t total_bytes_ = 0;
   std::size_t parked_bytes_ = 0;  // what parked get()/wait() requests hold (Pending::cost)
-  std::map<std::string, std::vector<std::uint64_t>, std::less<>> waiters_;
+  std::unordered_map<std::string, std::unordered_set<std::uint64_t>, KeyHash, std::equal_to<>> waiters_;
   std::unordered_map<std::uint64_t, std::unique_ptr<Conn>> conns_;
   std::vector<std::uint64_t> ready_;  // connections to go on with once a reply went out
 };

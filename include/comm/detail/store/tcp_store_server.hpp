@@ -1,5 +1,10 @@
 #pragma once
-// The TcpStore server's network side: one thread running a poll() loop over non-blocking sockets.
+// The TcpStore server's network side: one thread running an epoll loop over non-blocking sockets.
+// A turn costs what its ready connections and due deadlines cost, not the number of connections:
+// epoll reports only the sockets with events, each connection's interest is changed only when it
+// changes, and deadlines (stalls, parked requests, silent wills) wait in a heap that a connection
+// enters when its earliest deadline moves earlier (and re-enters, lazily, when it fires early). So
+// thousands of idle or parked connections (a large job's liveness watches) cost nothing per turn.
 // What is stored and how each request is answered (the table, parked waiters, wills, replies) is
 // tcp_store_requests.hpp's.
 //
@@ -13,7 +18,8 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
-#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -26,6 +32,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <queue>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -102,6 +109,14 @@ class TcpStoreServer : private TcpStoreRequests {
       throw BackendError("store.listen", rank, "cannot create the wake-up pipe: " + errno_text(errno));
     wake_r_.reset(p[0]);
     wake_w_.reset(p[1]);
+    ep_.reset(::epoll_create1(EPOLL_CLOEXEC));
+    if (!ep_) throw BackendError("store.listen", rank, "cannot create the server's epoll set: " + errno_text(errno));
+    if (!ep_add(wake_r_.get(), EPOLLIN, kWakeTag))
+      throw BackendError("store.listen", rank, "cannot watch the wake-up pipe: " + errno_text(errno));
+    for (std::size_t i = 0; i < listeners_.size(); ++i)
+      if (!ep_add(listeners_[i].get(), EPOLLIN, kListenTag + i))
+        throw BackendError("store.listen", rank, "cannot watch the listening socket: " + errno_text(errno));
+    raise_fd_limit(max_connections_ + reject_slack + 64);
     thread_ = std::thread([this] { run(); });
   }
 
@@ -137,55 +152,108 @@ class TcpStoreServer : private TcpStoreRequests {
     listeners_.clear();
   }
 
+  // epoll tags: connection ids start at 1, far below these.
+  static constexpr std::uint64_t kWakeTag = ~std::uint64_t{0};
+  static constexpr std::uint64_t kListenTag = std::uint64_t{1} << 62;
+
+  /// A server for thousands of connections needs as many descriptors: the soft limit is raised
+  /// toward `want` (never past the hard limit, never lowered). Best effort: accept() pauses on
+  /// EMFILE either way.
+  static void raise_fd_limit(std::size_t want) noexcept {
+    rlimit rl{};
+    if (::getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= want) return;
+    rl.rlim_cur = rl.rlim_max == RLIM_INFINITY ? static_cast<rlim_t>(want) : std::min<rlim_t>(rl.rlim_max, want);
+    (void)::setrlimit(RLIMIT_NOFILE, &rl);
+  }
+
+  bool ep_add(int fd, std::uint32_t events, std::uint64_t tag) noexcept {
+    epoll_event ev{};
+    ev.events = events;
+    ev.data.u64 = tag;
+    return ::epoll_ctl(ep_.get(), EPOLL_CTL_ADD, fd, &ev) == 0;
+  }
+
+  // Brings connection `c`'s registration and timer up to date after anything happened to it.
+  void settle(Conn& c) {
+    if (c.dead) return;
+    std::uint32_t ev = 0;
+    if (wants_read(c)) ev |= EPOLLIN;
+    if (c.out_pending()) ev |= EPOLLOUT;
+    if (c.pending) ev |= EPOLLRDHUP;  // a parked client that goes away
+    if (ev != c.events) {
+      epoll_event e{};
+      e.events = ev;
+      e.data.u64 = c.id;
+      if (::epoll_ctl(ep_.get(), EPOLL_CTL_MOD, c.fd.get(), &e) != 0) return drop(c);
+      c.events = ev;
+    }
+    schedule(c);
+  }
+
+  // Queues `c` in the timer heap at its earliest deadline, unless it is queued no later already.
+  void schedule(Conn& c) {
+    const auto d = conn_deadline(c);
+    if (d >= c.timer) return;
+    c.timer = d;
+    timers_.push({d, c.id});
+  }
+
   void loop() {
-    std::vector<pollfd> pfds;
-    std::vector<std::uint64_t> ids;
+    std::vector<epoll_event> evs(256);
+    bool accepting = true;
     while (!stop_.load()) {
       auto now = Clock::now();
-      pfds.clear();
-      ids.clear();
-      pfds.push_back({wake_r_.get(), POLLIN, 0});
-      const bool accepting = now >= accept_pause_until_;
-      for (const auto& l : listeners_) pfds.push_back({l.get(), static_cast<short>(accepting ? POLLIN : 0), 0});
-      for (const auto& [id, c] : conns_) {
-        short ev = 0;
-        if (wants_read(*c)) ev |= POLLIN;
-        if (c->out_pending()) ev |= POLLOUT;
-        if (c->pending) ev |= POLLRDHUP;  // a parked client that goes away
-        pfds.push_back({c->fd.get(), ev, 0});
-        ids.push_back(id);
+      if (!accepting && now >= accept_pause_until_) {
+        accepting = true;
+        set_listening(true);
       }
-      auto next = next_deadline();
+      auto next = timers_.empty() ? Clock::time_point::max() : timers_.top().first;
       if (!accepting) next = std::min(next, accept_pause_until_);
-      const int n = ::poll(pfds.data(), pfds.size(), poll_timeout_ms(next, now));
+      const int n = ::epoll_wait(ep_.get(), evs.data(), static_cast<int>(evs.size()), poll_timeout_ms(next, now));
       if (n < 0 && errno != EINTR) {
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
         continue;
       }
       now = Clock::now();
-      if (n > 0 && (pfds[0].revents & POLLIN) != 0) {
-        char buf[64];
-        while (::read(wake_r_.get(), buf, sizeof buf) > 0) {
-        }
-      }
       if (stop_.load()) break;
-      if (n > 0) {
-        for (std::size_t i = 0; i < listeners_.size(); ++i)
-          if ((pfds[1 + i].revents & POLLIN) != 0) accept_all(listeners_[i].get(), now);
-        const std::size_t base = 1 + listeners_.size();
-        for (std::size_t i = 0; i < ids.size(); ++i) {
-          const short re = pfds[base + i].revents;
-          if (re == 0) continue;
-          auto it = conns_.find(ids[i]);
-          if (it == conns_.end() || it->second->dead) continue;
-          Conn& c = *it->second;
-          guarded(c, [&] { on_events(c, re, now); });
+      for (int i = 0; i < n; ++i) {
+        const std::uint64_t tag = evs[static_cast<std::size_t>(i)].data.u64;
+        const std::uint32_t re = evs[static_cast<std::size_t>(i)].events;
+        if (tag == kWakeTag) {
+          char buf[64];
+          while (::read(wake_r_.get(), buf, sizeof buf) > 0) {
+          }
+          continue;
         }
+        if (tag >= kListenTag) {
+          if (accepting) accept_all(listeners_[static_cast<std::size_t>(tag - kListenTag)].get(), now);
+          continue;
+        }
+        auto it = conns_.find(tag);
+        if (it == conns_.end() || it->second->dead) continue;
+        Conn& c = *it->second;
+        guarded(c, [&] { on_events(c, re, now); });
+        settle(c);
       }
+      if (accepting && now < accept_pause_until_) {
+        accepting = false;
+        set_listening(false);
+      }
+      if (n == static_cast<int>(evs.size()) && evs.size() < 4096) evs.resize(evs.size() * 2);
       run_ready(now);
       expire(now);
       run_ready(now);
-      std::erase_if(conns_, [](const auto& kv) { return kv.second->dead; });
+      for (const auto id : dead_) conns_.erase(id);
+      dead_.clear();
+    }
+  }
+
+  void set_listening(bool on) noexcept {
+    for (std::size_t i = 0; i < listeners_.size(); ++i) {
+      epoll_event e{};
+      e.events = on ? EPOLLIN : 0;
+      e.data.u64 = kListenTag + i;
+      (void)::epoll_ctl(ep_.get(), EPOLL_CTL_MOD, listeners_[i].get(), &e);
     }
   }
 
@@ -207,21 +275,21 @@ class TcpStoreServer : private TcpStoreRequests {
     return c.unread() < frame_cap_ + store_proto::frame_header_size + store_proto::max_token_bytes + 16;
   }
 
-  void on_events(Conn& c, short re, Clock::time_point now) {
-    if ((re & POLLERR) != 0) return drop(c);
+  void on_events(Conn& c, std::uint32_t re, Clock::time_point now) {
+    if ((re & EPOLLERR) != 0) return drop(c);
     if (c.pending) {
-      if ((re & (POLLRDHUP | POLLHUP)) != 0) drop(c);
+      if ((re & (EPOLLRDHUP | EPOLLHUP)) != 0) drop(c);
       return;
     }
-    if ((re & POLLOUT) != 0) {
+    if ((re & EPOLLOUT) != 0) {
       flush(c, now);
       if (c.dead) return;
       if (!c.out_pending()) ready_.push_back(c.id);
     }
-    if ((re & (POLLIN | POLLHUP | POLLRDHUP)) != 0) {
+    if ((re & (EPOLLIN | EPOLLHUP | EPOLLRDHUP)) != 0) {
       if (wants_read(c)) {
         read_some(c, now);
-      } else if ((re & POLLHUP) != 0) {
+      } else if ((re & EPOLLHUP) != 0) {
         drop(c);  // gone for good and we cannot read now: nothing left to do for it
       }
     }
@@ -237,17 +305,17 @@ class TcpStoreServer : private TcpStoreRequests {
         return;
       }
       Fd owned(fd);
-      std::size_t active = 0;
-      for (const auto& kv : conns_) active += kv.second->counted && !kv.second->dead ? 1 : 0;
       if (conns_.size() >= max_connections_ + reject_slack) continue;  // closes it at once
       set_nodelay(fd);
       auto c = std::make_unique<Conn>();
       c->fd = std::move(owned);
       c->id = next_id_++;
       c->accepted = c->progress = now;
+      c->events = EPOLLIN;
+      if (!ep_add(fd, c->events, c->id)) continue;  // closes it at once
       Conn& ref = *c;
       conns_.emplace(c->id, std::move(c));
-      if (active >= max_connections_) {
+      if (active_ >= max_connections_) {
         ref.counted = false;
         const auto r = store_proto::encode_hello_reply(
             store_proto::HelloStatus::too_many_connections,
@@ -255,7 +323,10 @@ class TcpStoreServer : private TcpStoreRequests {
         ref.out.assign(r.begin(), r.end());
         close_after_reply(ref, now);
         flush(ref, now);
+      } else {
+        ++active_;
       }
+      settle(ref);
     }
   }
 
@@ -458,7 +529,9 @@ class TcpStoreServer : private TcpStoreRequests {
     if (c.will) fire_will(c, "its connection to the store closed (the process exited or was killed)");
     if (c.pending) unpark(c);
     c.dead = true;
-    c.fd.reset();
+    if (c.counted) --active_;
+    dead_.push_back(c.id);
+    c.fd.reset();  // closing it also takes it out of the epoll set
     Bytes().swap(c.in);
     Bytes().swap(c.out);
     c.in_off = c.out_off = 0;
@@ -473,6 +546,7 @@ class TcpStoreServer : private TcpStoreRequests {
       if (it == conns_.end() || it->second->dead) continue;
       Conn& c = *it->second;
       guarded(c, [&] { process(c, now); });
+      settle(c);
     }
   }
 
@@ -488,51 +562,45 @@ class TcpStoreServer : private TcpStoreRequests {
     return std::nullopt;
   }
 
-  [[nodiscard]] Clock::time_point next_deadline() const {
+  // The earliest time something is due on `c`: its stall bound, its parked request's deadline,
+  // its will's silence bound.
+  [[nodiscard]] Clock::time_point conn_deadline(const Conn& c) const {
     auto t = Clock::time_point::max();
-    for (const auto& [id, c] : conns_) {
-      if (c->dead) continue;
-      if (c->pending) t = std::min(t, c->pending->deadline);
-      if (c->will) t = std::min(t, c->will->last + c->will->silence);
-      if (auto s = stall_deadline(*c)) t = std::min(t, *s);
-    }
+    if (c.dead) return t;
+    if (c.pending) t = std::min(t, c.pending->deadline);
+    if (c.will) t = std::min(t, c.will->last + c.will->silence);
+    if (auto s = stall_deadline(c)) t = std::min(t, *s);
     return t;
   }
 
+  // The connections whose timer is due: each is checked against its real deadlines (a request
+  // since may have moved them later) and queued again for the next.
   void expire(Clock::time_point now) {
-    for (auto& [id, cp] : conns_) {
-      Conn& c = *cp;
-      if (c.dead) continue;
-      if (auto s = stall_deadline(c); s && *s <= now) {
-        drop(c);
-        continue;
-      }
-      if (c.will && c.will->last + c.will->silence <= now) {
-        fire_will(c, "it sent no heartbeat for " + std::to_string(c.will->silence.count()) +
-                         " ms (stopped, hung or cut off)");
-        drop(c);
-        continue;
-      }
-      if (c.pending && c.pending->deadline <= now) {
-        guarded(c, [&] {
-          std::vector<std::string> missing;
-          for (const auto& k : c.pending->keys)
-            if (kv_.find(k) == kv_.end()) missing.push_back(k);
-          if (c.pending->op == Op::heartbeat) {
-            reply_heartbeat(c, missing.empty() ? &kv_.find(c.pending->keys.front())->second : nullptr);
-          } else if (missing.empty() && c.pending->op == Op::get) {
-            const auto& value = kv_.find(c.pending->keys.front())->second;
-            reply_ok_with(c, [&](store_proto::Writer& w) { w.bytes(value); });
-          } else if (missing.empty()) {
-            reply_ok(c);
-          } else {
-            reply_timeout(c, missing);
-          }
-          unpark(c);
-          flush(c, now);
-          ready_.push_back(c.id);
-        });
-      }
+    while (!timers_.empty() && timers_.top().first <= now) {
+      const auto [t, id] = timers_.top();
+      timers_.pop();
+      auto it = conns_.find(id);
+      if (it == conns_.end() || it->second->dead || it->second->timer != t) continue;  // stale
+      Conn& c = *it->second;
+      c.timer = Clock::time_point::max();
+      expire_one(c, now);
+      settle(c);
+    }
+  }
+
+  void expire_one(Conn& c, Clock::time_point now) {
+    if (auto s = stall_deadline(c); s && *s <= now) return drop(c);
+    if (c.will && c.will->last + c.will->silence <= now) {
+      fire_will(c, "it sent no heartbeat for " + std::to_string(c.will->silence.count()) +
+                       " ms (stopped, hung or cut off)");
+      return drop(c);
+    }
+    if (c.pending && c.pending->deadline <= now) {
+      guarded(c, [&] {
+        (void)answer_parked(c, true);
+        flush(c, now);
+        ready_.push_back(c.id);
+      });
     }
   }
 
@@ -544,6 +612,13 @@ class TcpStoreServer : private TcpStoreRequests {
   std::vector<Fd> listeners_;
   Fd wake_r_;
   Fd wake_w_;
+  Fd ep_;
+  std::size_t active_ = 0;            // live connections counted against max_connections
+  std::vector<std::uint64_t> dead_;   // dropped this turn: erased at its end
+  // (deadline, connection id), earliest first; an entry is current while it equals Conn::timer.
+  std::priority_queue<std::pair<Clock::time_point, std::uint64_t>,
+                      std::vector<std::pair<Clock::time_point, std::uint64_t>>, std::greater<>>
+      timers_;
   std::atomic<bool> stop_{false};
   Clock::time_point accept_pause_until_{};
   Clock::time_point refusal_window_{};  // log_refusal's rate limit
