@@ -27,6 +27,10 @@ struct CoreProbe : comm::detail::CommCore {
 
 }  // namespace
 
+// Fault tolerance is the shared layer's (detail/engine/elastic.hpp) on NCCL too.
+static_assert(comm::supports_shrink<comm::backends::Nccl> && comm::supports_grow<comm::backends::Nccl> &&
+              comm::supports_revoke<comm::backends::Nccl> && comm::supports_close_joins<comm::backends::Nccl>);
+
 TEST_CASE("create(): ranks started with different world sizes fail the membership check, before NCCL") {
   const auto& w = comm::test::world();
   if (w.size != 2) {

@@ -141,6 +141,13 @@
 /// Destruction waits for issued operations (each bounded by its deadline), then finalizes and
 /// destroys an owned communicator.
 ///
+/// ### Fault tolerance (shrink, grow, revoke; detail/engine/elastic.hpp)
+/// The members agree through the store as on the host backends, then make the new communicator
+/// afresh among themselves with `create()` (ncclCommInitRankConfig over the shrink's keys), not
+/// with ncclCommShrink: after a failure the watchdog has aborted the NCCL communicator, which
+/// ncclCommShrink could no longer read. `revoke()` fails the watchdog's pending operations on every
+/// member through the liveness watch. Built and type-checked here; it has not run on a GPU yet.
+///
 /// ### Subgroups
 /// - `split(color, key)`: ncclCommSplit, a collective over every rank of this communicator (an
 ///   operation "split" in its sequence); NCCL_SPLIT_NOCOLOR for a negative color (nullopt). Ranks
@@ -195,6 +202,7 @@
 
 #include <comm/concepts.hpp>
 #include <comm/detail/engine/backend_diagnostics.hpp>
+#include <comm/detail/engine/elastic.hpp>
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/policy.hpp>
 #include <comm/detail/init/env.hpp>
@@ -259,7 +267,9 @@ struct NcclOptions : CommonOptions {
 };
 
 /// The NCCL backend policy. Move-only; its moved-from state may only be destroyed or assigned.
-class Nccl : public comm::detail::ForwardOps<Nccl>, public comm::detail::BackendDiagnostics<Nccl> {
+class Nccl : public comm::detail::ForwardOps<Nccl>,
+             public comm::detail::BackendDiagnostics<Nccl>,
+             public comm::detail::Elastic<Nccl> {
  public:
   using backend_concept = comm::backend_t;
   static constexpr std::string_view name = "nccl";
@@ -413,6 +423,7 @@ class Nccl : public comm::detail::ForwardOps<Nccl>, public comm::detail::Backend
  private:
   friend class comm::detail::ForwardOps<Nccl>;
   friend class comm::detail::BackendDiagnostics<Nccl>;  // monitored_barrier, flight_record, options
+  friend class comm::detail::Elastic<Nccl>;             // shrink, grow: create(), options_
 
   Nccl(std::unique_ptr<comm::detail::nccl::Engine> e, Options o) noexcept
       : engine_(std::move(e)), options_(std::move(o)) {}

@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -144,6 +145,21 @@ class CommCore {
   /// The rank hosting the store server, where this communicator's liveness watch knows it (-1:
   /// none of its ranks, or not known).
   [[nodiscard]] int store_host() const noexcept { return liveness_ ? liveness_->store_host() : -1; }
+
+  /// revoke()'s message to every member (their liveness watches wake on it; the first death or
+  /// revoke stays), and the text this rank fails with. Without a store only this rank knows.
+  std::string publish_revoke(const std::string& reason) {
+    if (place_.store) {
+      try {
+        const auto v = Liveness::revoke_value(rank_, reason);
+        (void)place_.store->compare_set(Liveness::key(place_.key_prefix), {},
+                                        std::span(reinterpret_cast<const std::uint8_t*>(v.data()), v.size()));
+      } catch (const std::exception& e) {  // the store is gone: the members find out by their own means
+        log(LogLevel::warn, std::string("comm: revoke could not tell the other ranks: ") + e.what());
+      }
+    }
+    return "rank " + std::to_string(rank_) + " revoked the communicator" + (reason.empty() ? std::string() : ": " + reason);
+  }
 
   /// True when the communicator has failed (cheap; for engines' wait loops).
   [[nodiscard]] bool has_failed() const noexcept { return failed_.load(std::memory_order_acquire); }

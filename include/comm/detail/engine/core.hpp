@@ -324,17 +324,7 @@ class EngineCore : public CommCore {
   /// rank. Published first on the liveness key (every member's watch wakes on it within ms), then
   /// failed here. Without a store (adopted) only this rank's operations end.
   void revoke(const std::string& reason) {
-    const std::string why = "rank " + std::to_string(rank()) + " revoked the communicator" +
-                            (reason.empty() ? std::string() : ": " + reason);
-    if (store()) {
-      try {
-        const auto v = Liveness::revoke_value(rank(), reason);
-        (void)store()->compare_set(Liveness::key(key_prefix()), {},
-                                   std::span(reinterpret_cast<const std::uint8_t*>(v.data()), v.size()));
-      } catch (const std::exception& e) {  // the store is gone: the members find out by their own means
-        log(LogLevel::warn, std::string("comm: revoke could not tell the other ranks: ") + e.what());
-      }
-    }
+    const std::string why = publish_revoke(reason);
     if (record_failure(FailureKind::remote, why, "rank " + std::to_string(rank()))) derived().close_transport();
   }
 

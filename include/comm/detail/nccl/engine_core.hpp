@@ -165,6 +165,21 @@ class NcclCore : public WatchTarget, public CommCore {
       watchdog_.fail(std::make_exception_ptr(RemoteError("liveness", rank(), f->what, f->peer)));
   }
 
+  // ---- shrink, grow, revoke (detail/engine/elastic.hpp), as EngineCore has them ----
+
+  /// Ends this communicator for a reconfiguration: the watchdog fails its pending operations and
+  /// aborts the NCCL communicator (the new one is made afresh among the members, see Nccl).
+  void retire(const std::string& why) {
+    if (record_failure(FailureKind::remote, why, {}))
+      watchdog_.fail(std::make_exception_ptr(RemoteError("shrink", rank(), why, {})));
+  }
+  [[nodiscard]] bool wait_retired(std::chrono::milliseconds grace) { return watchdog_.wait_idle(Clock::now() + grace); }
+  void revoke(const std::string& reason) {
+    const std::string why = publish_revoke(reason);
+    if (record_failure(FailureKind::remote, why, "rank " + std::to_string(rank())))
+      watchdog_.fail(std::make_exception_ptr(RemoteError("revoke", rank(), why, "rank " + std::to_string(rank()))));
+  }
+
   /// Blocks the host until every operation issued so far has completed (bounded by the timeout),
   /// then throws the communicator's failure if it has one.
   void synchronize() { wait_issued("synchronize"); }
