@@ -5,7 +5,18 @@
 // Everything else — issue order, async Work, the flight recorder, the desync check,
 // monitored_barrier, failure state — is the engine core's (detail/engine/core.hpp).
 //
-// Every collective is MPI's non-blocking one (MPI_Iallreduce, MPI_Ireduce_scatter_block,
+// comm's own schedules (run_own): on 2..kOwnMaxRanks ranks, all_reduce, reduce_scatter,
+// all_gather and broadcast are point-to-point messages on the data communicator (tags kStepTag and
+// kGatherTag; collectives never match them) that every rank posts to every other at once, then
+// MPI_Reduce_local. MPI's non-blocking collectives run their own, slower schedules (OpenMPI's
+// libnbc: 1.5-6x its blocking calls on one node); MPI's blocking calls would keep no deadline (a
+// handshake before them cannot stop a rank that timed out from leaving the others blocked); these
+// point-to-point messages go through the same shared-memory path as the blocking calls' own, and
+// every request is polled to the deadline, so a Timeout can name the peer whose message is missing.
+// all_reduce reduces in rank order (up to kExchangeMax, where every rank reduces every input) or
+// block by block on one rank each, so every rank gets the same bits.
+//
+// Every other collective is MPI's non-blocking one (MPI_Iallreduce, MPI_Ireduce_scatter_block,
 // MPI_Iallgather, MPI_Ibcast, MPI_Igather, MPI_Ireduce, MPI_Iscatter, MPI_Ialltoall,
 // MPI_Ialltoallv, MPI_Ibarrier) polled with MPI_Test until it completes or
 // the operation's deadline passes: spinning for the first kSpinFor (as MPI's own blocking calls
@@ -20,8 +31,8 @@
 // instead of waiting for its own deadline.
 //
 // Tags on the control communicator: MPI_Comm_create_group's (1 .. kTagSpan), the store-less
-// new_group gate's (kGateTagBase ..), the notices' (kNoticeTag); the data communicator carries only
-// collectives.
+// new_group gate's (kGateTagBase ..), the notices' (kNoticeTag); the data communicator carries
+// collectives and the own schedules' messages.
 //
 // Point-to-point (send, recv, batch_isend_irecv): each message is a 32-byte header (p2p.hpp: kind,
 // element type, count, the user's tag, the message number of the pair) on tag kHeaderTag of the
@@ -221,6 +232,7 @@ class Engine : public EngineCore<Engine> {
     const std::size_t es = op.elem_size;
     const int root = op.desc.root;  // rooted operations only
     const bool is_root = rank() == root;
+    if (own_schedule(op)) return run_own(op, seq, deadline);
     switch (op.desc.kind) {
       case OpKind::all_reduce: {
         if (op.out_count == 0) return;
@@ -487,14 +499,275 @@ class Engine : public EngineCore<Engine> {
     }
   }
 
-  // ---- helpers ----
-
-  static constexpr std::size_t kScratchKeep = std::size_t{8} << 20;
+  // ---- comm's own schedules over point-to-point (see the file comment) ----
 
   struct Reduction {
     MPI_Datatype type;
     MPI_Op op;
   };
+
+
+  /// Communicators up to this size run all_reduce, reduce_scatter, all_gather and broadcast as
+  /// comm's direct schedules (every rank talks to every other at once); larger ones keep MPI's
+  /// non-blocking collectives, whose trees scale with the rank count.
+  static constexpr int kOwnMaxRanks = 8;
+  /// all_reduce up to this many bytes exchanges whole inputs in one step; above it, a direct
+  /// reduce-scatter then a direct all-gather (each rank reduces and sends only its block).
+  static constexpr std::size_t kExchangeMax = std::size_t{16} << 10;
+  /// Tags on the data communicator: the schedules' two steps (MPI keeps the messages of one
+  /// source and tag in order, so consecutive operations never mix).
+  static constexpr int kStepTag = 1;
+  static constexpr int kGatherTag = 2;
+
+  /// Whether `op` runs as comm's own schedule: one of the four operations, 2..kOwnMaxRanks ranks,
+  /// and every message within MPI's int count of bytes.
+  [[nodiscard]] bool own_schedule(const Op& op) const noexcept {
+    if (size() < 2 || size() > kOwnMaxRanks) return false;
+    std::size_t bytes = 0;  // the largest message of the operation
+    switch (op.desc.kind) {
+      case OpKind::all_reduce:
+      case OpKind::broadcast: bytes = op.out_count * op.elem_size; break;
+      case OpKind::reduce_scatter: bytes = op.out_count * op.elem_size; break;
+      case OpKind::all_gather: bytes = op.in_count * op.elem_size; break;
+      default: return false;
+    }
+    return bytes <= kMaxCount;
+  }
+
+  /// Block `j` of `count` elements split over size() ranks: [lo(j), lo(j + 1)).
+  [[nodiscard]] std::size_t block_lo(std::size_t count, int j) const noexcept {
+    return count * static_cast<std::size_t>(j) / static_cast<std::size_t>(size());
+  }
+
+  /// The receive slot of peer `p` (the peers in rank order, this rank left out).
+  [[nodiscard]] std::size_t slot_of(int p) const noexcept { return static_cast<std::size_t>(p < rank() ? p : p - 1); }
+
+  /// One step of a schedule: its requests, and for each the peer and (receives) the bytes expected.
+  struct Step {
+    std::vector<MPI_Request> reqs;
+    std::vector<int> peers;
+    std::vector<std::size_t> expect;  // bytes; kSend for a send
+    std::vector<MPI_Status> status;
+    static constexpr std::size_t kSend = ~std::size_t{0};
+    void clear() {
+      reqs.clear();
+      peers.clear();
+      expect.clear();
+    }
+  };
+
+  void post_recv(Step& s, void* buf, std::size_t bytes, int peer, int tag, const char* name) {
+    MPI_Request r = MPI_REQUEST_NULL;
+    COMM_MPI_CHECK(MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, comm_, &r), name, rank());
+    s.reqs.push_back(r);
+    s.peers.push_back(peer);
+    s.expect.push_back(bytes);
+  }
+
+  void post_send(Step& s, const void* buf, std::size_t bytes, int peer, int tag, const char* name) {
+    MPI_Request r = MPI_REQUEST_NULL;
+    COMM_MPI_CHECK(MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, comm_, &r), name, rank());
+    s.reqs.push_back(r);
+    s.peers.push_back(peer);
+    s.expect.push_back(Step::kSend);
+  }
+
+  /// Waits for every request of `s` by the deadline (poll: failure notices are looked for while
+  /// waiting). A Timeout names the first peer whose message did not arrive, else the first that did
+  /// not take this rank's; a message of another length than expected (ranks called with different
+  /// counts) is a BackendError naming its sender.
+  void finish_step(Step& s, const char* name, std::uint64_t seq, Deadline& deadline) {
+    const int n = static_cast<int>(s.reqs.size());
+    s.status.resize(s.reqs.size());
+    int all = 0;
+    auto test = [&] {
+      COMM_MPI_CHECK(MPI_Testall(n, s.reqs.data(), &all, s.status.data()), name, rank());
+      return all != 0;
+    };
+    if (!test() && !poll(test, [&] { look_out(name); }, deadline)) {
+      leaked_ = true;
+      // The first receive still pending, else the first send.
+      std::size_t late = s.reqs.size();
+      for (const bool sends : {false, true})
+        for (std::size_t i = 0; i < s.reqs.size() && late == s.reqs.size(); ++i) {
+          if ((s.expect[i] == Step::kSend) != sends) continue;
+          int done = 0;
+          MPI_Request_get_status(s.reqs[i], &done, MPI_STATUS_IGNORE);
+          if (done == 0) late = i;
+        }
+      const std::string peer = late < s.reqs.size() ? std::to_string(s.peers[late]) : std::string();
+      const std::string what = late == s.reqs.size()                   ? std::string("its messages did not complete")
+                               : s.expect[late] != Step::kSend ? "no data from rank " + peer + " arrived"
+                                                                : "rank " + peer + " did not take this rank's data";
+      throw Timeout(name, rank(),
+                    "op #" + std::to_string(seq) + " did not complete within " + std::to_string(timeout().count()) +
+                        " ms: " + what +
+                        " (a rank is late, hung, or did not call it). Its MPI requests stay pending (MPI may still "
+                        "read and write this operation's buffers if the peers arrive later) and this communicator "
+                        "is unusable",
+                    peer);
+    }
+    for (std::size_t i = 0; i < s.reqs.size(); ++i) {
+      if (s.expect[i] == Step::kSend) continue;
+      int got = 0;
+      COMM_MPI_CHECK(MPI_Get_count(&s.status[i], MPI_BYTE, &got), name, rank());
+      if (static_cast<std::size_t>(got) != s.expect[i])
+        throw BackendError(name, rank(),
+                           "rank " + std::to_string(s.peers[i]) + " sent " + std::to_string(got) + " bytes where " +
+                               std::to_string(s.expect[i]) +
+                               " were expected: the ranks called this operation with different counts",
+                           std::to_string(s.peers[i]));
+    }
+    s.clear();
+  }
+
+  /// The receive buffer of a schedule: `slots` slots of `bytes` bytes. It lives in pending_, which
+  /// a failure leaks with the requests that may still write it.
+  std::byte* recv_slots(std::size_t slots, std::size_t bytes) {
+    auto& b = pending_->recv;
+    if (b.size() < slots * bytes) b.resize(slots * bytes);
+    return b.data();
+  }
+
+  void release_slots() {
+    if (pending_->recv.capacity() > kScratchKeep) std::vector<std::byte>().swap(pending_->recv);
+  }
+
+  /// all_reduce, reduce_scatter, all_gather and broadcast as comm's direct schedules over
+  /// point-to-point messages on the data communicator (see the file comment).
+  void run_own(Op& op, std::uint64_t seq, Deadline& deadline) {
+    const char* name = op_name(op.desc.kind);
+    const std::size_t es = op.elem_size;
+    const int me = rank(), n = size();
+    Step& s = pending_->step;
+    s.clear();
+    switch (op.desc.kind) {
+      case OpKind::all_reduce: {
+        const std::size_t count = op.out_count;
+        if (count == 0) return;
+        const Reduction red = reduction(op);
+        auto* out = static_cast<std::byte*>(op.out);
+        const std::byte* in = op.in == nullptr ? out : static_cast<const std::byte*>(op.in);
+        const std::size_t bytes = count * es;
+        if (bytes <= kExchangeMax) {
+          // Every rank sends its whole input to every other, then reduces all inputs in rank order
+          // (the same order on every rank, so every rank has the same result).
+          std::byte* slots = recv_slots(static_cast<std::size_t>(n), bytes);
+          for (int p = 0; p < n; ++p)
+            if (p != me) post_recv(s, slots + slot_of(p) * bytes, bytes, p, kStepTag, name);
+          for (int p = 0; p < n; ++p)
+            if (p != me) post_send(s, in, bytes, p, kStepTag, name);
+          finish_step(s, name, seq, deadline);
+          if (n == 2) {
+            // a (op) b == b (op) a bit for bit (the ops are commutative): no order to keep.
+            if (in != out) std::memcpy(out, in, bytes);
+            reduce_local(slots, out, count, red, name);
+            release_slots();
+            if (op.finish != nullptr) op.finish(op.out, count, n);
+            return;
+          }
+          // In place, this rank's input is the output: keep it in the last slot before reducing.
+          const std::byte* own = in;
+          if (in == out && me != 0) {
+            std::memcpy(slots + static_cast<std::size_t>(n - 1) * bytes, in, bytes);
+            own = slots + static_cast<std::size_t>(n - 1) * bytes;
+          }
+          auto src = [&](int p) { return p == me ? own : slots + slot_of(p) * bytes; };
+          if (src(0) != out) std::memcpy(out, src(0), bytes);
+          for (int p = 1; p < n; ++p) reduce_local(src(p), out, count, red, name);
+        } else {
+          // Direct reduce-scatter: block j of every input goes to rank j, which reduces it (its own
+          // contribution first, then the others in rank order)...
+          const std::size_t lo = block_lo(count, me), len = block_lo(count, me + 1) - lo;
+          std::byte* slots = recv_slots(static_cast<std::size_t>(n - 1), (block_lo(count, 1) + 1) * es);
+          const std::size_t slot_bytes = (block_lo(count, 1) + 1) * es;
+          for (int p = 0; p < n; ++p)
+            if (p != me) post_recv(s, slots + slot_of(p) * slot_bytes, len * es, p, kStepTag, name);
+          for (int p = 0; p < n; ++p) {
+            if (p == me) continue;
+            const std::size_t plo = block_lo(count, p), plen = block_lo(count, p + 1) - plo;
+            post_send(s, in + plo * es, plen * es, p, kStepTag, name);
+          }
+          if (in != out) std::memcpy(out + lo * es, in + lo * es, len * es);
+          finish_step(s, name, seq, deadline);
+          for (int p = 0; p < n; ++p)
+            if (p != me) reduce_local(slots + slot_of(p) * slot_bytes, out + lo * es, len, red, name);
+          // ... then a direct all-gather of the reduced blocks (after every send of the first step
+          // completed: in place, those read the blocks now received).
+          for (int p = 0; p < n; ++p) {
+            if (p == me) continue;
+            const std::size_t plo = block_lo(count, p), plen = block_lo(count, p + 1) - plo;
+            post_recv(s, out + plo * es, plen * es, p, kGatherTag, name);
+          }
+          for (int p = 0; p < n; ++p)
+            if (p != me) post_send(s, out + lo * es, len * es, p, kGatherTag, name);
+          finish_step(s, name, seq, deadline);
+        }
+        release_slots();
+        if (op.finish != nullptr) op.finish(op.out, count, n);
+        return;
+      }
+      case OpKind::reduce_scatter: {
+        const std::size_t block = op.out_count;
+        if (block == 0) return;
+        const Reduction red = reduction(op);
+        const std::size_t bytes = block * es;
+        const auto* in = static_cast<const std::byte*>(op.in);
+        auto* out = static_cast<std::byte*>(op.out);
+        std::byte* slots = recv_slots(static_cast<std::size_t>(n - 1), bytes);
+        for (int p = 0; p < n; ++p)
+          if (p != me) post_recv(s, slots + slot_of(p) * bytes, bytes, p, kStepTag, name);
+        for (int p = 0; p < n; ++p)
+          if (p != me) post_send(s, in + static_cast<std::size_t>(p) * bytes, bytes, p, kStepTag, name);
+        const std::byte* own = in + static_cast<std::size_t>(me) * bytes;
+        if (own != out) std::memcpy(out, own, bytes);  // the output is never a block another rank reads
+        finish_step(s, name, seq, deadline);
+        for (int p = 0; p < n; ++p)
+          if (p != me) reduce_local(slots + slot_of(p) * bytes, out, block, red, name);
+        release_slots();
+        if (op.finish != nullptr) op.finish(op.out, block, n);
+        return;
+      }
+      case OpKind::all_gather: {
+        const std::size_t block = op.in_count;
+        if (block == 0) return;
+        const std::size_t bytes = block * es;
+        auto* out = static_cast<std::byte*>(op.out);
+        std::byte* mine = out + static_cast<std::size_t>(me) * bytes;
+        const auto* in = static_cast<const std::byte*>(op.in);
+        for (int p = 0; p < n; ++p)
+          if (p != me) post_recv(s, out + static_cast<std::size_t>(p) * bytes, bytes, p, kStepTag, name);
+        for (int p = 0; p < n; ++p)
+          if (p != me) post_send(s, in, bytes, p, kStepTag, name);
+        if (in != mine) std::memcpy(mine, in, bytes);
+        finish_step(s, name, seq, deadline);
+        return;
+      }
+      case OpKind::broadcast: {
+        const std::size_t bytes = op.out_count * es;
+        if (bytes == 0) return;
+        const int root = op.desc.root;
+        if (me == root) {
+          for (int p = 0; p < n; ++p)
+            if (p != me) post_send(s, op.out, bytes, p, kStepTag, name);
+        } else {
+          post_recv(s, op.out, bytes, root, kStepTag, name);
+        }
+        finish_step(s, name, seq, deadline);
+        return;
+      }
+      default: throw BackendError(name, rank(), "not an operation of comm's own MPI schedules");
+    }
+  }
+
+  /// inout = in (op) inout over `count` elements, by MPI's own op or the slot op (comm's kernel).
+  void reduce_local(const std::byte* in, std::byte* inout, std::size_t count, const Reduction& red, const char* name) {
+    COMM_MPI_CHECK(MPI_Reduce_local(in, inout, static_cast<int>(count), red.type, red.op), name, rank());
+  }
+
+  // ---- helpers ----
+
+  static constexpr std::size_t kScratchKeep = std::size_t{8} << 20;
 
   /// MPI's own type and op where MPI reduces the element type, else this engine's datatype of the
   /// element's size with the slot op running comm's kernel or the user's callable.
@@ -624,6 +897,8 @@ class Engine : public EngineCore<Engine> {
     std::vector<P2PHeader> headers;
     std::vector<std::uint64_t> numbers;  // each receive's expected message number
     std::vector<int> counts;             // all_to_all_v: send counts, displs, receive counts, displs
+    Step step;                           // the own schedules' requests in flight
+    std::vector<std::byte> recv;         // ... and the blocks they receive
   };
   std::unique_ptr<Pending> pending_ = std::make_unique<Pending>();
   P2PCounters p2p_numbers_;
