@@ -31,11 +31,15 @@
 /// - **Execution:** on communicators of 2 to 8 ranks, all_reduce, reduce_scatter, all_gather and
 ///   broadcast run as comm's own schedules over MPI point-to-point messages (MPI_Isend / MPI_Irecv
 ///   on the data communicator, which use the library's shared memory and its single-copy path) and
-///   MPI_Reduce_local: every rank sends to every other at once. all_reduce up to 16 KiB exchanges
-///   whole inputs and reduces them in rank order (the same result on every rank); above that a
-///   direct reduce-scatter (each rank reduces its block: its own part, then the others in rank
-///   order) then a direct all-gather. reduce_scatter is the first step alone, all_gather the
-///   second, broadcast the root sending to each rank. These run at the speed of the library's own
+///   MPI_Reduce_local: every rank sends to every other at once. all_reduce up to 32 KiB (OpenMPI,
+///   MPICH; 4 KiB on other libraries) exchanges whole inputs and reduces them in rank order (the
+///   same result on every rank); above that a direct reduce-scatter (each rank reduces its block:
+///   its own part, then the others in rank order, in chunks of 256 KiB reduced as they arrive,
+///   through at most 4 reused chunk buffers per peer) then a direct all-gather. reduce_scatter is
+///   the first step alone, all_gather the second, broadcast the root sending to each rank. A
+///   message a little above the library's eager limit (OpenMPI: 4 KiB up to 12,000 bytes; MPICH:
+///   8 KiB up to 32 KiB) goes as several eager pieces instead of one rendezvous (the library is
+///   recognized by MPI_Get_library_version). These run at the speed of the library's own
 ///   blocking calls (benchmarks/RESULTS.md, "Mpi backend vs blocking MPI"), where MPI's
 ///   non-blocking schedules are up to 2-6x slower. A received message of another length than
 ///   expected (ranks called with different counts) is comm::BackendError naming its sender. Every

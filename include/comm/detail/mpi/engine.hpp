@@ -13,7 +13,7 @@
 // handshake before them cannot stop a rank that timed out from leaving the others blocked); these
 // point-to-point messages go through the same shared-memory path as the blocking calls' own, and
 // every request is polled to the deadline, so a Timeout can name the peer whose message is missing.
-// all_reduce reduces in rank order (up to kExchangeMax, where every rank reduces every input) or
+// all_reduce reduces in rank order (up to Tuning::exchange_max, where every rank reduces every input) or
 // block by block on one rank each, so every rank gets the same bits.
 //
 // Every other collective is MPI's non-blocking one (MPI_Iallreduce, MPI_Ireduce_scatter_block,
@@ -60,6 +60,8 @@
 #include <new>
 #include <span>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -511,9 +513,31 @@ class Engine : public EngineCore<Engine> {
   /// comm's direct schedules (every rank talks to every other at once); larger ones keep MPI's
   /// non-blocking collectives, whose trees scale with the rank count.
   static constexpr int kOwnMaxRanks = 8;
-  /// all_reduce up to this many bytes exchanges whole inputs in one step; above it, a direct
-  /// reduce-scatter then a direct all-gather (each rank reduces and sends only its block).
-  static constexpr std::size_t kExchangeMax = std::size_t{16} << 10;
+  /// Sizes the own schedules are picked by, per MPI library (its eager limit on one node: the
+  /// largest message sent without a rendezvous round trip). Measured on both libraries
+  /// (benchmarks/RESULTS.md, "Mpi backend vs blocking MPI").
+  struct Tuning {
+    std::size_t eager = ~std::size_t{0};  // messages above it (up to pieces_max) go as eager pieces
+    std::size_t pieces_max = 0;
+    std::size_t exchange_max = std::size_t{4} << 10;  // all_reduce: one exchange up to here
+  };
+
+  /// OpenMPI's shared memory (vader) sends 4 KiB eagerly, its header included; MPICH 4's 8 KiB.
+  /// Other libraries: no pieces, and the exchange only up to 4 KiB.
+  [[nodiscard]] static Tuning tuning_for_library() noexcept {
+    char text[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+    int len = 0;
+    if (MPI_Get_library_version(text, &len) != MPI_SUCCESS) return {};
+    const std::string_view v(text, static_cast<std::size_t>(std::max(len, 0)));
+    if (v.find("Open MPI") != std::string_view::npos) return {4000, 12000, std::size_t{32} << 10};
+    if (v.substr(0, 5) == "MPICH") return {std::size_t{8} << 10, std::size_t{32} << 10, std::size_t{32} << 10};
+    return {};
+  }
+
+  /// The large all_reduce's first step goes in chunks of this many bytes per peer, each reduced
+  /// as soon as it arrived (while it is still in cache) and in the same order on every chunk.
+  static constexpr std::size_t kChunk = std::size_t{256} << 10;
+  static constexpr std::size_t kDepth = 4;
   /// Tags on the data communicator: the schedules' two steps (MPI keeps the messages of one
   /// source and tag in order, so consecutive operations never mix).
   static constexpr int kStepTag = 1;
@@ -542,46 +566,111 @@ class Engine : public EngineCore<Engine> {
   /// The receive slot of peer `p` (the peers in rank order, this rank left out).
   [[nodiscard]] std::size_t slot_of(int p) const noexcept { return static_cast<std::size_t>(p < rank() ? p : p - 1); }
 
-  /// One step of a schedule: its requests, and for each the peer and (receives) the bytes expected.
+  /// One step of a schedule: its requests, and for each the peer, (receives) the bytes expected
+  /// and the caller's tag for in-order processing.
   struct Step {
     std::vector<MPI_Request> reqs;
     std::vector<int> peers;
     std::vector<std::size_t> expect;  // bytes; kSend for a send
+    std::vector<std::size_t> user;    // receives: passed to finish_step's on_recv (kSend: not)
+    std::vector<std::size_t> recvs;   // indices of the receives, in the order posted
     std::vector<MPI_Status> status;
     static constexpr std::size_t kSend = ~std::size_t{0};
     void clear() {
       reqs.clear();
       peers.clear();
       expect.clear();
+      user.clear();
+      recvs.clear();
     }
   };
 
-  void post_recv(Step& s, void* buf, std::size_t bytes, int peer, int tag, const char* name) {
-    MPI_Request r = MPI_REQUEST_NULL;
-    COMM_MPI_CHECK(MPI_Irecv(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, comm_, &r), name, rank());
-    s.reqs.push_back(r);
-    s.peers.push_back(peer);
-    s.expect.push_back(bytes);
+  /// The size of the pieces a message of `bytes` goes in: messages a little above the library's
+  /// eager limit go as several eager ones (cheaper than one rendezvous: OpenMPI 4 KiB 1.8 vs 2.9
+  /// us), which both sides compute alike from the length.
+  [[nodiscard]] std::size_t piece_of(std::size_t bytes) const noexcept {
+    if (bytes <= tuning_.eager || bytes > tuning_.pieces_max) return bytes;
+    const std::size_t k = (bytes + tuning_.eager - 1) / tuning_.eager;
+    return (bytes + k - 1) / k;
+  }
+
+  void post_recv(Step& s, void* buf, std::size_t bytes, int peer, int tag, const char* name, std::size_t user = 0) {
+    const std::size_t piece = piece_of(bytes);
+    auto* b = static_cast<std::byte*>(buf);
+    for (std::size_t off = 0; off < bytes || off == 0; off += piece) {
+      const std::size_t len = std::min(piece, bytes - off);
+      MPI_Request r = MPI_REQUEST_NULL;
+      COMM_MPI_CHECK(MPI_Irecv(b + off, static_cast<int>(len), MPI_BYTE, peer, tag, comm_, &r), name, rank());
+      s.recvs.push_back(s.reqs.size());
+      s.reqs.push_back(r);
+      s.peers.push_back(peer);
+      s.expect.push_back(len);
+      s.user.push_back(off + len < bytes ? Step::kSend : user);  // handed over with its last piece
+      if (bytes == 0) break;
+    }
   }
 
   void post_send(Step& s, const void* buf, std::size_t bytes, int peer, int tag, const char* name) {
-    MPI_Request r = MPI_REQUEST_NULL;
-    COMM_MPI_CHECK(MPI_Isend(buf, static_cast<int>(bytes), MPI_BYTE, peer, tag, comm_, &r), name, rank());
-    s.reqs.push_back(r);
-    s.peers.push_back(peer);
-    s.expect.push_back(Step::kSend);
+    const std::size_t piece = piece_of(bytes);
+    const auto* b = static_cast<const std::byte*>(buf);
+    for (std::size_t off = 0; off < bytes || off == 0; off += piece) {
+      const std::size_t len = std::min(piece, bytes - off);
+      MPI_Request r = MPI_REQUEST_NULL;
+      COMM_MPI_CHECK(MPI_Isend(b + off, static_cast<int>(len), MPI_BYTE, peer, tag, comm_, &r), name, rank());
+      s.reqs.push_back(r);
+      s.peers.push_back(peer);
+      s.expect.push_back(Step::kSend);
+      s.user.push_back(0);
+      if (bytes == 0) break;
+    }
+  }
+
+  /// A received message of another length than expected: the ranks called with different counts.
+  void check_length(const Step& s, std::size_t i, const MPI_Status& st, const char* name) {
+    int got = 0;
+    COMM_MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &got), name, rank());
+    if (static_cast<std::size_t>(got) != s.expect[i])
+      throw BackendError(name, rank(),
+                         "rank " + std::to_string(s.peers[i]) + " sent " + std::to_string(got) + " bytes where " +
+                             std::to_string(s.expect[i]) +
+                             " were expected: the ranks called this operation with different counts",
+                         std::to_string(s.peers[i]));
+  }
+
+  void finish_step(Step& s, const char* name, std::uint64_t seq, Deadline& deadline) {
+    finish_step(s, name, seq, deadline, static_cast<void (*)(std::size_t)>(nullptr));
   }
 
   /// Waits for every request of `s` by the deadline (poll: failure notices are looked for while
-  /// waiting). A Timeout names the first peer whose message did not arrive, else the first that did
-  /// not take this rank's; a message of another length than expected (ranks called with different
-  /// counts) is a BackendError naming its sender.
-  void finish_step(Step& s, const char* name, std::uint64_t seq, Deadline& deadline) {
-    const int n = static_cast<int>(s.reqs.size());
-    s.status.resize(s.reqs.size());
+  /// waiting). With `on_recv`, each receive is handed to it (its `user` value) as soon as it and
+  /// every receive posted before it completed. A Timeout names the first peer whose message did not
+  /// arrive, else the first that did not take this rank's; a message of another length than
+  /// expected is a BackendError naming its sender.
+  template <class OnRecv>
+  void finish_step(Step& s, const char* name, std::uint64_t seq, Deadline& deadline, OnRecv&& on_recv) {
+    constexpr bool in_order = !std::is_same_v<std::decay_t<OnRecv>, void (*)(std::size_t)>;
+    std::size_t next = 0;  // in_order: receives handed over so far
     int all = 0;
+    // on_recv may post more requests: the statuses follow.
+    auto fit = [&] {
+      if (s.status.size() < s.reqs.size()) s.status.resize(s.reqs.size());
+    };
     auto test = [&] {
-      COMM_MPI_CHECK(MPI_Testall(n, s.reqs.data(), &all, s.status.data()), name, rank());
+      if constexpr (in_order) {
+        while (next < s.recvs.size()) {
+          fit();
+          const std::size_t i = s.recvs[next];
+          int done = 0;
+          COMM_MPI_CHECK(MPI_Test(&s.reqs[i], &done, &s.status[i]), name, rank());
+          if (done == 0) return false;
+          check_length(s, i, s.status[i], name);
+          if (s.user[i] != Step::kSend) on_recv(s.user[i]);
+          ++next;
+        }
+      }
+      fit();
+      COMM_MPI_CHECK(MPI_Testall(static_cast<int>(s.reqs.size()), s.reqs.data(), &all, s.status.data()), name,
+                     rank());
       return all != 0;
     };
     if (!test() && !poll(test, [&] { look_out(name); }, deadline)) {
@@ -607,17 +696,8 @@ class Engine : public EngineCore<Engine> {
                         "is unusable",
                     peer);
     }
-    for (std::size_t i = 0; i < s.reqs.size(); ++i) {
-      if (s.expect[i] == Step::kSend) continue;
-      int got = 0;
-      COMM_MPI_CHECK(MPI_Get_count(&s.status[i], MPI_BYTE, &got), name, rank());
-      if (static_cast<std::size_t>(got) != s.expect[i])
-        throw BackendError(name, rank(),
-                           "rank " + std::to_string(s.peers[i]) + " sent " + std::to_string(got) + " bytes where " +
-                               std::to_string(s.expect[i]) +
-                               " were expected: the ranks called this operation with different counts",
-                           std::to_string(s.peers[i]));
-    }
+    if constexpr (!in_order)
+      for (const std::size_t i : s.recvs) check_length(s, i, s.status[i], name);
     s.clear();
   }
 
@@ -649,7 +729,7 @@ class Engine : public EngineCore<Engine> {
         auto* out = static_cast<std::byte*>(op.out);
         const std::byte* in = op.in == nullptr ? out : static_cast<const std::byte*>(op.in);
         const std::size_t bytes = count * es;
-        if (bytes <= kExchangeMax) {
+        if (bytes <= tuning_.exchange_max) {
           // Every rank sends its whole input to every other, then reduces all inputs in rank order
           // (the same order on every rank, so every rank has the same result).
           std::byte* slots = recv_slots(static_cast<std::size_t>(n), bytes);
@@ -676,22 +756,11 @@ class Engine : public EngineCore<Engine> {
           if (src(0) != out) std::memcpy(out, src(0), bytes);
           for (int p = 1; p < n; ++p) reduce_local(src(p), out, count, red, name);
         } else {
-          // Direct reduce-scatter: block j of every input goes to rank j, which reduces it (its own
-          // contribution first, then the others in rank order)...
+          // Direct reduce-scatter: block j of every input goes to rank j, which reduces it...
           const std::size_t lo = block_lo(count, me), len = block_lo(count, me + 1) - lo;
-          std::byte* slots = recv_slots(static_cast<std::size_t>(n - 1), (block_lo(count, 1) + 1) * es);
-          const std::size_t slot_bytes = (block_lo(count, 1) + 1) * es;
-          for (int p = 0; p < n; ++p)
-            if (p != me) post_recv(s, slots + slot_of(p) * slot_bytes, len * es, p, kStepTag, name);
-          for (int p = 0; p < n; ++p) {
-            if (p == me) continue;
-            const std::size_t plo = block_lo(count, p), plen = block_lo(count, p + 1) - plo;
-            post_send(s, in + plo * es, plen * es, p, kStepTag, name);
-          }
           if (in != out) std::memcpy(out + lo * es, in + lo * es, len * es);
-          finish_step(s, name, seq, deadline);
-          for (int p = 0; p < n; ++p)
-            if (p != me) reduce_local(slots + slot_of(p) * slot_bytes, out + lo * es, len, red, name);
+          reduce_step(in, [&](int p) { return std::pair{block_lo(count, p), block_lo(count, p + 1) - block_lo(count, p)}; },
+                      out + lo * es, len, es, red, name, seq, deadline);
           // ... then a direct all-gather of the reduced blocks (after every send of the first step
           // completed: in place, those read the blocks now received).
           for (int p = 0; p < n; ++p) {
@@ -714,16 +783,10 @@ class Engine : public EngineCore<Engine> {
         const std::size_t bytes = block * es;
         const auto* in = static_cast<const std::byte*>(op.in);
         auto* out = static_cast<std::byte*>(op.out);
-        std::byte* slots = recv_slots(static_cast<std::size_t>(n - 1), bytes);
-        for (int p = 0; p < n; ++p)
-          if (p != me) post_recv(s, slots + slot_of(p) * bytes, bytes, p, kStepTag, name);
-        for (int p = 0; p < n; ++p)
-          if (p != me) post_send(s, in + static_cast<std::size_t>(p) * bytes, bytes, p, kStepTag, name);
         const std::byte* own = in + static_cast<std::size_t>(me) * bytes;
         if (own != out) std::memcpy(out, own, bytes);  // the output is never a block another rank reads
-        finish_step(s, name, seq, deadline);
-        for (int p = 0; p < n; ++p)
-          if (p != me) reduce_local(slots + slot_of(p) * bytes, out, block, red, name);
+        reduce_step(in, [&](int p) { return std::pair{block * static_cast<std::size_t>(p), block}; }, out, block, es,
+                    red, name, seq, deadline);
         release_slots();
         if (op.finish != nullptr) op.finish(op.out, block, n);
         return;
@@ -758,6 +821,50 @@ class Engine : public EngineCore<Engine> {
       }
       default: throw BackendError(name, rank(), "not an operation of comm's own MPI schedules");
     }
+  }
+
+  /// A direct reduce-scatter step: `in`'s block of each peer p (`block_of(p)`: first element and
+  /// length) goes to p, and the peers' contributions to this rank's block (`len` elements) are
+  /// reduced into `acc`, which holds this rank's own. Each peer's block goes in chunks of about
+  /// kChunk bytes, received into kDepth slots per peer that are reused as the chunks are reduced
+  /// (bounded scratch, kept between operations; each chunk reduced while still in cache), the
+  /// peers in rank order within every chunk: every element is reduced in the same order.
+  template <class BlockOf>
+  void reduce_step(const std::byte* in, BlockOf&& block_of, std::byte* acc, std::size_t len, std::size_t es,
+                   const Reduction& red, const char* name, std::uint64_t seq, Deadline& deadline) {
+    const int me = rank(), n = size();
+    const auto un = static_cast<std::size_t>(n);
+    Step& s = pending_->step;
+    auto chunks = [&](std::size_t elems) { return std::max<std::size_t>(1, (elems * es + kChunk - 1) / kChunk); };
+    const std::size_t nc = chunks(len);
+    const std::size_t depth = std::min(nc, kDepth);
+    const std::size_t chunk_bytes = (len / nc + 1) * es;
+    std::byte* slots = recv_slots((un - 1) * depth, chunk_bytes);
+    auto slot = [&](int p, std::size_t c) { return slots + (slot_of(p) * depth + c % depth) * chunk_bytes; };
+    auto post = [&](std::size_t c, int p) {
+      const std::size_t clo = len * c / nc, clen = len * (c + 1) / nc - clo;
+      post_recv(s, slot(p, c), clen * es, p, kStepTag, name, c * un + static_cast<std::size_t>(p));
+    };
+    for (std::size_t c = 0; c < depth; ++c)
+      for (int p = 0; p < n; ++p)
+        if (p != me) post(c, p);
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      const auto [plo, plen] = block_of(p);
+      const std::size_t pc = chunks(plen);
+      for (std::size_t c = 0; c < pc; ++c) {
+        const std::size_t clo = plen * c / pc, clen = plen * (c + 1) / pc - clo;
+        post_send(s, in + (plo + clo) * es, clen * es, p, kStepTag, name);
+      }
+    }
+    // Handed over in the order posted: chunk by chunk, the peers in rank order within each.
+    finish_step(s, name, seq, deadline, [&](std::size_t u) {
+      const std::size_t c = u / un;
+      const int p = static_cast<int>(u % un);
+      const std::size_t clo = len * c / nc, clen = len * (c + 1) / nc - clo;
+      reduce_local(slot(p, c), acc + clo * es, clen, red, name);
+      if (c + depth < nc) post(c + depth, p);  // into the slot just freed
+    });
   }
 
   /// inout = in (op) inout over `count` elements, by MPI's own op or the slot op (comm's kernel).
@@ -876,6 +983,7 @@ class Engine : public EngineCore<Engine> {
   /// Makes the data, control and point-to-point communicators (blocking, ends by the timeout).
   void connect(const CommSource& src) {
     thread_level_ = mpi::thread_level();
+    tuning_ = tuning_for_library();
     const Comms made = make_comms(src, rank(), timeout(), name());
     comm_ = made.data;
     ctl_ = made.control;
@@ -886,6 +994,7 @@ class Engine : public EngineCore<Engine> {
   MPI_Comm ctl_ = MPI_COMM_NULL;
   MPI_Comm p2p_ = MPI_COMM_NULL;
   int thread_level_ = MPI_THREAD_SINGLE;
+  Tuning tuning_;
   bool leaked_ = false;  // a request was left pending (only the executing thread writes it)
   std::atomic<bool> notified_{false};
   std::unique_ptr<ReduceSlot> slot_ = std::make_unique<ReduceSlot>();
