@@ -2,7 +2,8 @@
 // itself, adopts MPI_COMM_WORLD, runs every collective blocking and async (in place and out of
 // place, MPI-native and comm-kernel element types, custom reductions), subgroups of the adopted
 // communicator, and at the end the failure path: a rank that skips an operation makes one rank time
-// out and the other fail at once with RemoteError naming it.
+// out and the other fail at once with RemoteError naming it; a count mismatch in comm's own
+// broadcast is a BackendError naming the root.
 //
 //   mpirun -np 2|3 mpi_adopt_test [--thread serialized]
 //
@@ -266,7 +267,10 @@ void failure(int n, int me) {
         const auto msg = expect_throw<comm::Timeout>([&] { c.all_reduce(v); }, "timeout");
         EXPECT(contains(msg, "comm: all_reduce on rank 0"));
         EXPECT(contains(msg, "op #1 did not complete within 500 ms"));
-        EXPECT(contains(msg, "MPI cannot cancel"));
+        // comm's own schedule (up to 8 ranks) knows whose message is missing: the last rank's.
+        EXPECT(contains(msg, "comm: all_reduce on rank 0 (peer " + std::to_string(n - 1) + ")"));
+        EXPECT(contains(msg, "no data from rank " + std::to_string(n - 1) + " arrived"));
+        EXPECT(contains(msg, "requests stay pending"));
       } else {
         const auto msg = expect_throw<comm::RemoteError>([&] { c.all_reduce(v); }, "remote");
         EXPECT(contains(msg, "comm: all_reduce on rank " + std::to_string(me) + " (peer 0): rank 0 failed: "));
@@ -281,6 +285,26 @@ void failure(int n, int me) {
     }
   }
   MPI_Barrier(MPI_COMM_WORLD);  // the last rank waits here until the others are done failing
+}
+
+/// Ranks that disagree about a count (comm's own schedule, up to 8 ranks): the root broadcasts 2
+/// elements where the others expect 4; they get a BackendError naming the root and nothing is
+/// written past the 2 elements that came. The root's part completes.
+void count_mismatch(int n, int me) {
+  if (n < 2) return;
+  {
+    auto c = Comm::adopt(MPI_COMM_WORLD);
+    std::vector<float> v(me == 0 ? 2 : 4, me == 0 ? 7.f : -1.f);
+    if (me == 0) {
+      c.broadcast(v, 0);
+    } else {
+      const auto msg = expect_throw<comm::BackendError>([&] { c.broadcast(v, 0); }, "count mismatch");
+      EXPECT(contains(msg, "comm: broadcast on rank " + std::to_string(me) + " (peer 0)"));
+      EXPECT(contains(msg, "rank 0 sent 8 bytes where 16 were expected"));
+      EXPECT(v[2] == -1.f && v[3] == -1.f);
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 /// MPI below MPI_THREAD_MULTIPLE: blocking operations work, async ones are refused up front.
@@ -319,6 +343,7 @@ int main(int argc, char** argv) {
     }
     if (!want_serialized) {
       gate_timeout(n, g_rank);
+      count_mismatch(n, g_rank);
       failure(n, g_rank);
     }
   } catch (const std::exception& e) {

@@ -28,11 +28,27 @@
 ///   (what comm asks for; an application that initialized MPI at a lower level gets
 ///   comm::InvalidArgument from async calls, blocking ones work). The buffers must stay alive and
 ///   untouched until the Work completes.
-/// - **Execution:** every collective is MPI's non-blocking one (MPI_Iallreduce,
-///   MPI_Ireduce_scatter_block, MPI_Iallgather, MPI_Ibcast, MPI_Igather, MPI_Ireduce, MPI_Iscatter,
-///   MPI_Ialltoall, MPI_Ialltoallv, MPI_Ibarrier) polled with MPI_Test (spinning for 2 ms, then
-///   sched_yield between tests, then 50 us sleeps after 100 ms) until it completes or the deadline
-///   passes. In-place forms use MPI_IN_PLACE (in-place reduce_scatter goes through a scratch block:
+/// - **Execution:** on communicators of 2 to 8 ranks, all_reduce, reduce_scatter, all_gather and
+///   broadcast run as comm's own schedules over MPI point-to-point messages (MPI_Isend / MPI_Irecv
+///   on the data communicator, which use the library's shared memory and its single-copy path) and
+///   MPI_Reduce_local: every rank sends to every other at once. all_reduce up to 32 KiB (OpenMPI,
+///   MPICH; 4 KiB on other libraries) exchanges whole inputs and reduces them in rank order (the
+///   same result on every rank); above that a direct reduce-scatter (each rank reduces its block:
+///   its own part, then the others in rank order, in chunks of 256 KiB reduced as they arrive,
+///   through at most 4 reused chunk buffers per peer) then a direct all-gather. reduce_scatter is
+///   the first step alone, all_gather the second, broadcast the root sending to each rank. A
+///   message a little above the library's eager limit (OpenMPI: 4 KiB up to 12,000 bytes; MPICH:
+///   8 KiB up to 32 KiB) goes as several eager pieces instead of one rendezvous (the library is
+///   recognized by MPI_Get_library_version). These run at the speed of the library's own
+///   blocking calls (benchmarks/RESULTS.md, "Mpi backend vs blocking MPI"), where MPI's
+///   non-blocking schedules are up to 2-6x slower. A received message of another length than
+///   expected (ranks called with different counts) is comm::BackendError naming its sender. Every
+///   other operation, and these beyond 8 ranks or above INT_MAX bytes per message, is MPI's
+///   non-blocking collective (MPI_Iallreduce, MPI_Ireduce_scatter_block, MPI_Iallgather, MPI_Ibcast,
+///   MPI_Igather, MPI_Ireduce, MPI_Iscatter, MPI_Ialltoall, MPI_Ialltoallv, MPI_Ibarrier). Either
+///   way every request is polled with MPI_Test (spinning for 2 ms, then sched_yield between tests,
+///   then 50 us sleeps after 100 ms) until it completes or the deadline passes. In-place forms use
+///   MPI_IN_PLACE (in-place reduce_scatter goes through a scratch block:
 ///   the input is only read; reduce in place on the root, scatter into the root's own slice).
 ///   Counts above INT_MAX: all_reduce, reduce, broadcast and point-to-point messages run in chunks;
 ///   reduce_scatter, all_gather, gather, scatter and all_to_all refuse per-rank blocks that large,
@@ -47,8 +63,10 @@
 ///   async (MPI_THREAD_MULTIPLE). premul_sum scales a copy of the input, then sums.
 /// - **Deadlines and what a Timeout leaves behind:** every operation ends by `Options::timeout`
 ///   (default: COMM_TIMEOUT, else 30 min) with comm::Timeout naming the operation, rank and
-///   sequence number. **MPI cannot cancel a collective**: the timed-out request stays pending, and
-///   if the late peers arrive later MPI may still read the inputs and write the outputs, so keep
+///   sequence number, and for comm's own schedules the peer whose message did not arrive (else the
+///   first that did not take this rank's). **MPI cannot cancel a collective**: the timed-out request stays pending, and
+///   if the late peers arrive later MPI may still read the inputs and write the outputs (so do
+///   the point-to-point requests of comm's own schedules, which are left pending the same way), so keep
 ///   those buffers alive (or end the process). The communicator is then unusable — every later
 ///   operation fails at once with the first cause — and its MPI communicators, datatypes and the
 ///   request are leaked, never freed. The rank that fails first sends a short notice to every peer;
