@@ -19,8 +19,8 @@
 // --elastic trains through faults (Gloo, Shm, Hierarchical; under comm-run --max-restarts N):
 //   - when an operation fails (a rank died, or revoked the communicator), the survivors call
 //     comm::shrink_world() and redo the step with the same global batch split over fewer ranks; a
-//     rank that had already finished the step steps back to the state it kept from before it, so
-//     that every survivor redoes the same step;
+//     rank that saw the step complete (every rank's part was in it) is furthest on, and the others
+//     take its state, so that every survivor goes on from the same step;
 //   - at each step boundary they call comm::grow_world() (one store round trip when nobody waits):
 //     a replacement that comm-run started (its init_distributed() joins the running job) receives
 //     the step, the weights and the momentum from rank 0 and goes on with the others;
@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <limits>
 #include <chrono>
@@ -284,8 +285,18 @@ struct Trainer {
     pending.push_back(world.all_reduce(bucket(1), comm::ReduceOp::sum, comm::async));
     backward_layer1(share, delta1, grad);
     pending.push_back(world.all_reduce(bucket(2), comm::ReduceOp::sum, comm::async));
-    for (auto& w : pending) w.wait();
-    loss_sum.wait();
+    pending.push_back(std::move(loss_sum));
+    // Every operation must have ended before its buffers (grad, loss) may change or go: after a
+    // failure too, so wait for all of them and only then report the first error.
+    std::exception_ptr first;
+    for (auto& w : pending) {
+      try {
+        w.wait();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
 
     // SGD with momentum on the average gradient over the global batch.
     const float scale = 1.0f / static_cast<float>(kGlobalBatch);
@@ -331,20 +342,26 @@ int train_elastic(const Args& args) {
   comm::AnyCommunicator& world = *joined;
   Trainer t{args};
   int step = 0;
-  // The step, the weights and the momentum, from rank 0 to every rank (newcomers after a grow).
-  auto share_state = [&] {
+  bool revoked = false;  // --revoke-step: once
+  // The step, the weights and the momentum, from `root` to every rank (newcomers after a grow, the
+  // ranks that are behind after a shrink).
+  auto share_state = [&](int root) {
     std::vector<std::int64_t> at{step};
-    world.broadcast(std::span<std::int64_t>(at), 0);
+    world.broadcast(std::span<std::int64_t>(at), root);
     step = static_cast<int>(at[0]);
-    world.broadcast(std::span<float>(t.params), 0);
-    world.broadcast(std::span<float>(t.momentum), 0);
+    world.broadcast(std::span<float>(t.params), root);
+    world.broadcast(std::span<float>(t.momentum), root);
   };
   bool have_state = !replacement;  // a newcomer has none until share_state() completes
   if (replacement) {
-    share_state();
-    have_state = true;
-    std::printf("replacement: joined as rank %d of %d at step %d, %.1f ms after its start\n", world.rank(),
-                world.size(), step, static_cast<double>(mono_ns() - started_ns) / 1e6);
+    try {
+      share_state(0);
+      have_state = true;
+      std::printf("replacement: joined as rank %d of %d at step %d, %.1f ms after its start\n", world.rank(),
+                  world.size(), step, static_cast<double>(mono_ns() - started_ns) / 1e6);
+    } catch (const comm::Error& e) {  // a member died meanwhile: the loop's first grow() fails, then recovers
+      std::printf("replacement: the state did not arrive (%s)\n", e.what());
+    }
   } else {
     world.broadcast(std::span<float>(t.params), 0);  // everyone starts from rank 0's weights
     if (world.rank() == 0)
@@ -353,37 +370,27 @@ int train_elastic(const Args& args) {
   }
   std::fflush(stdout);
 
-  std::vector<float> kept_params, kept_momentum;  // the state before the step this rank ran last
-  int kept_step = -1;
   long long failed_at = 0;  // when this rank saw the failure it is recovering from (0: none)
-  // The survivors' new world, and the step they all redo: a rank that finished the failed step
-  // (its all_reduce completed here but not everywhere) steps back to the state it kept; a newcomer
-  // whose state did not arrive gets it again from rank 0 (a member: members rank first).
+  // The survivors' new world, and the step they all go on from: a step whose all_reduces
+  // completed on some rank had every rank's contribution, so its result is the fault-free one; the
+  // ranks that did not see it complete (or a newcomer whose state did not arrive) take the state
+  // of the lowest rank that is furthest on.
   auto recover = [&] {
     comm::shrink_world();
-    std::vector<std::int64_t> lowest{have_state ? step : std::numeric_limits<std::int64_t>::max()};
-    world.all_reduce(std::span<std::int64_t>(lowest), comm::ReduceOp::min);
-    if (have_state && lowest[0] < step) {
-      if (kept_step != lowest[0]) throw std::runtime_error("no state kept for the step to redo");
-      t.params = kept_params;
-      t.momentum = kept_momentum;
-      step = kept_step;
-    }
-    std::vector<std::int32_t> missing{have_state ? 0 : 1};
-    world.all_reduce(std::span<std::int32_t>(missing), comm::ReduceOp::max);
-    if (missing[0] != 0) {
-      share_state();
-      have_state = true;
-    }
+    std::vector<std::int64_t> furthest{have_state ? step : -1};
+    world.all_reduce(std::span<std::int64_t>(furthest), comm::ReduceOp::max);
+    std::vector<std::int32_t> source{have_state && step == furthest[0] ? world.rank() : world.size()};
+    world.all_reduce(std::span<std::int32_t>(source), comm::ReduceOp::min);
+    share_state(source[0]);
+    have_state = true;
   };
 
   while (step < args.steps) {
     try {
       const int before = world.size();
       comm::grow_world();  // at each step boundary: one store round trip when nobody waits
-      if (world.size() != before || !have_state) {
-        share_state();
-        have_state = true;
+      if (world.size() != before) {
+        share_state(0);  // rank 0 is a member: members rank before newcomers
         if (world.rank() == 0) std::printf("grew from %d to %d rank(s) at step %d\n", before, world.size(), step);
       }
       const bool kill_now = std::find(args.kills.begin(), args.kills.end(), std::make_pair(started_as, step)) !=
@@ -393,13 +400,11 @@ int train_elastic(const Args& args) {
         std::fflush(stdout);
         std::raise(SIGKILL);
       }
-      if (step == args.revoke_step && world.rank() == 0 && !replacement && failed_at == 0 && kept_step < step) {
+      if (step == args.revoke_step && world.rank() == 0 && !replacement && !revoked) {
         std::printf("rank 0 revokes the communicator at step %d\n", step);
+        revoked = true;
         world.revoke("the example's --revoke-step");
       }
-      kept_params = t.params;
-      kept_momentum = t.momentum;
-      kept_step = step;
       const double loss = t.step(world, step);
       if (failed_at != 0) {  // the first collective after the recovery succeeded
         std::printf("RECOVERED rank=%d size=%d t_ns=%lld ms=%.3f\n", world.rank(), world.size(), mono_ns(),
