@@ -12,6 +12,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <comm/detail/diagnostics/desync.hpp>
@@ -123,6 +124,46 @@ class Steps {
     throw DesyncError(op_name_, step_rank_,
                       "desync (always checked on shm): " + msg +
                           "; every rank must issue the same collectives in the same order with matching sizes");
+  }
+
+  // ---- the deferred fingerprint check of one-step operations ----
+  //
+  // A one-step operation in which this rank did not read every peer's header (the root of a
+  // broadcast or scatter, a non-root of a gather or reduce) returns without waiting for the peers;
+  // it leaves that step unchecked. The next collective's entry compares the peers' fingerprints of
+  // that step (their half still holds it: a peer rewrites that half only after this rank
+  // publishes the next step) and throws DesyncError, naming the mismatched calls, before this
+  // rank publishes anything of its own.
+
+  /// Marks step `s` of the current operation as not compared with every peer.
+  void leave_unchecked(std::uint64_t s) noexcept {
+    unchecked_ = s;
+    unchecked_fp_ = fp_;
+  }
+
+  /// Compares the unchecked step, if any, with every peer: DesyncError on a mismatch.
+  void settle() {
+    if (unchecked_ == 0) return;
+    const std::uint64_t s = std::exchange(unchecked_, 0);
+    bool mismatch = false;
+    for (int p = 0; p < step_size_; ++p) {
+      if (p == step_rank_) continue;
+      wait_published(p, s);
+      mismatch = mismatch || !same(*header_fp(p, s), unchecked_fp_);
+    }
+    if (!mismatch) return;
+    for (int p = 0; p < step_size_; ++p)
+      std::memcpy(&table_[static_cast<std::size_t>(p)], p == step_rank_ ? &unchecked_fp_ : header_fp(p, s),
+                  sizeof(Fingerprint));
+    auto msg = desync_message(table_);
+    if (msg.empty()) msg = "a peer ran a different step";
+    throw DesyncError(op_name_, step_rank_,
+                      "desync (always checked on shm; found at this rank's next operation, before it started): " +
+                          msg + "; every rank must issue the same collectives in the same order with matching sizes");
+  }
+
+  [[nodiscard]] const Fingerprint* header_fp(int p, std::uint64_t s) const noexcept {
+    return reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(half(p, s)) + sizeof(std::uint64_t));
   }
 
   /// Waits until `p`'s half (s%2) holds step s or later.
@@ -251,6 +292,8 @@ class Steps {
   Fingerprint fp_;                   // the current operation's
   std::uint64_t op_seq_ = 0;
   const char* op_name_ = "shm";
+  std::uint64_t unchecked_ = 0;  // settle(): a step not compared with every peer (0: none)
+  Fingerprint unchecked_fp_;     // this rank's fingerprint in that step
 
  private:
   int step_rank_;
