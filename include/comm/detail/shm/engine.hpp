@@ -34,7 +34,7 @@
 //     of `chunk` bytes keep the working set in cache and let ranks run a step apart.
 //   - reduce_scatter, all_gather, gather: one step per chunk; broadcast: one step per chunk with
 //     the root one step ahead at most.
-// Waiting: spin (with pause) briefly, then yield for up to 2 ms, then sleep on a futex in the peer's
+// Waiting: spin (with pause) briefly (adaptive: halved after a spin that ran out), then yield for up to 2 ms, then sleep on a futex in the peer's
 // control line with bounded slices; a publisher wakes only when a sleeper announced itself, so the fast path
 // has no syscall. In the sleeping phase the waiter checks the deadline, the abort words and whether
 // the peer's process still exists (pidfd, or kill(pid, 0) where pidfds are missing), so a SIGKILLed
@@ -115,6 +115,7 @@ class Engine : public EngineCore<Engine>, private Steps {
     // Touch this rank's halves here, so that their pages are on this rank's NUMA node.
     std::memset(static_cast<void*>(half(rank, 0)), 0, 2 * layout_.half_bytes);
     spin_ = cfg.spin >= 0 ? cfg.spin : default_spin(size);
+    spin_now_ = spin_;
     // One step that every rank takes: afterwards every pid is published.
     fp_ = fingerprint(0, OpDesc{OpKind::barrier, OpDesc::none, OpDesc::none, -1, 0});
     ctl(rank).probe = reinterpret_cast<std::uintptr_t>(&probe_);

@@ -175,13 +175,17 @@ class Steps {
       seen = s;
       return;
     }
-    for (int i = 0; i < spin_; ++i) {
+    // The spin adapts: a wait that spun in vain (the peer was not running: the ranks share a core
+    // on a loaded host) halves the next spin, one that ended while spinning doubles it, up to spin_.
+    for (int i = 0; i < spin_now_; ++i) {
       cpu_relax();
       if (w.load(std::memory_order_acquire) >= s) {
         seen = s;
+        spin_now_ = std::min(spin_, std::max(spin_now_ * 2, 16));
         return;
       }
     }
+    spin_now_ = std::max(spin_now_ / 2, std::min(spin_, 16));
     wait_slow(p, s, w);
     seen = s;
   }
@@ -285,6 +289,7 @@ class Steps {
   Mapping map_;
   Header* header_ = nullptr;
   int spin_ = 64;
+  int spin_now_ = 64;  // wait_published's current spin, in [min(16, spin_), spin_]
   std::uint64_t step_ = 0;
   std::vector<std::uint64_t> seen_;  // per peer: the last step known published
   std::vector<ProcessWatch> watch_;
