@@ -422,3 +422,104 @@ TEST_CASE("long long and unsigned long long are the 64-bit element types on ever
   }
   c.barrier();
 }
+
+#if defined(COMM_TEST_BACKEND_SHM)
+#include <support/env_guard.hpp>
+
+#include <algorithm>
+#include <string>
+
+namespace {
+bool shm_has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+}  // namespace
+
+// Shm's one-step rooted operations (broadcast, scatter, gather, reduce within one chunk) do not
+// wait for every rank: a rank that read nobody's fingerprint (a root of broadcast, a non-root of
+// gather) throws DesyncError at the start of its next collective (backends/shm.hpp). Rank 1 thinks
+// it is the root, the others that rank 0 is.
+TEST_CASE("shm: a one-step rooted mismatch is a DesyncError on every rank, at the latest at its next operation") {
+  const auto& w = comm::test::world();
+  if (w.size < 2) return;
+  const int me = w.rank;
+  const int n = w.size;
+  for (const std::string op : {"broadcast", "gather", "reduce", "scatter"}) {
+    INFO(op);
+    auto c = make_comm();
+    const int root = me == 1 ? 1 : 0;
+    std::vector<float> a(4, 1.f), out(4 * static_cast<std::size_t>(n), 0.f);
+    std::string found;
+    bool during = false;
+    try {
+      if (op == "broadcast") c.broadcast(a, root);
+      if (op == "gather") c.gather(std::span<const float>(a), std::span<float>(out), root);
+      if (op == "reduce") c.reduce(std::span<const float>(a), std::span<float>(out).first(4), root);
+      if (op == "scatter") c.scatter(std::span<const float>(out), std::span<float>(a), root);
+    } catch (const comm::DesyncError& e) {
+      found = e.what();
+      during = true;
+    }
+    if (!during) {
+      // The program's next operation reports it before moving anything.
+      std::vector<float> v(4, 1.f);
+      try {
+        c.all_reduce(v);
+        FAIL("the operation after a mismatched ", op, " did not report it");
+      } catch (const comm::DesyncError& e) {
+        found = e.what();
+        CHECK(shm_has(found, "found at this rank's next operation"));
+      }
+      CHECK(v[0] == 1.f);
+    }
+    INFO(found);
+    CHECK(shm_has(found, "root 1"));
+    CHECK(shm_has(found, "root 0"));
+  }
+}
+
+// Large messages by cross-memory attach (process_vm_readv), from 4 KiB here; and a rank that turns
+// it off (COMM_SHM_CMA=0) or asks a larger threshold brings every rank to the same path, or the
+// results below would be wrong or the ranks would hang.
+TEST_CASE("shm: single-copy large messages, and every rank takes the path the least capable one allows") {
+  const auto& w = comm::test::world();
+  const int n = w.size;
+  const int me = w.rank;
+  struct Setting {
+    const char* cma;
+    const char* min;
+  };
+  for (const Setting s : {Setting{"1", "4096"}, Setting{me == 0 ? "0" : "1", "4096"},
+                          Setting{"1", me == n - 1 ? "1048576" : "4096"}}) {
+    INFO("COMM_SHM_CMA=", s.cma, " COMM_SHM_CMA_MIN=", s.min);
+    comm::test::ScopedEnv e1("COMM_SHM_CMA", s.cma);
+    comm::test::ScopedEnv e2("COMM_SHM_CMA_MIN", s.min);
+    comm::test::ScopedEnv e3("COMM_SHM_CMA_BLOCK", "8192");
+    auto c = make_comm();
+    for (std::size_t count : {std::size_t{1000}, std::size_t{5000}, std::size_t{300001}}) {
+      INFO("count ", count);
+      std::vector<float> v(count);
+      for (std::size_t i = 0; i < count; ++i) v[i] = static_cast<float>((i % 13) + static_cast<std::size_t>(me));
+      auto in = v;
+      c.all_reduce(v);  // in place
+      std::vector<float> o(count);
+      c.all_reduce(std::span<const float>(in), std::span<float>(o), ReduceOp::max);
+      long long bad = -1;
+      for (std::size_t i = 0; i < count && bad < 0; ++i) {
+        const float base = static_cast<float>(i % 13);
+        const float sum = base * static_cast<float>(n) + static_cast<float>(n * (n - 1) / 2);
+        if (v[i] != sum || o[i] != base + static_cast<float>(n - 1)) bad = static_cast<long long>(i);
+      }
+      CHECK(bad == -1);
+      std::vector<double> b(count, me == n - 1 ? 2.5 : 0.0);
+      c.broadcast(b, n - 1);
+      CHECK(std::all_of(b.begin(), b.end(), [](double x) { return x == 2.5; }));
+      std::vector<std::int32_t> g(count * static_cast<std::size_t>(n), -1);
+      std::vector<std::int32_t> mine(count, me);
+      c.all_gather(std::span<const std::int32_t>(mine), std::span<std::int32_t>(g));
+      bad = -1;
+      for (std::size_t i = 0; i < g.size() && bad < 0; ++i)
+        if (g[i] != static_cast<std::int32_t>(i / count)) bad = static_cast<long long>(i);
+      CHECK(bad == -1);
+    }
+  }
+}
+#endif

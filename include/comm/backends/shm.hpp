@@ -21,9 +21,19 @@
 ///   with no lock and no system call on the fast path; all_reduce up to `small_max` bytes in one
 ///   step, above that a direct reduce-scatter + all-gather through the segment in chunks of
 ///   `chunk_bytes`; half/bfloat16/fp8 reductions accumulate in float across all ranks and round
-///   once.
+///   once. broadcast, scatter, gather and reduce whose buffer fits one chunk take one step without
+///   a rendezvous: the root of a broadcast or scatter publishes and returns, a non-root of a gather
+///   or reduce likewise.
+/// - **Single copy:** all_reduce, all_gather and broadcast of at least COMM_SHM_CMA_MIN bytes
+///   (1 MiB) read the peers' buffers directly with `process_vm_readv` (cross-memory attach): one
+///   copy by the kernel instead of two through the segment. Every rank tries it on every peer at
+///   creation; if any rank cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp) every rank
+///   uses the segment. Under ptrace_scope 1 each rank allows it with
+///   `prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)` (process-wide; COMM_SHM_CMA=0 avoids it).
 /// - **Waiting** spins briefly (long only while every rank has a core), then yields, then sleeps on
-///   a futex, so more ranks than cores still progress.
+///   a futex, so more ranks than cores still progress; a wait whose spin ran out halves the next
+///   spin (a wait served while spinning doubles it, up to `spin`), so ranks that share a core on a
+///   loaded host hand over quickly.
 /// - **Deadlines and faults:** every operation ends by `Options::timeout` with comm::Timeout
 ///   naming the operation, its sequence number, this rank and the rank it waited for (a stopped or
 ///   hung peer). A peer whose process exits (SIGKILL included) is noticed within about 10 ms of
@@ -31,7 +41,14 @@
 ///   Timeout/RemoteError the communicator is unusable (later operations fail at once).
 /// - **Desync:** each published step carries the operation's fingerprint, so ranks in different
 ///   operations, or with different counts, roots or reductions, throw comm::DesyncError on every
-///   rank — always, not only with the desync check — and the communicator stays usable.
+///   rank — always, not only with the desync check; no rank ever reads data of another operation.
+///   A rank that read a mismatched fingerprint throws in that operation. A rank that read none
+///   (the root of a one-step broadcast or scatter, a non-root of a one-step gather or reduce, and
+///   with more than 2 ranks a non-root of a one-step broadcast or scatter, which reads only the
+///   root's) returns from it and throws the DesyncError, naming the mismatched calls, at the start
+///   of its next collective (point-to-point calls in between do not check). As after any failed
+///   operation the communicator is then unusable; with the desync check on, every rank throws
+///   before the mismatched operation moves anything and the communicator stays usable.
 /// - **Reductions:** every built-in op on every element type (bitwise: integers only), and custom
 ///   callables `T(T, T)` (applied in rank order).
 /// - **Diagnostics:** flight recorder, desync check option, monitored_barrier (through the store),

@@ -61,6 +61,9 @@ struct alignas(kLine) Header {
 
 struct alignas(kLine) RankCtl {
   std::int64_t pid;
+  std::uint64_t probe;        // cross-memory attach: the address of a word that holds cma_probe(pid)
+  std::atomic<std::uint32_t> cma;  // 2: this rank read every peer's probe word, 1: it could not
+  std::uint64_t cma_min;           // its COMM_SHM_CMA_MIN
   alignas(kLine) std::atomic<std::uint32_t> bell;      // futex word: bumped when a waiter may sleep
   std::atomic<std::uint32_t> sleepers;                 // waiters on this rank's steps
   alignas(kLine) std::atomic<std::uint32_t> left;      // the rank destroyed its communicator

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <comm/detail/diagnostics/desync.hpp>
@@ -125,6 +126,46 @@ class Steps {
                           "; every rank must issue the same collectives in the same order with matching sizes");
   }
 
+  // ---- the deferred fingerprint check of one-step operations ----
+  //
+  // A one-step operation in which this rank did not read every peer's header (the root of a
+  // broadcast or scatter, a non-root of a gather or reduce) returns without waiting for the peers;
+  // it leaves that step unchecked. The next collective's entry compares the peers' fingerprints of
+  // that step (their half still holds it: a peer rewrites that half only after this rank
+  // publishes the next step) and throws DesyncError, naming the mismatched calls, before this
+  // rank publishes anything of its own.
+
+  /// Marks step `s` of the current operation as not compared with every peer.
+  void leave_unchecked(std::uint64_t s) noexcept {
+    unchecked_ = s;
+    unchecked_fp_ = fp_;
+  }
+
+  /// Compares the unchecked step, if any, with every peer: DesyncError on a mismatch.
+  void settle() {
+    if (unchecked_ == 0) return;
+    const std::uint64_t s = std::exchange(unchecked_, 0);
+    bool mismatch = false;
+    for (int p = 0; p < step_size_; ++p) {
+      if (p == step_rank_) continue;
+      wait_published(p, s);
+      mismatch = mismatch || !same(*header_fp(p, s), unchecked_fp_);
+    }
+    if (!mismatch) return;
+    for (int p = 0; p < step_size_; ++p)
+      std::memcpy(&table_[static_cast<std::size_t>(p)], p == step_rank_ ? &unchecked_fp_ : header_fp(p, s),
+                  sizeof(Fingerprint));
+    auto msg = desync_message(table_);
+    if (msg.empty()) msg = "a peer ran a different step";
+    throw DesyncError(op_name_, step_rank_,
+                      "desync (always checked on shm; found at this rank's next operation, before it started): " +
+                          msg + "; every rank must issue the same collectives in the same order with matching sizes");
+  }
+
+  [[nodiscard]] const Fingerprint* header_fp(int p, std::uint64_t s) const noexcept {
+    return reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(half(p, s)) + sizeof(std::uint64_t));
+  }
+
   /// Waits until `p`'s half (s%2) holds step s or later.
   void wait_published(int p, std::uint64_t s) {
     auto& seen = seen_[static_cast<std::size_t>(p)];
@@ -134,13 +175,17 @@ class Steps {
       seen = s;
       return;
     }
-    for (int i = 0; i < spin_; ++i) {
+    // The spin adapts: a wait that spun in vain (the peer was not running: the ranks share a core
+    // on a loaded host) halves the next spin, one that ended while spinning doubles it, up to spin_.
+    for (int i = 0; i < spin_now_; ++i) {
       cpu_relax();
       if (w.load(std::memory_order_acquire) >= s) {
         seen = s;
+        spin_now_ = std::min(spin_, std::max(spin_now_ * 2, 16));
         return;
       }
     }
+    spin_now_ = std::max(spin_now_ / 2, std::min(spin_, 16));
     wait_slow(p, s, w);
     seen = s;
   }
@@ -244,6 +289,7 @@ class Steps {
   Mapping map_;
   Header* header_ = nullptr;
   int spin_ = 64;
+  int spin_now_ = 64;  // wait_published's current spin, in [min(16, spin_), spin_]
   std::uint64_t step_ = 0;
   std::vector<std::uint64_t> seen_;  // per peer: the last step known published
   std::vector<ProcessWatch> watch_;
@@ -251,6 +297,8 @@ class Steps {
   Fingerprint fp_;                   // the current operation's
   std::uint64_t op_seq_ = 0;
   const char* op_name_ = "shm";
+  std::uint64_t unchecked_ = 0;  // settle(): a step not compared with every peer (0: none)
+  Fingerprint unchecked_fp_;     // this rank's fingerprint in that step
 
  private:
   int step_rank_;
