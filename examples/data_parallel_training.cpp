@@ -255,8 +255,65 @@ struct Trainer {
   std::vector<float> params = init_params();
   std::vector<float> momentum = std::vector<float>(Layout::size, 0.0f);
   std::vector<float> grad = std::vector<float>(Layout::size);
+  std::vector<double> loss = std::vector<double>(1);
   std::vector<Activations> acts;
   std::vector<std::array<float, kHidden>> delta1, delta2;
+
+  /// A failed step's operations that had not ended a second after the failure, with the buffers
+  /// they may still write (the Work contract): kept until they end, while training goes on with
+  /// fresh buffers.
+  struct Parked {
+    std::vector<comm::Work> works;
+    std::vector<float> grad;
+    std::vector<double> loss;
+  };
+  std::vector<Parked> parked;
+
+  /// Waits for the step's operations. On a failure, the others get a second to end (with their
+  /// error); any still running are parked with their buffers; then the first error is thrown.
+  /// Nothing failing, it waits as Work::wait does, to the communicator's timeout.
+  void finish(std::vector<comm::Work>& pending) {
+    std::erase_if(parked, [](Parked& p) {
+      return std::all_of(p.works.begin(), p.works.end(), [](const comm::Work& w) { return w.is_completed(); });
+    });
+    using Clock = std::chrono::steady_clock;
+    const auto deadline = Clock::now() + comm::timeout_from_env() + std::chrono::seconds(1);
+    auto give_up = Clock::time_point::max();  // a second after the first failure
+    std::exception_ptr failure;
+    for (;;) {
+      comm::Work* running = nullptr;
+      for (auto& w : pending) {
+        if (!w.is_completed()) {
+          if (running == nullptr) running = &w;
+          continue;
+        }
+        if (w.failed() && !failure) {
+          try {
+            w.wait();
+          } catch (...) {
+            failure = std::current_exception();
+            give_up = Clock::now() + std::chrono::seconds(1);
+          }
+        }
+      }
+      if (running == nullptr) break;
+      if (Clock::now() >= give_up) {
+        Parked p{{}, std::move(grad), std::move(loss)};
+        for (auto& w : pending)
+          if (!w.is_completed()) p.works.push_back(std::move(w));
+        parked.push_back(std::move(p));
+        grad.assign(Layout::size, 0.0f);
+        loss.assign(1, 0.0);
+        break;
+      }
+      if (Clock::now() >= deadline) running->wait();  // throws its Timeout
+      try {
+        (void)running->wait_for(std::chrono::milliseconds(5));
+      } catch (...) {  // its failure: read in the next round
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+  }
 
   /// Step `step` on `world`: this rank's share of the global batch, forward, backward with each
   /// bucket's all_reduce overlapping the next bucket's backward, then SGD with momentum on the
@@ -270,11 +327,11 @@ struct Trainer {
     const std::span<const Sample> share(data.data() + first + lo, static_cast<std::size_t>(hi - lo));
 
     std::fill(grad.begin(), grad.end(), 0.0f);
-    std::vector<double> loss{forward(params, share, acts)};
-    comm::Work loss_sum = world.all_reduce(std::span<double>(loss), comm::ReduceOp::sum, comm::async);
+    loss.assign(1, forward(params, share, acts));
+    std::vector<comm::Work> pending;
+    pending.push_back(world.all_reduce(std::span<double>(loss), comm::ReduceOp::sum, comm::async));
 
     // Backward, bucket by bucket: each bucket's all_reduce runs while the next one is computed.
-    std::vector<comm::Work> pending;
     auto bucket = [&](std::size_t b) {
       const auto [offset, count] = Layout::buckets[b];
       return std::span<float>(grad.data() + offset, count);
@@ -285,18 +342,7 @@ struct Trainer {
     pending.push_back(world.all_reduce(bucket(1), comm::ReduceOp::sum, comm::async));
     backward_layer1(share, delta1, grad);
     pending.push_back(world.all_reduce(bucket(2), comm::ReduceOp::sum, comm::async));
-    pending.push_back(std::move(loss_sum));
-    // Every operation must have ended before its buffers (grad, loss) may change or go: after a
-    // failure too, so wait for all of them and only then report the first error.
-    std::exception_ptr first;
-    for (auto& w : pending) {
-      try {
-        w.wait();
-      } catch (...) {
-        if (!first) first = std::current_exception();
-      }
-    }
-    if (first) std::rethrow_exception(first);
+    finish(pending);
 
     // SGD with momentum on the average gradient over the global batch.
     const float scale = 1.0f / static_cast<float>(kGlobalBatch);

@@ -54,8 +54,14 @@ template <class Member>
 struct TransportAbort<Member> {
   static constexpr bool stops = true;
   static void abort(Member& m) noexcept {
-    for (std::size_t i = 0; i < m.num_devices(); ++i)
-      if (const auto& ctx = m.context(i)) gloo::abort_context(*ctx);
+    // Through the engine where there is one: it also closes comm's direct connections (a wait on
+    // them is no gloo wait, and aborting the contexts alone left it to its deadline).
+    if constexpr (requires { m.stop_transport("why"); }) {
+      m.stop_transport("the composite communicator failed");
+    } else {
+      for (std::size_t i = 0; i < m.num_devices(); ++i)
+        if (const auto& ctx = m.context(i)) gloo::abort_context(*ctx);
+    }
   }
 };
 
