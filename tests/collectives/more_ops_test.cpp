@@ -374,10 +374,11 @@ TEST_CASE("a receive from a rank that never sends ends at the deadline, naming t
 }
 
 #if defined(COMM_TEST_BACKEND_HIERARCHICAL)
-// Hierarchical stops a Gloo member's connections from another thread through the engine-neutral
-// detail/engine/transport.hpp; the Gloo policy must be recognised there.
+// Hierarchical stops its members' transports from another thread through the engine-neutral
+// detail/engine/transport.hpp (a failure elsewhere, a revoke, a shrink): both member policies must
+// be recognised there, or a member's wait would last to its deadline.
 static_assert(comm::detail::TransportAbort<comm::backends::Gloo>::stops);
-static_assert(!comm::detail::TransportAbort<comm::backends::Shm>::stops);
+static_assert(comm::detail::TransportAbort<comm::backends::Shm>::stops);
 #endif
 
 TEST_CASE("long long and unsigned long long are the 64-bit element types on every operation") {
