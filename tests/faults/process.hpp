@@ -60,7 +60,8 @@ struct Exit {
 /// Variables a launcher sets; children start without them unless the test gives them.
 inline constexpr const char* launcher_vars[] = {
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE",
-    "MASTER_ADDR", "MASTER_PORT", "COMM_STORE_TOKEN", "COMM_JOB_ID", "COMM_TIMEOUT", "GLOO_SOCKET_IFNAME"};
+    "MASTER_ADDR", "MASTER_PORT", "COMM_STORE_TOKEN", "COMM_JOB_ID", "COMM_TIMEOUT", "GLOO_SOCKET_IFNAME",
+    "COMM_AGENT_STORE", "COMM_RESTART_COUNT"};
 
 class Process {
  public:

@@ -137,6 +137,7 @@ TEST_CASE("construction: adopt an existing gloo context") {
 TEST_CASE("construction: from_env (env:// rendezvous)") {
   // The harness already serves a store on MASTER_PORT: point env:// at another free port.
   ScopedEnv port("MASTER_PORT", std::to_string(comm::test::shared_free_port()));
+  ScopedEnv own_store("COMM_AGENT_STORE", nullptr);  // rank 0 hosts this one (comm-run hosts the harness's)
   auto c = Comm::from_env();
   CHECK(c.rank() == comm::test::world().rank);
   CHECK(c.size() == comm::test::world().size);

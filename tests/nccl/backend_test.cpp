@@ -197,6 +197,7 @@ TEST_CASE("adopt: reuses an existing NCCL communicator without owning it") {
 TEST_CASE("construction: from_env (env:// rendezvous), device from LOCAL_RANK") {
   NCCL_REQUIRE_GPU();
   ScopedEnv port("MASTER_PORT", std::to_string(comm::test::shared_free_port()));
+  ScopedEnv own_store("COMM_AGENT_STORE", nullptr);  // rank 0 hosts this one (comm-run hosts the harness's)
   auto c = Comm::from_env();
   CHECK(c.rank() == comm::test::world().rank);
   CHECK(c.size() == comm::test::world().size);

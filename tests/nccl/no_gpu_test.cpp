@@ -78,6 +78,7 @@ TEST_CASE("no GPU: from_env() says why") {
     return;
   }
   ScopedEnv port("MASTER_PORT", std::to_string(comm::test::shared_free_port()));
+  ScopedEnv own_store("COMM_AGENT_STORE", nullptr);  // rank 0 hosts this one (comm-run hosts the harness's)
   try {
     auto c = Comm::from_env();
     FAIL("no error");
