@@ -109,6 +109,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "test harness: cannot join the world: %s\n", e.what());
     return 3;
   }
+  // comm-run hosts the harness's store (COMM_AGENT_STORE=1): tests that make an env:// world of
+  // their own expect env://'s default, rank 0 hosting it, unless they say otherwise.
+  ::unsetenv("COMM_AGENT_STORE");
   doctest::Context ctx;
   ctx.applyCommandLine(argc, argv);
   if (g_world.rank != 0) ctx.setOption("minimal", true);  // only rank 0 prints the summary

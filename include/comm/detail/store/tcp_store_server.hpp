@@ -251,7 +251,7 @@ class TcpStoreServer : private TcpStoreRequests {
   void set_listening(bool on) noexcept {
     for (std::size_t i = 0; i < listeners_.size(); ++i) {
       epoll_event e{};
-      e.events = on ? EPOLLIN : 0;
+      e.events = on ? static_cast<std::uint32_t>(EPOLLIN) : 0u;
       e.data.u64 = kListenTag + i;
       (void)::epoll_ctl(ep_.get(), EPOLL_CTL_MOD, listeners_[i].get(), &e);
     }
