@@ -63,14 +63,13 @@ namespace detail {
     return false;
   }
   return true;
+#elif defined(COMM_NCCL_BUILT)
+  why = "this program does not link comm::nccl (comm was built with NCCL: target_link_libraries(<program> comm::nccl))";
+  return false;
 #else
-  why = "comm was built without NCCL";
+  why = "comm was built without NCCL (CMake found no CUDA toolkit and NCCL)";
   return false;
 #endif
-}
-
-inline void export_env(const char* name, const std::string& value) {
-  ::setenv(name, value.c_str(), 0);  // the launcher's own values win
 }
 
 /// Rendezvous for init_distributed: steps 2-4 of the file comment.
@@ -90,12 +89,7 @@ inline void export_env(const char* name, const std::string& value) {
     throw InvalidArgument("init_distributed", d.rank.value,
                           "world_size " + std::to_string(o.world_size) + " conflicts with " + d.size.from + "=" +
                               std::to_string(d.size.value));
-  export_env("RANK", std::to_string(d.rank.value));
-  export_env("WORLD_SIZE", std::to_string(d.size.value));
-  if (d.local_rank.known()) export_env("LOCAL_RANK", std::to_string(d.local_rank.value));
-  if (d.local_size.known()) export_env("LOCAL_WORLD_SIZE", std::to_string(d.local_size.value));
-  export_env("MASTER_ADDR", d.master_addr);
-  export_env("MASTER_PORT", std::to_string(d.master_port));
+  export_discovered(d);
   InitResult r;
   r.rank = d.rank.value;
   r.size = d.size.value;

@@ -98,6 +98,33 @@ TEST_CASE("discovery: each launcher family, with the source of every value") {
   }
 }
 
+TEST_CASE("discovery: what init_distributed exported is not named as the source") {
+  using comm::detail::discover_environment;
+  EnvGuard g{{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "6"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "5"},
+             {"OMPI_COMM_WORLD_LOCAL_SIZE", "6"}};
+  comm::detail::export_discovered(discover_environment());
+  REQUIRE(comm::detail::getenv_str("RANK") == "5");  // exported for libraries that read RANK
+  auto d = discover_environment();
+  CHECK(d.family == "openmpi");
+  CHECK(d.rank.from == "OMPI_COMM_WORLD_RANK");
+  CHECK(contains(d.master_addr_from, "all ranks are local"));
+  CHECK(d.master_port_from == "default 29500");
+  CHECK(contains(comm::describe_environment(), "(OMPI_COMM_WORLD_RANK)"));
+  // A value set again by someone else is theirs.
+  ::setenv("RANK", "4", 1);
+  CHECK(discover_environment().family == "launcher");
+}
+
+TEST_CASE("auto without a GPU backend says why: not linked, or not built") {
+  std::string why;
+  CHECK_FALSE(comm::detail::cuda_usable(why));  // this test links comm::gloo, never comm::nccl
+#if defined(COMM_NCCL_BUILT)
+  CHECK(contains(why, "does not link comm::nccl"));
+#else
+  CHECK(contains(why, "built without NCCL"));
+#endif
+}
+
 TEST_CASE("discovery: errors name what to set") {
   using comm::detail::discover_environment;
   SUBCASE("nothing at all") {

@@ -56,6 +56,20 @@ TEST_CASE("arguments: sizes") {
   expect_invalid([&] { c.all_gather(gin, gout); }, {"all_gather", rank, ag});
   expect_invalid([&] { (void)c.all_gather(gin, gout, comm::async); }, {"all_gather", rank, ag});
 
+  if (n > 1) {
+    // torch's order, all_gather_into_tensor(output, input): the message says the order is (input, output).
+    std::vector<float> whole(un * 4), part(4);
+    const std::string hint = "the arguments are (input, output), the reverse of torch's";
+    expect_invalid([&] { c.all_gather(whole, part); }, {"all_gather", rank, hint});
+    expect_invalid([&] { c.reduce_scatter(part, whole); }, {"reduce_scatter", rank, hint});
+    try {
+      c.all_gather(gin, gout);  // wrong, but not a swap: no hint
+      FAIL("all_gather accepted mismatched sizes");
+    } catch (const comm::InvalidArgument& e) {
+      CHECK(std::string(e.what()).find(hint) == std::string::npos);
+    }
+  }
+
   std::vector<std::int64_t> tin(2), tout(un * 2 - 1);
   // Only the root checks its output; make every rank the root once.
   for (int root = 0; root < n; ++root) {

@@ -95,10 +95,14 @@ struct ArgChecks {
   /// `whole` holds size() blocks of `block` (the other buffer: `block_name`).
   void blocks(std::size_t whole, std::size_t block, const char* whole_name, const char* block_name,
               const char* where = "") const {
-    if (whole != ranks() * block)
-      invalid(std::string(whole_name) + " has " + n_elems(whole) + where + ", expected size()*" + block_name +
-              " = " + std::to_string(ranks() * block) + " (size() = " + std::to_string(size) + ", " + block_name +
-              " has " + n_elems(block) + ")");
+    if (whole == ranks() * block) return;
+    // Sizes that fit with the two buffers exchanged are most likely torch's (output, input) order.
+    const bool swapped = size > 1 && block == ranks() * whole;
+    invalid(std::string(whole_name) + " has " + n_elems(whole) + where + ", expected size()*" + block_name + " = " +
+            std::to_string(ranks() * block) + " (size() = " + std::to_string(size) + ", " + block_name + " has " +
+            n_elems(block) + ")" +
+            (swapped ? "; the arguments are (input, output), the reverse of torch's (output, input): were they swapped?"
+                     : ""));
   }
 
   // ---- one function per operation (after the reduction's check, where it has one) ----

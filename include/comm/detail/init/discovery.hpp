@@ -4,6 +4,9 @@
 // library is needed. Every value remembers which variable it came from, for describe_environment().
 
 #include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -67,6 +70,26 @@ struct Discovery {
   return out;
 }
 
+/// The launcher names (RANK, MASTER_ADDR, ...) that init_distributed exported itself for libraries
+/// that read only those, each with the value it set: a later discovery reads past them and finds
+/// the variables they came from, so describe_environment() never names comm's own export as the source.
+struct ExportedVars {
+  std::mutex mu;
+  std::map<std::string, std::string, std::less<>> values;
+};
+inline ExportedVars& exported_vars() {
+  static ExportedVars e;
+  return e;
+}
+
+/// Whether `var` holds what comm exported into it (a user who set it again since wins).
+[[nodiscard]] inline bool exported_by_comm(const char* var) {
+  auto& e = exported_vars();
+  std::lock_guard lock(e.mu);
+  const auto it = e.values.find(var);
+  return it != e.values.end() && getenv_str(var) == it->second;
+}
+
 inline bool set_from(Sourced& s, const char* var) {
   if (auto v = env_nonneg_int(var)) {
     s.value = *v;
@@ -97,6 +120,7 @@ inline bool set_from(Sourced& s, const char* var) {
   };
   const Family* found = nullptr;
   for (const auto& f : families) {
+    if (&f == &families[0] && exported_by_comm(f.rank)) continue;
     if (set_from(d.rank, f.rank)) {
       found = &f;
       break;
@@ -142,7 +166,7 @@ inline bool set_from(Sourced& s, const char* var) {
                           d.local_rank.from + "=" + std::to_string(d.local_rank.value) + " is not below " +
                               d.local_size.from + "=" + std::to_string(d.local_size.value));
 
-  if (auto a = getenv_str("MASTER_ADDR"); a && !trim(*a).empty()) {
+  if (auto a = getenv_str("MASTER_ADDR"); a && !trim(*a).empty() && !exported_by_comm("MASTER_ADDR")) {
     d.master_addr = std::string(trim(*a));
     d.master_addr_from = "MASTER_ADDR";
   } else if (auto nl = getenv_str("SLURM_JOB_NODELIST"); nl && !trim(*nl).empty()) {
@@ -159,11 +183,29 @@ inline bool set_from(Sourced& s, const char* var) {
                           "cannot find the master address (rank 0's host) for " + d.family +
                               ": set MASTER_ADDR (and MASTER_PORT, default 29500)");
   }
-  if (auto p = getenv_str("MASTER_PORT"); p && !trim(*p).empty()) {
+  if (auto p = getenv_str("MASTER_PORT"); p && !trim(*p).empty() && !exported_by_comm("MASTER_PORT")) {
     d.master_port = parse_port("MASTER_PORT", *p);
     d.master_port_from = "MASTER_PORT";
   }
   return d;
+}
+
+/// Exports what `d` found under the launcher names, where the launcher did not set them itself
+/// (its own values win), and remembers each export for exported_by_comm().
+inline void export_discovered(const Discovery& d) {
+  auto put = [](const char* name, const std::string& value) {
+    if (getenv_str(name)) return;
+    auto& e = exported_vars();
+    std::lock_guard lock(e.mu);
+    ::setenv(name, value.c_str(), 0);
+    e.values[name] = value;
+  };
+  put("RANK", std::to_string(d.rank.value));
+  put("WORLD_SIZE", std::to_string(d.size.value));
+  if (d.local_rank.known()) put("LOCAL_RANK", std::to_string(d.local_rank.value));
+  if (d.local_size.known()) put("LOCAL_WORLD_SIZE", std::to_string(d.local_size.value));
+  put("MASTER_ADDR", d.master_addr);
+  put("MASTER_PORT", std::to_string(d.master_port));
 }
 
 [[nodiscard]] inline std::string describe(const Discovery& d) {
