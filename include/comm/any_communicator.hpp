@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// `comm::AnyCommunicator`: a communicator whose backend is chosen at run time (cdb.hpp's world
-/// is one). It has the typed API of Communicator<B>: element types are checked at compile time;
+/// is one). It has the typed API of `Communicator<B>`: element types are checked at compile time;
 /// the backend's capabilities (reductions per type, custom callables) at run time, with a clear
 /// comm::InvalidArgument. Each call costs one virtual dispatch. Subgroups (`split`, `new_group`)
 /// are AnyCommunicators of the same backend; `monitored_barrier`, `flight_record` and
