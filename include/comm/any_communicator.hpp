@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// `comm::AnyCommunicator`: a communicator whose backend is chosen at run time (cdb.hpp's world
-/// is one). It has the typed API of Communicator<B>: element types are checked at compile time;
+/// is one). It has the typed API of `Communicator<B>`: element types are checked at compile time;
 /// the backend's capabilities (reductions per type, custom callables) at run time, with a clear
 /// comm::InvalidArgument. Each call costs one virtual dispatch. Subgroups (`split`, `new_group`)
 /// are AnyCommunicators of the same backend; `monitored_barrier`, `flight_record` and
@@ -33,11 +33,14 @@ namespace comm {
 /// A communicator whose backend is chosen at run time (see the file comment). Move-only.
 class AnyCommunicator {
  public:
+  /// Takes over a typed communicator (its backend is then a run-time property).
   template <comm::backend B>
   explicit AnyCommunicator(Communicator<B>&& c)
       : impl_(std::make_unique<detail::AnyCommModel<B>>(std::move(c))) {}
 
+  /// This process's rank in the communicator, 0 .. size()-1.
   [[nodiscard]] int rank() const noexcept { return impl_->rank(); }
+  /// The number of ranks.
   [[nodiscard]] int size() const noexcept { return impl_->size(); }
   /// "gloo" or "nccl".
   [[nodiscard]] std::string_view backend() const noexcept { return impl_->backend_name(); }
@@ -49,6 +52,8 @@ class AnyCommunicator {
                                                                 : nullptr;
   }
 
+  /// See Communicator::all_reduce (in place); a run-time ReduceOp or a comm::op object, and
+  /// `comm::async` last for a Work.
   template <class Data, class... A>
     requires buffer_range<Data> && reduce_args<A...>
   reduce_result_t<A...> all_reduce(Data&& data, A&&... a) {
@@ -57,6 +62,7 @@ class AnyCommunicator {
     auto s = detail::as_span(data);
     return reduce_call(detail::reduction_kind::all_reduce, std::span<const T>(s), s, std::forward<A>(a)...);
   }
+  /// See Communicator::all_reduce (out of place).
   template <class In, class Out, class... A>
     requires buffer_range<In> && buffer_range<Out> && reduce_args<A...>
   reduce_result_t<A...> all_reduce(In&& in, Out&& out, A&&... a) {
@@ -65,6 +71,7 @@ class AnyCommunicator {
     return reduce_call(detail::reduction_kind::all_reduce, std::span<const T>(detail::as_span(in)),
                        detail::as_span(out), std::forward<A>(a)...);
   }
+  /// See Communicator::reduce_scatter.
   template <class In, class Out, class... A>
     requires buffer_range<In> && buffer_range<Out> && reduce_args<A...>
   reduce_result_t<A...> reduce_scatter(In&& in, Out&& out, A&&... a) {
@@ -74,37 +81,45 @@ class AnyCommunicator {
                        detail::as_span(out), std::forward<A>(a)...);
   }
 
+  /// See Communicator::all_gather.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   void all_gather(In&& in, Out&& out) {
     (void)all_gather_call(in, out, false);
   }
+  /// all_gather with `comm::async`: returns a Work at once; the buffers must outlive it.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work all_gather(In&& in, Out&& out, async_t) {
     return all_gather_call(in, out, true);
   }
+  /// See Communicator::broadcast.
   template <class Data>
     requires buffer_range<Data>
   void broadcast(Data&& data, int root) {
     (void)broadcast_call(data, root, false);
   }
+  /// broadcast with `comm::async`: returns a Work at once; the buffer must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work broadcast(Data&& data, int root, async_t) {
     return broadcast_call(data, root, true);
   }
+  /// See Communicator::gather.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   void gather(In&& in, Out&& out, int root) {
     (void)gather_call(in, out, root, false);
   }
+  /// gather with `comm::async`: returns a Work at once; the buffers must outlive it.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work gather(In&& in, Out&& out, int root, async_t) {
     return gather_call(in, out, root, true);
   }
+  /// See Communicator::barrier.
   void barrier() { (void)impl_->barrier(false); }
+  /// barrier with `comm::async`: returns a Work that completes once every rank has entered it.
   Work barrier(async_t) { return impl_->barrier(true); }
 
   /// See Communicator::reduce (out of place; `(data, root, ...)` in place). premul_sum is not
@@ -116,6 +131,7 @@ class AnyCommunicator {
     using T = detail::element_value_t<Out>;
     return reduce_root_call(std::span<const T>(detail::as_span(in)), detail::as_span(out), root, std::forward<A>(a)...);
   }
+  /// reduce in place: only the root's `data` changes.
   template <class Data, class... A>
     requires buffer_range<Data> && reduce_args<A...>
   reduce_result_t<A...> reduce(Data&& data, int root, A&&... a) {
@@ -132,6 +148,7 @@ class AnyCommunicator {
       return impl_->scatter(d, i, ni, o, no, root, false);
     });
   }
+  /// scatter with `comm::async`: returns a Work at once; the buffers must outlive it.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work scatter(In&& in, Out&& out, int root, async_t) {
@@ -147,6 +164,7 @@ class AnyCommunicator {
       return impl_->all_to_all(d, i, ni, o, no, false);
     });
   }
+  /// all_to_all with `comm::async`: returns a Work at once; the buffers must outlive it.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work all_to_all(In&& in, Out&& out, async_t) {
@@ -162,6 +180,7 @@ class AnyCommunicator {
       return impl_->all_to_all_v(d, i, ni, in_counts, o, no, out_counts, false);
     });
   }
+  /// all_to_all_v with `comm::async`: returns a Work at once; the buffers must outlive it (not the counts).
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out, std::span<const std::size_t> out_counts,
@@ -176,16 +195,19 @@ class AnyCommunicator {
   void send(Data&& data, int peer, int tag = 0) {
     (void)send_call(data, peer, tag, false);
   }
+  /// send with `comm::async`: returns a Work at once; `data` must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work send(Data&& data, int peer, int tag, async_t) {
     return send_call(data, peer, tag, true);
   }
+  /// See Communicator::recv.
   template <class Data>
     requires buffer_range<Data>
   void recv(Data&& data, int peer, int tag = 0) {
     (void)recv_call(data, peer, tag, false);
   }
+  /// recv with `comm::async`: returns a Work at once; `data` must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work recv(Data&& data, int peer, int tag, async_t) {
@@ -203,10 +225,12 @@ class AnyCommunicator {
                                         o.peer, o.tag});
     return impl_->batch_isend_irecv(dtype_of<T>, erased);
   }
+  /// batch_isend_irecv of a vector of entries.
   template <class T>
   std::vector<Work> batch_isend_irecv(const std::vector<P2POp<T>>& ops) {
     return batch_isend_irecv(std::span<const P2POp<T>>(ops));
   }
+  /// batch_isend_irecv of a braced list: `w.batch_isend_irecv({comm::isend(a, 1), comm::irecv(b, 1)})`.
   template <class T>
   std::vector<Work> batch_isend_irecv(std::initializer_list<P2POp<T>> ops) {
     return batch_isend_irecv(std::span<const P2POp<T>>(ops.begin(), ops.size()));
@@ -214,11 +238,13 @@ class AnyCommunicator {
 
   /// See Communicator::split: a collective; nullopt for a negative color.
   [[nodiscard]] std::optional<AnyCommunicator> split(int color, int key) { return wrap(impl_->split(color, key)); }
+  /// split(color, rank()): the new ranks keep this communicator's order.
   [[nodiscard]] std::optional<AnyCommunicator> split(int color) { return split(color, rank()); }
   /// See Communicator::new_group: non-members get nullopt at once.
   [[nodiscard]] std::optional<AnyCommunicator> new_group(std::span<const int> ranks) {
     return wrap(impl_->new_group(ranks));
   }
+  /// new_group of a braced list: `w.new_group({0, 2})`.
   [[nodiscard]] std::optional<AnyCommunicator> new_group(std::initializer_list<int> ranks) {
     return new_group(std::span<const int>(ranks.begin(), ranks.size()));
   }
@@ -226,8 +252,11 @@ class AnyCommunicator {
   /// backend without them). `c = c.grow();`: afterwards the old object may only be destroyed or
   /// assigned. For cdb's world, comm::shrink_world() and comm::grow_world() (world.hpp).
   [[nodiscard]] AnyCommunicator shrink() { return AnyCommunicator(impl_->shrink()); }
+  /// See Communicator::grow: `c = c.grow();`.
   [[nodiscard]] AnyCommunicator grow() { return AnyCommunicator(impl_->grow()); }
+  /// See Communicator::revoke.
   void revoke(std::string_view reason = {}) { impl_->revoke(reason); }
+  /// See Communicator::close_joins.
   void close_joins() { impl_->close_joins(); }
 
   /// See Communicator::monitored_barrier.
@@ -237,9 +266,11 @@ class AnyCommunicator {
                             "timeout " + std::to_string(timeout.count()) + " ms must be positive");
     impl_->monitored_barrier(timeout, wait_all_ranks);
   }
+  /// monitored_barrier with the communicator's timeout, naming the first missing rank.
   void monitored_barrier() { impl_->monitored_barrier(std::chrono::milliseconds{0}, false); }
   /// See Communicator::flight_record / dump_flight_record.
   [[nodiscard]] FlightRecord flight_record() const { return impl_->flight_record(); }
+  /// Writes the flight record to `path` ("-": stderr); comm::BackendError naming the path on failure.
   void dump_flight_record(const std::string& path) const { impl_->dump_flight_record(path); }
 
  private:

@@ -30,7 +30,7 @@
 /// "hierarchical" names Hierarchical<Shm, Gloo> (backends/hierarchical.hpp), which "auto" picks for
 /// a CPU job whose ranks span several hosts (Shm within each host, Gloo across).
 ///
-/// AnyCommunicator has the typed API of Communicator<B>: element types are checked at compile time;
+/// AnyCommunicator has the typed API of `Communicator<B>`: element types are checked at compile time;
 /// the backend's capabilities (reductions per type, custom callables) at run time, with a clear
 /// comm::InvalidArgument. Each call costs one virtual dispatch. Subgroups (`split`, `new_group`)
 /// are AnyCommunicators of the same backend; `monitored_barrier`, `flight_record` and

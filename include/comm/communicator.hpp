@@ -78,7 +78,9 @@ class Communicator {
                 "comm: Communicator<Backend>: Backend does not satisfy the comm::backend concept (see concepts.hpp)");
 
  public:
+  /// The backend policy (comm::backends::Gloo, ...).
   using backend_type = Backend;
+  /// The backend's options (`Backend::Options`).
   using options_type = typename Backend::Options;
 
   /// Wraps a constructed backend object.
@@ -115,10 +117,13 @@ class Communicator {
     return Communicator(Backend::adopt(std::forward<Args>(args)...));
   }
 
+  /// This process's rank in the communicator, 0 .. size()-1.
   [[nodiscard]] int rank() const noexcept { return b_.rank(); }
+  /// The number of ranks.
   [[nodiscard]] int size() const noexcept { return b_.size(); }
   /// The backend object, for backend-specific calls.
   [[nodiscard]] Backend& backend() noexcept { return b_; }
+  /// The backend object, read-only.
   [[nodiscard]] const Backend& backend() const noexcept { return b_; }
 
   // ---------------------------------------------------------------------------------------------
@@ -183,6 +188,7 @@ class Communicator {
   void all_gather(In&& in, Out&& out) {
     all_gather_entry<In, Out>(in, out, blocking);
   }
+  /// all_gather with `comm::async`: returns a Work at once; the buffers must outlive it.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work all_gather(In&& in, Out&& out, async_t) {
@@ -195,6 +201,7 @@ class Communicator {
   void broadcast(Data&& data, int root) {
     broadcast_entry<Data>(data, root, blocking);
   }
+  /// broadcast with `comm::async`: returns a Work at once; the buffer must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work broadcast(Data&& data, int root, async_t) {
@@ -208,6 +215,7 @@ class Communicator {
   void gather(In&& in, Out&& out, int root) {
     gather_entry<In, Out>(in, out, root, blocking);
   }
+  /// gather with `comm::async`: returns a Work at once; the buffers must outlive it.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work gather(In&& in, Out&& out, int root, async_t) {
@@ -256,6 +264,7 @@ class Communicator {
   void scatter(In&& in, Out&& out, int root) {
     scatter_entry<In, Out>(in, out, root, blocking);
   }
+  /// scatter with `comm::async`: returns a Work at once; the buffers must outlive it.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work scatter(In&& in, Out&& out, int root, async_t) {
@@ -270,6 +279,7 @@ class Communicator {
   void all_to_all(In&& in, Out&& out) {
     all_to_all_entry<In, Out>(in, out, blocking);
   }
+  /// all_to_all with `comm::async`: returns a Work at once; the buffers must outlive it.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work all_to_all(In&& in, Out&& out, async_t) {
@@ -286,6 +296,7 @@ class Communicator {
                     std::span<const std::size_t> out_counts) {
     all_to_all_v_entry<In, Out>(in, in_counts, out, out_counts, blocking);
   }
+  /// all_to_all_v with `comm::async`: returns a Work at once; the buffers must outlive it (not the counts).
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out,
@@ -306,11 +317,13 @@ class Communicator {
   void send(Data&& data, int peer, int tag = 0) {
     send_entry<Data>(data, peer, tag, blocking);
   }
+  /// send with tag 0 and `comm::async`: returns a Work at once; `data` must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work send(Data&& data, int peer, async_t) {
     return send_entry<Data>(data, peer, 0, async);
   }
+  /// send with `comm::async`: returns a Work at once; `data` must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work send(Data&& data, int peer, int tag, async_t) {
@@ -323,11 +336,13 @@ class Communicator {
   void recv(Data&& data, int peer, int tag = 0) {
     recv_entry<Data>(data, peer, tag, blocking);
   }
+  /// recv with tag 0 and `comm::async`: returns a Work at once; `data` must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work recv(Data&& data, int peer, async_t) {
     return recv_entry<Data>(data, peer, 0, async);
   }
+  /// recv with `comm::async`: returns a Work at once; `data` must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work recv(Data&& data, int peer, int tag, async_t) {
@@ -343,6 +358,7 @@ class Communicator {
     using P = detail::buffer_value_t<R>;
     return batch_entry<typename P::value_type>(std::span<const P>(std::ranges::data(ops), std::ranges::size(ops)));
   }
+  /// batch_isend_irecv of a braced list: `c.batch_isend_irecv({comm::isend(a, 1), comm::irecv(b, 1)})`.
   template <class T>
   std::vector<Work> batch_isend_irecv(std::initializer_list<P2POp<T>> ops) {
     return batch_entry<T>(std::span<const P2POp<T>>(ops.begin(), ops.size()));
@@ -350,6 +366,7 @@ class Communicator {
 
   /// barrier: returns once every rank has entered it (blocking form; the async one completes then).
   void barrier() { b_.barrier(blocking); }
+  /// barrier with `comm::async`: returns a Work that completes once every rank has entered it.
   Work barrier(async_t) { return b_.barrier(async); }
 
   // ---------------------------------------------------------------------------------------------
@@ -392,6 +409,7 @@ class Communicator {
       return std::nullopt;
     }
   }
+  /// new_group of a braced list: `c.new_group({0, 2})`.
   [[nodiscard]] std::optional<Communicator> new_group(std::initializer_list<int> ranks) {
     return new_group(std::span<const int>(ranks.begin(), ranks.size()));
   }

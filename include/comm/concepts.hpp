@@ -61,7 +61,7 @@
 /// ### What the concept does *not* check
 /// - Requirement 7 is checked for `T = float` with `Red = ReduceOp` and `comm::op::sum_t` only; the
 ///   other element types and ops are templates the concept cannot enumerate.
-/// - Element types: a backend only ever receives the <cstdint> 64-bit integers; the facade passes
+/// - Element types: a backend only ever receives the `<cstdint>` 64-bit integers; the facade passes
 ///   a user's `long long` / `unsigned long long` buffer as std::int64_t / std::uint64_t.
 /// - Semantics: the facade has already validated sizes, roots, overlap and (type, op) pairs before
 ///   calling the backend; the backend may assume valid arguments. Operations issued on one backend

@@ -37,6 +37,7 @@ namespace comm {
 /// Where an operation is in its life.
 enum class OpState : std::uint8_t { queued, started, completed, failed };
 
+/// The state's name: "queued", "started", "completed", "failed".
 [[nodiscard]] constexpr std::string_view to_string(OpState s) noexcept {
   switch (s) {
     case OpState::queued: return "queued";
@@ -92,18 +93,23 @@ enum class OpKind : std::uint8_t {
 /// What is known of an operation when it is issued: what a backend hands the flight recorder
 /// and the desync check. `count` is the per-rank-invariant element count (see OpRecord::count).
 struct OpDesc {
+  /// No element type or reduction (dtype, reduce).
   static constexpr std::uint8_t none = 0xff;
   static constexpr std::uint8_t custom = 0xfe;  ///< reduce: a user callable
 
+  /// The operation.
   OpKind kind = OpKind::barrier;
   std::uint8_t dtype = none;   ///< a Dtype value or none
   std::uint8_t reduce = none;  ///< a ReduceOp value, custom or none
+  /// The root or peer; -1 when none.
   int root = -1;
+  /// The element count that is the same on every rank (see OpRecord::count).
   std::uint64_t count = 0;
 };
 
 /// One operation as the flight recorder saw it.
 struct OpRecord {
+  /// Wall-clock time of a transition.
   using time_point = std::chrono::system_clock::time_point;
   /// Position in this rank's sequence of operations on the communicator (0-based). It is the
   /// desync check's "op #" as long as no point-to-point operation ran: send, recv and
@@ -128,9 +134,12 @@ struct OpRecord {
   std::optional<ReduceOp> reduce;
   /// The reduction was a user callable.
   bool custom_reduce = false;
+  /// Where the operation is in its life.
   OpState state = OpState::queued;
   /// Wall-clock times of the transitions; a default (epoch) time_point when not reached.
+  ///@{
   time_point queued{}, started{}, ended{};
+  ///@}
   /// The error of a failed operation.
   std::string error;
 };
@@ -138,11 +147,14 @@ struct OpRecord {
 /// The flight recorder's contents for one communicator, oldest operation first.
 struct FlightRecord {
   std::string backend;  ///< "gloo"
+  /// This rank in the communicator.
   int rank = -1;
+  /// The communicator's size.
   int size = 0;
   std::string name;             ///< "" for a root communicator, "g0", "g0.g1" for subgroups, "c2"...
   std::uint64_t total_ops = 0;  ///< operations issued since creation (the oldest may have been dropped)
   std::size_t capacity = 0;     ///< ring size (0: recording is off)
+  /// The last `capacity` operations at most, oldest first.
   std::vector<OpRecord> ops;
 };
 

@@ -15,6 +15,8 @@ namespace comm {
 /// rank or address involved where known, `detail()` the bare cause without the prefix.
 class Error : public std::runtime_error {
  public:
+  /// An error of operation `op` on rank `rank` (-1: unknown) involving `peer` (may be empty):
+  /// what() is "comm: <op> on rank <rank> (peer <peer>): <detail>".
   Error(std::string op, int rank, std::string detail, std::string peer = {})
       : std::runtime_error(format(op, rank, detail, peer)),
         op_(std::move(op)),
@@ -22,8 +24,11 @@ class Error : public std::runtime_error {
         peer_(std::move(peer)),
         detail_(std::move(detail)) {}
 
+  /// The operation that failed ("all_reduce", "store.get", "init", ...).
   [[nodiscard]] const std::string& op() const noexcept { return op_; }
+  /// The calling rank; -1 where none was known yet.
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// The remote rank or address involved; empty where none is known.
   [[nodiscard]] const std::string& peer() const noexcept { return peer_; }
   [[nodiscard]] const std::string& detail() const noexcept { return detail_; }
 
@@ -46,12 +51,14 @@ class Error : public std::runtime_error {
 /// A caller mistake detected before anything was sent: wrong sizes, bad root, bad env values.
 class InvalidArgument : public Error {
  public:
+  /// Same constructor as comm::Error.
   using Error::Error;
 };
 
 /// A blocking call reached its deadline. The operation may still be running elsewhere.
 class Timeout : public Error {
  public:
+  /// Same constructor as comm::Error.
   using Error::Error;
 };
 
@@ -68,12 +75,14 @@ class DesyncError : public InvalidArgument {
 /// A peer failed, closed its connection, or reported an error of its own.
 class RemoteError : public Error {
  public:
+  /// Same constructor as comm::Error.
   using Error::Error;
 };
 
 /// The engine (libgloo, libnccl, CUDA, the OS) reported a failure; the text keeps its own message.
 class BackendError : public Error {
  public:
+  /// Same constructor as comm::Error.
   using Error::Error;
 };
 

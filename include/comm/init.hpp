@@ -26,12 +26,16 @@ namespace comm {
 
 /// What an init method produced.
 struct InitResult {
+  /// This process's rank.
   int rank = 0;
+  /// The number of ranks.
   int size = 1;
   int local_rank = -1;  ///< -1: not known (LOCAL_RANK not set)
   int local_size = -1;  ///< -1: not known (LOCAL_WORLD_SIZE not set)
   std::string master_addr;  ///< empty for file://
+  /// The store's port (0 for file://).
   std::uint16_t master_port = 0;
+  /// The rendezvous store (a TcpStore, or a FileStore for file://), connected.
   std::shared_ptr<Store> store;
 };
 

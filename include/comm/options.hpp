@@ -29,6 +29,7 @@ struct CommonOptions {
   /// For a communicator that is a member of another (Hierarchical's): the rank in its flight-record
   /// dump file names (-1: its own) and its name in records and file names. Users leave them.
   int record_file_rank = -1;
+  /// The member's name in records and file names (Hierarchical sets it; users leave it empty).
   std::string record_name;
 };
 

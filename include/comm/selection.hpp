@@ -41,9 +41,13 @@ struct InitOptions {
   std::string backend = "auto";          ///< "auto", or a name of the backend list: "shm" | "gloo" |
                                          ///< "hierarchical" | "nccl" | "mpi" (backends/list.hpp)
   std::string init_method = "env://";    ///< "env://" | "tcp://host:port" | "file:///path"
+  /// This process's rank; -1: from the environment (RANK, or the discovered launcher's variable).
   int rank = -1;
+  /// The number of ranks; -1: from the environment.
   int world_size = -1;
   std::chrono::milliseconds timeout{0};  ///< 0: COMM_TIMEOUT, else 30 minutes
+  /// When RANK is not set, read the rank from OpenMPI, MPICH, PMIx or SLURM variables (no MPI library
+  /// is used); false: RANK is required.
   bool auto_mpi_discovery = true;
 };
 

@@ -27,6 +27,7 @@ namespace comm {
 /// Abstract store. Values are byte strings. Implementations are thread-safe.
 class Store {
  public:
+  /// A value: a byte string.
   using Bytes = std::vector<std::uint8_t>;
   /// The timeout of a store made without one when COMM_TIMEOUT is not set.
   static constexpr std::chrono::milliseconds default_timeout = std::chrono::minutes(30);
@@ -41,6 +42,7 @@ class Store {
 
   /// Sets `key` to `value`, replacing any previous value, and wakes waiters on `key`.
   virtual void set(std::string_view key, std::span<const std::uint8_t> value) = 0;
+  /// set() of a text value (its bytes, unchanged).
   void set(std::string_view key, std::string_view value) {
     set(key, std::span(reinterpret_cast<const std::uint8_t*>(value.data()), value.size()));
   }
@@ -55,6 +57,7 @@ class Store {
                             std::span<const std::uint8_t> desired) = 0;
   /// Blocks until all `keys` exist or `timeout` passes (then comm::Timeout naming the missing keys).
   virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
+  /// wait() with the store's timeout().
   void wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
 
   /// Blocks like wait() until all `keys` exist, then returns their values in the order given:
@@ -77,14 +80,17 @@ class Store {
 
   /// The timeout used by get() and wait() without an explicit one.
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  /// Changes the timeout of later calls without an explicit one.
   void set_timeout(std::chrono::milliseconds t) noexcept { timeout_ = t; }
 
   /// The rank used in error messages (-1 unknown).
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// Changes the rank named in error messages.
   void set_rank(int r) noexcept { rank_ = r; }
 
  protected:
   Store() = default;
+  /// A store whose calls without an explicit timeout wait at most `timeout`.
   explicit Store(std::chrono::milliseconds timeout) : timeout_(timeout) {}
 
  private:
@@ -164,7 +170,9 @@ class TcpStore final : public Store {
   /// True if this instance hosts the server.
   [[nodiscard]] bool is_server() const noexcept { return server_ != nullptr; }
 
+  /// Store::set of text, as in Store.
   using Store::set;
+  /// Store::wait with the store's timeout, as in Store.
   using Store::wait;
   void set(std::string_view key, std::span<const std::uint8_t> value) override;
   Bytes get(std::string_view key) override;
@@ -236,7 +244,9 @@ class FileStore final : public Store {
   /// The path of the store file.
   [[nodiscard]] const std::string& path() const noexcept { return path_; }
 
+  /// Store::set of text, as in Store.
   using Store::set;
+  /// Store::wait with the store's timeout, as in Store.
   using Store::wait;
   void set(std::string_view key, std::span<const std::uint8_t> value) override;
   Bytes get(std::string_view key) override;
@@ -267,9 +277,12 @@ class FileStore final : public Store {
 /// until their deadline, then throw comm::Timeout naming the keys.
 class HashStore final : public Store {
  public:
+  /// An empty store whose calls without an explicit timeout wait at most `timeout`.
   explicit HashStore(std::chrono::milliseconds timeout = Store::timeout_from_env()) : Store(timeout) {}
 
+  /// Store::set of text, as in Store.
   using Store::set;
+  /// Store::wait with the store's timeout, as in Store.
   using Store::wait;
   void set(std::string_view key, std::span<const std::uint8_t> value) override;
   Bytes get(std::string_view key) override;
@@ -301,7 +314,9 @@ class PrefixStore final : public Store {
   /// The underlying store.
   [[nodiscard]] const std::shared_ptr<Store>& base() const noexcept { return base_; }
 
+  /// Store::set of text, as in Store.
   using Store::set;
+  /// Store::wait with the store's timeout, as in Store.
   using Store::wait;
   void set(std::string_view key, std::span<const std::uint8_t> value) override;
   Bytes get(std::string_view key) override;

@@ -19,6 +19,7 @@ namespace comm {
 /// element type and backend at run time; an unsupported pair throws comm::InvalidArgument.
 enum class ReduceOp : std::uint8_t { sum, prod, min, max, avg, band, bor, bxor };
 
+/// The op's name, as comm's messages and the flight recorder write it ("sum", "bxor").
 [[nodiscard]] constexpr std::string_view to_string(ReduceOp op) noexcept {
   switch (op) {
     case ReduceOp::sum: return "sum";
@@ -33,22 +34,28 @@ enum class ReduceOp : std::uint8_t { sum, prod, min, max, avg, band, bor, bxor }
   return "unknown";
 }
 
+/// Whether `op` is bitwise (band, bor, bxor): integer element types only.
 [[nodiscard]] constexpr bool is_bitwise(ReduceOp op) noexcept {
   return op == ReduceOp::band || op == ReduceOp::bor || op == ReduceOp::bxor;
 }
 
 /// IEEE 754 binary16, bit-compatible with CUDA `__half`. Arithmetic goes through float.
 struct half {
+  /// The binary16 bits.
   std::uint16_t bits = 0;
 
   half() = default;
+  /// Converts from float, rounding to nearest even (overflow: infinity).
   constexpr half(float f) noexcept : bits(from_float(f)) {}  // NOLINT: implicit like __half
+  /// The value whose binary16 bits are `b`.
   [[nodiscard]] static constexpr half from_bits(std::uint16_t b) noexcept {
     half h;
     h.bits = b;
     return h;
   }
+  /// The value as float (exact).
   constexpr operator float() const noexcept { return to_float(bits); }  // NOLINT
+  /// Bitwise equality: +0 and -0 differ, a NaN equals a NaN of the same bits.
   friend constexpr bool operator==(half a, half b) noexcept { return a.bits == b.bits; }
 
  private:
@@ -101,18 +108,23 @@ struct half {
 
 /// bfloat16 (the top half of an IEEE float), bit-compatible with CUDA `__nv_bfloat16`.
 struct bfloat16 {
+  /// The bfloat16 bits (the high half of a float's).
   std::uint16_t bits = 0;
 
   bfloat16() = default;
+  /// Converts from float, rounding to nearest even (NaN stays NaN).
   constexpr bfloat16(float f) noexcept : bits(from_float(f)) {}  // NOLINT: implicit like __nv_bfloat16
+  /// The value whose bfloat16 bits are `b`.
   [[nodiscard]] static constexpr bfloat16 from_bits(std::uint16_t b) noexcept {
     bfloat16 h;
     h.bits = b;
     return h;
   }
+  /// The value as float (exact).
   constexpr operator float() const noexcept {  // NOLINT
     return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
   }
+  /// Bitwise equality: +0 and -0 differ, a NaN equals a NaN of the same bits.
   friend constexpr bool operator==(bfloat16 a, bfloat16 b) noexcept { return a.bits == b.bits; }
 
  private:
@@ -191,16 +203,21 @@ struct fp8_codec {
 /// 2^-9. From float, as CUDA's constructor: round to nearest even; beyond +-448 and +-inf saturate
 /// to +-448; every NaN becomes 0x7f. Arithmetic goes through float.
 struct float8_e4m3 {
+  /// The FP8 bits.
   std::uint8_t bits = 0;
 
   float8_e4m3() = default;
+  /// Converts from float as CUDA's constructor does (see above).
   constexpr float8_e4m3(float f) noexcept : bits(codec::encode(f)) {}  // NOLINT: implicit like __nv_fp8_e4m3
+  /// The value whose FP8 bits are `b`.
   [[nodiscard]] static constexpr float8_e4m3 from_bits(std::uint8_t b) noexcept {
     float8_e4m3 h;
     h.bits = b;
     return h;
   }
+  /// The value as float (exact).
   constexpr operator float() const noexcept { return codec::decode(bits); }  // NOLINT
+  /// Bitwise equality: +0 and -0 differ, a NaN equals a NaN of the same bits.
   friend constexpr bool operator==(float8_e4m3 a, float8_e4m3 b) noexcept { return a.bits == b.bits; }
 
  private:
@@ -213,16 +230,21 @@ struct float8_e4m3 {
 /// +-57344 and +-inf saturate to +-57344 (an infinity is from_bits(0x7c)); every NaN becomes 0x7f.
 /// Arithmetic goes through float.
 struct float8_e5m2 {
+  /// The FP8 bits.
   std::uint8_t bits = 0;
 
   float8_e5m2() = default;
+  /// Converts from float as CUDA's constructor does (see above).
   constexpr float8_e5m2(float f) noexcept : bits(codec::encode(f)) {}  // NOLINT: implicit like __nv_fp8_e5m2
+  /// The value whose FP8 bits are `b`.
   [[nodiscard]] static constexpr float8_e5m2 from_bits(std::uint8_t b) noexcept {
     float8_e5m2 h;
     h.bits = b;
     return h;
   }
+  /// The value as float (exact).
   constexpr operator float() const noexcept { return codec::decode(bits); }  // NOLINT
+  /// Bitwise equality: +0 and -0 differ, a NaN equals a NaN of the same bits.
   friend constexpr bool operator==(float8_e5m2 a, float8_e5m2 b) noexcept { return a.bits == b.bits; }
 
  private:
@@ -238,6 +260,7 @@ enum class Dtype : std::uint8_t {
   int8, uint8, int32, uint32, int64, uint64, float16, bfloat16, float32, float64, float8_e4m3, float8_e5m2
 };
 
+/// The element type's name, as comm's messages write it ("float", "bfloat16").
 [[nodiscard]] constexpr std::string_view to_string(Dtype d) noexcept {
   switch (d) {
     case Dtype::int8: return "int8";
@@ -334,6 +357,7 @@ template <class T>
 using checked_element_t = typename checked_element<std::remove_cv_t<T>>::type;
 }  // namespace detail
 
+/// The run-time Dtype of element type `T`.
 template <element T>
 inline constexpr Dtype dtype_of = detail::dtype_of_impl<std::remove_cv_t<T>>::value;
 
@@ -348,6 +372,7 @@ concept floating_element = element<T> && (std::is_floating_point_v<std::remove_c
 template <class T>
 concept integral_element = element<T> && std::is_integral_v<std::remove_cv_t<T>>;
 
+/// Bytes of one element of type `d`.
 [[nodiscard]] constexpr std::size_t size_of(Dtype d) noexcept {
   switch (d) {
     case Dtype::int8:
@@ -366,6 +391,7 @@ concept integral_element = element<T> && std::is_integral_v<std::remove_cv_t<T>>
   return 0;
 }
 
+/// Whether `d` is a floating type (half, bfloat16, the FP8 formats, float, double).
 [[nodiscard]] constexpr bool is_floating(Dtype d) noexcept {
   return d == Dtype::float16 || d == Dtype::bfloat16 || d == Dtype::float32 || d == Dtype::float64 ||
          d == Dtype::float8_e4m3 || d == Dtype::float8_e5m2;
@@ -405,10 +431,15 @@ enum class P2PKind : std::uint8_t { isend, irecv };
 /// only). Make them with comm::isend / comm::irecv. The buffer must outlive the returned Works.
 template <class T>
 struct P2POp {
+  /// The element type.
   using value_type = T;
+  /// Send or receive.
   P2PKind op = P2PKind::isend;
+  /// What is sent, or where the message is received.
   std::span<T> buffer;
+  /// The other rank.
   int peer = -1;
+  /// Matched against the peer's tag (CPU backends; NCCL: 0 only).
   int tag = 0;
 };
 
@@ -434,6 +465,7 @@ template <class R>
 struct async_t {
   explicit async_t() = default;
 };
+/// Pass as the last argument of an operation to get a comm::Work back instead of waiting.
 inline constexpr async_t async{};
 
 /// Tag: the blocking form of a backend operation (returns once the operation is complete on this
@@ -441,22 +473,28 @@ inline constexpr async_t async{};
 struct blocking_t {
   explicit blocking_t() = default;
 };
+/// The blocking tag's value (backend authors only).
 inline constexpr blocking_t blocking{};
 
 /// A user reduction callable `T(T, T)` after the facade has checked it; backends with
 /// `custom_reductions` receive this (never a bare callable).
 template <class F>
 struct custom_op {
+  /// The user's callable, called as `T fn(T, T)`; must be associative and commutative.
   F fn;
 };
 
 /// Compile-time reduction ops: each is an object of its own type, checked against
 /// (element type, backend) when the call is compiled.
 namespace op {
+/// A built-in reduction as a type of its own; `value` is its ReduceOp.
 template <ReduceOp R>
 struct builtin {
+  /// The run-time op this type stands for.
   static constexpr ReduceOp value = R;
 };
+/// The type of each built-in reduction object.
+///@{
 using sum_t = builtin<ReduceOp::sum>;
 using prod_t = builtin<ReduceOp::prod>;
 using min_t = builtin<ReduceOp::min>;
@@ -465,6 +503,9 @@ using avg_t = builtin<ReduceOp::avg>;
 using band_t = builtin<ReduceOp::band>;
 using bor_t = builtin<ReduceOp::bor>;
 using bxor_t = builtin<ReduceOp::bxor>;
+///@}
+/// The built-in reductions, to pass to all_reduce, reduce and reduce_scatter: `comm::op::sum`, ...
+///@{
 inline constexpr sum_t sum{};
 inline constexpr prod_t prod{};
 inline constexpr min_t min{};
@@ -473,13 +514,16 @@ inline constexpr avg_t avg{};
 inline constexpr band_t band{};
 inline constexpr bor_t bor{};
 inline constexpr bxor_t bxor{};
+///@}
 
 /// The sum of `factor * x` over ranks (NCCL's ncclRedOpCreatePreMulSum; a scaled gradient sum),
 /// for floating element types. On NCCL the factor is applied on the device; host backends scale a
 /// copy of the input (half-like types in float) and then sum.
 struct premul_sum_t {
+  /// Multiplies every input element by this before the sum.
   double factor = 1.0;
 };
+/// A premultiplied sum: the sum over ranks of `factor * x`.
 [[nodiscard]] constexpr premul_sum_t premul_sum(double factor) noexcept { return premul_sum_t{factor}; }
 }  // namespace op
 
@@ -515,6 +559,7 @@ template <class T> struct builtin_op_of<std::bit_xor<T>> {
 template <class Op>
 concept builtin_reduction = detail::builtin_op_of<std::remove_cvref_t<Op>>::known;
 
+/// The ReduceOp that a built-in op object (`comm::op::sum`, `std::plus<>`, ...) stands for.
 template <builtin_reduction Op>
 inline constexpr ReduceOp reduce_op_of = detail::builtin_op_of<std::remove_cvref_t<Op>>::value;
 

@@ -19,15 +19,19 @@ namespace comm {
 /// caller's stream wait) derive from it.
 class WorkState {
  public:
+  /// The state of operation `op` on `rank`, waited on for at most `timeout` by Work::wait.
   WorkState(std::string op, int rank, std::chrono::milliseconds timeout)
       : op_(std::move(op)), rank_(rank), timeout_(timeout) {}
   virtual ~WorkState() = default;
   WorkState(const WorkState&) = delete;
   WorkState& operator=(const WorkState&) = delete;
 
+  /// Marks the operation finished without error and wakes the waiters.
   void complete() { finish(nullptr); }
+  /// Marks the operation failed with `e` (rethrown by Work::wait) and wakes the waiters.
   void fail(std::exception_ptr e) { finish(std::move(e)); }
 
+  /// Whether complete() or fail() was called. Never blocks on the operation.
   [[nodiscard]] bool done() const {
     std::lock_guard lock(mu_);
     return done_;
@@ -61,8 +65,11 @@ class WorkState {
   /// reported instead. Returns a note for the Timeout's message. Default: nothing to stop.
   virtual std::string on_wait_timeout() { return {}; }
 
+  /// The operation's name, for messages.
   [[nodiscard]] const std::string& op() const noexcept { return op_; }
+  /// The rank, for messages.
   [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// How long Work::wait and Work::synchronize wait before comm::Timeout.
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
 
  private:
@@ -99,13 +106,18 @@ class WorkState {
 class [[nodiscard]] Work {
  public:
   Work() = default;
+  /// A Work for the operation whose completion `state` carries (what a backend returns).
   explicit Work(std::shared_ptr<WorkState> state) noexcept : state_(std::move(state)) {}
+  /// Moves; the moved-from Work is completed.
   Work(Work&&) noexcept = default;
+  /// Moves; the moved-from Work is completed.
   Work& operator=(Work&&) noexcept = default;
   Work(const Work&) = delete;
   Work& operator=(const Work&) = delete;
   ~Work() = default;
 
+  /// See the class comment: blocks until the operation finished (host backends) or makes the caller's
+  /// current stream wait (NCCL), then rethrows its error; comm::Timeout after the communicator's timeout.
   void wait() {
     if (!state_) return;
     if (!state_->done() && state_->wait_on_stream()) return;
@@ -127,6 +139,8 @@ class [[nodiscard]] Work {
     finish();
   }
 
+  /// Waits at most `d`: false while the operation still runs (it may be waited on again), true once
+  /// it finished; then rethrows its error.
   bool wait_for(std::chrono::milliseconds d) {
     if (!state_) return true;
     if (!state_->wait_until(std::chrono::steady_clock::now() + d)) return false;
@@ -134,6 +148,7 @@ class [[nodiscard]] Work {
     return true;
   }
 
+  /// Whether the operation finished (successfully or not). Never blocks, never throws.
   [[nodiscard]] bool is_completed() const { return !state_ || state_->done(); }
 
   /// True when the operation finished with an error (does not throw).

@@ -68,6 +68,8 @@ inline AnyCommunicator& shrink_world() {
   w = w.shrink();
   return w;
 }
+/// Fault tolerance for the world: admits the replacements waiting to join (Communicator::grow) and
+/// replaces the world by the grown one, in place. Called by every live member.
 inline AnyCommunicator& grow_world() {
   auto& w = world();
   w = w.grow();

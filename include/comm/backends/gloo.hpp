@@ -138,9 +138,12 @@ class Gloo : public comm::detail::ForwardOps<Gloo>,
              public comm::detail::Elastic<Gloo>,
              public comm::detail::HostReductions {
  public:
+  /// Opts in to the comm::backend concept (concepts.hpp).
   using backend_concept = comm::backend_t;
+  /// The backend's name in the backend list (backends/list.hpp), in messages and in AnyCommunicator::backend(): "gloo".
   static constexpr std::string_view name = "gloo";
 
+  /// The backend's options: GlooOptions.
   using Options = GlooOptions;
 
   /// Connects `size` ranks through `store` (blocking; ends by `options.timeout`).
@@ -156,7 +159,9 @@ class Gloo : public comm::detail::ForwardOps<Gloo>,
     return Gloo(std::make_unique<detail::gloo::Engine>(std::move(context), config(options)), options);
   }
 
+  /// Moves; the moved-from object may only be destroyed or assigned.
   Gloo(Gloo&&) noexcept = default;
+  /// Moves; the moved-from object may only be destroyed or assigned.
   Gloo& operator=(Gloo&&) noexcept = default;
   ~Gloo() = default;
 
@@ -165,11 +170,15 @@ class Gloo : public comm::detail::ForwardOps<Gloo>,
   /// The gloo context of device `i` (escape hatch for code that talks to gloo directly; do not
   /// use it concurrently with this communicator's operations).
   [[nodiscard]] const std::shared_ptr<::gloo::Context>& context(std::size_t i = 0) const { return engine_->context(i); }
+  /// The number of gloo devices (contexts) operations are spread over: one per interface.
   [[nodiscard]] std::size_t num_devices() const noexcept { return engine_->num_contexts(); }
 
   // Each collective first asks staging_ whether a buffer is CUDA device memory (one cached branch
   // where no CUDA driver is usable); if so the engine runs on pinned host copies (see the header
   // comment and detail/gloo/device_staging.hpp).
+  /// The backend concept's collectives (concepts.hpp), called by comm::Communicator after its
+  /// checks; a CUDA device buffer is staged through pinned host memory.
+  ///@{
   template <element T, class Red, class Launch>
   auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l) {
     if (auto s = staging_.all_reduce<T>(in, out, rank()))
@@ -200,6 +209,7 @@ class Gloo : public comm::detail::ForwardOps<Gloo>,
       return engine_->gather<T>(s->in, s->out, root, l, std::move(s->hooks));
     return engine_->gather<T>(in, out, root, l);
   }
+  ///@}
   // barrier, reduce, scatter, all_to_all(_v), send, recv and batch_isend_irecv come from
   // ForwardOps (the engine rejects device buffers for them; it stages only the five above).
 

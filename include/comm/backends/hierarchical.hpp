@@ -146,17 +146,25 @@ class Hierarchical : public comm::detail::ForwardOps<Hierarchical<Intra, Inter>>
   using Engine = comm::detail::hierarchical::Engine<Intra, Inter>;
 
  public:
+  /// Opts in to the comm::backend concept (concepts.hpp).
   using backend_concept = comm::backend_t;
+  /// The backend's name in the backend list (backends/list.hpp), in messages and in AnyCommunicator::backend(): "hierarchical".
   static constexpr std::string_view name = "hierarchical";
 
+  /// The backend's options: HierarchicalOptions<Intra, Inter>.
   using Options = HierarchicalOptions<Intra, Inter>;
+  /// The backend of the communicator among a node's ranks.
   using intra_backend = Intra;
+  /// The backend of the communicators across nodes.
   using inter_backend = Inter;
 
+  /// An element type both members support.
   static constexpr bool supports_dtype(Dtype d) noexcept { return Intra::supports_dtype(d) && Inter::supports_dtype(d); }
+  /// A (reduction, element type) pair both members support.
   static constexpr bool supports_reduction(ReduceOp op, Dtype d) noexcept {
     return Intra::supports_reduction(op, d) && Inter::supports_reduction(op, d);
   }
+  /// User callables as reductions, where both members take them.
   static constexpr bool custom_reductions = Intra::custom_reductions && Inter::custom_reductions;
   /// reduce, scatter, all_to_all(_v), send, recv and batch_isend_irecv run on an `Inter`
   /// communicator of every rank (see the file comment), so they exist where `Inter` has them.
@@ -170,17 +178,21 @@ class Hierarchical : public comm::detail::ForwardOps<Hierarchical<Intra, Inter>>
     return Hierarchical(std::make_unique<Engine>(std::move(store), rank, size, config(options)), options);
   }
 
+  /// Moves; the moved-from object may only be destroyed or assigned.
   Hierarchical(Hierarchical&&) noexcept = default;
+  /// Moves; the moved-from object may only be destroyed or assigned.
   Hierarchical& operator=(Hierarchical&&) noexcept = default;
   ~Hierarchical() = default;
 
   /// The node structure: this rank's node (numbered by lowest rank), the number of nodes, this
   /// rank's place on its node, and whether every node has the same number of ranks.
+  ///@{
   [[nodiscard]] int node() const noexcept { return engine_->node(); }
   [[nodiscard]] int num_nodes() const noexcept { return engine_->topology().num_nodes(); }
   [[nodiscard]] int local_rank() const noexcept { return engine_->local_rank(); }
   [[nodiscard]] int local_size() const noexcept { return engine_->local_size(); }
   [[nodiscard]] bool uniform_nodes() const noexcept { return engine_->topology().uniform; }
+///@}
 
   // rank(), size(), timeout() and the operations come from ForwardOps (detail/engine/forward.hpp);
   // the rest of the surface (capability 11) where Inter has it (forwards_full_surface).

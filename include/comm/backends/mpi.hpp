@@ -140,9 +140,12 @@ class Mpi : public comm::detail::ForwardOps<Mpi>,
   using Engine = comm::detail::mpi::Engine;
 
  public:
+  /// Opts in to the comm::backend concept (concepts.hpp).
   using backend_concept = comm::backend_t;
+  /// The backend's name in the backend list (backends/list.hpp), in messages and in AnyCommunicator::backend(): "mpi".
   static constexpr std::string_view name = "mpi";
 
+  /// The backend's options: MpiOptions.
   using Options = MpiOptions;
 
   /// This process as rank `rank` of `size` in MPI_COMM_WORLD, rendezvoused through `store`
@@ -183,7 +186,9 @@ class Mpi : public comm::detail::ForwardOps<Mpi>,
     return Mpi(std::make_unique<Engine>(rank, size, comm::detail::core_config(options), "adopted", src), options);
   }
 
+  /// Moves; the moved-from object may only be destroyed or assigned.
   Mpi(Mpi&&) noexcept = default;
+  /// Moves; the moved-from object may only be destroyed or assigned.
   Mpi& operator=(Mpi&&) noexcept = default;
   ~Mpi() = default;
 

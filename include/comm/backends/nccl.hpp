@@ -228,6 +228,7 @@ using GatherAlgorithm = comm::detail::nccl::GatherAlgorithm;
 
 /// The NCCL version comm was compiled against (NCCL_VERSION_CODE) and the one loaded at run time.
 inline constexpr int compiled_version = comm::detail::nccl::compiled_version;
+/// The NCCL version loaded at run time (ncclGetVersion), as a version code.
 [[nodiscard]] inline int runtime_version() noexcept { return comm::detail::nccl::runtime_version(); }
 /// "2.28.9" from a version code.
 [[nodiscard]] inline std::string version_string(int code) { return comm::detail::nccl::version_string(code); }
@@ -257,10 +258,12 @@ struct NcclOptions : CommonOptions {
   /// How often the watchdog polls ncclCommGetAsyncError.
   std::chrono::milliseconds watchdog_interval{50};
   /// ncclConfig_t fields; -1 / empty: NCCL's default.
+  ///@{
   int cga_cluster_size = -1;
   int min_ctas = -1;
   int max_ctas = -1;
   std::string net_name;
+  ///@}
   /// Called with the ncclConfig_t before ncclCommInitRankConfig (and ncclCommSplit), for fields
   /// not named here (`blocking` stays 0: construction depends on it).
   std::function<void(ncclConfig_t&)> configure;
@@ -271,15 +274,21 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
              public comm::detail::BackendDiagnostics<Nccl>,
              public comm::detail::Elastic<Nccl> {
  public:
+  /// Opts in to the comm::backend concept (concepts.hpp).
   using backend_concept = comm::backend_t;
+  /// The backend's name in the backend list (backends/list.hpp), in messages and in AnyCommunicator::backend(): "nccl".
   static constexpr std::string_view name = "nccl";
 
+  /// The backend's options: NcclOptions.
   using Options = NcclOptions;
 
+  /// An element type the NCCL this build was compiled against supports.
   static constexpr bool supports_dtype(Dtype d) noexcept { return comm::detail::nccl::dtype_supported(d); }
+  /// A (reduction, element type) pair NCCL supports.
   static constexpr bool supports_reduction(ReduceOp op, Dtype d) noexcept {
     return comm::detail::nccl::reduction_supported(op, d);
   }
+  /// NCCL takes no user callables as reductions.
   static constexpr bool custom_reductions = false;
 
   /// Connects `size` ranks through `store` (blocking; ends by `options.timeout`). Throws
@@ -321,7 +330,9 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
                 std::move(kept));
   }
 
+  /// Moves; the moved-from object may only be destroyed or assigned.
   Nccl(Nccl&&) noexcept = default;
+  /// Moves; the moved-from object may only be destroyed or assigned.
   Nccl& operator=(Nccl&&) noexcept = default;
   ~Nccl() = default;
 
@@ -352,6 +363,7 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
                              std::type_identity_t<T> scalar) {
     engine_->premul_sum<T>(false, in, out, scalar, comm::blocking);
   }
+  /// all_reduce_premul_sum with `comm::async`: returns a Work at once.
   template <element T>
   [[nodiscard]] Work all_reduce_premul_sum(std::span<const std::type_identity_t<T>> in, std::span<T> out,
                                            std::type_identity_t<T> scalar, async_t) {
@@ -363,6 +375,7 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
                                  std::type_identity_t<T> scalar) {
     engine_->premul_sum<T>(true, in, out, scalar, comm::blocking);
   }
+  /// reduce_scatter_premul_sum with `comm::async`: returns a Work at once.
   template <element T>
   [[nodiscard]] Work reduce_scatter_premul_sum(std::span<const std::type_identity_t<T>> in, std::span<T> out,
                                                std::type_identity_t<T> scalar, async_t) {

@@ -108,9 +108,12 @@ class Shm : public comm::detail::ForwardOps<Shm>,
             public comm::detail::Elastic<Shm>,
             public comm::detail::HostReductions {
  public:
+  /// Opts in to the comm::backend concept (concepts.hpp).
   using backend_concept = comm::backend_t;
+  /// The backend's name in the backend list (backends/list.hpp), in messages and in AnyCommunicator::backend(): "shm".
   static constexpr std::string_view name = "shm";
 
+  /// The backend's options: ShmOptions.
   using Options = ShmOptions;
 
   /// Maps the segment of `size` ranks of this host through `store` (blocking; ends by
@@ -124,7 +127,9 @@ class Shm : public comm::detail::ForwardOps<Shm>,
     return Shm(std::make_unique<detail::shm::Engine>(std::move(store), rank, size, config(options)), options);
   }
 
+  /// Moves; the moved-from object may only be destroyed or assigned.
   Shm(Shm&&) noexcept = default;
+  /// Moves; the moved-from object may only be destroyed or assigned.
   Shm& operator=(Shm&&) noexcept = default;
   ~Shm() = default;
 
