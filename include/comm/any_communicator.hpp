@@ -42,7 +42,8 @@ class AnyCommunicator {
   [[nodiscard]] int rank() const noexcept { return impl_->rank(); }
   /// The number of ranks.
   [[nodiscard]] int size() const noexcept { return impl_->size(); }
-  /// "gloo" or "nccl".
+  /// The backend behind it: "shm", "gloo", "hierarchical", "mpi", "nccl" (the names of
+  /// <comm/backends/list.hpp>); after `init_distributed()` with "auto", the one it chose.
   [[nodiscard]] std::string_view backend() const noexcept { return impl_->backend_name(); }
 
   /// The typed communicator underneath when its backend is `B`, else nullptr.
