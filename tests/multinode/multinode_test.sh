@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-node scenarios over scripts/cluster (see CMakeLists.txt here). One scenario per run:
 #
-#   multinode_test.sh --cluster S --comm-run R --demo D --init I --probe P --state DIR SCENARIO [SHAPE]
+#   multinode_test.sh --cluster S --comm-run R --demo D --init I --probe P --train T --state DIR SCENARIO [SHAPE]
 #
 # SHAPE is NODESxRANKS (2x2, 3x1). Each scenario brings up its own cluster (namespaces named
 # cmn<pid>-*), launches `comm-run --nnodes K --node-rank i --master-addr <node 0>` in every node,
@@ -12,7 +12,7 @@ set -Eeuo pipefail
 trap 'echo "FAIL: line $LINENO: \"$BASH_COMMAND\" exited $?" >&2' ERR
 export LC_ALL=C  # a "." in $EPOCHREALTIME and in the numbers awk reads
 
-cluster="" comm_run="" demo="" init="" probe="" state=""
+cluster="" comm_run="" demo="" init="" probe="" train="" state=""
 inner=0
 while [[ ${1:-} == --* ]]; do
   case $1 in
@@ -21,6 +21,7 @@ while [[ ${1:-} == --* ]]; do
     --demo) demo=$2 ;;
     --init) init=$2 ;;
     --probe) probe=$2 ;;
+    --train) train=$2 ;;
     --state) state=$2 ;;
     --inner) inner=1; shift; continue ;;
     *) echo "multinode_test: unknown option $1" >&2; exit 2 ;;
@@ -30,7 +31,8 @@ done
 scenario=${1:?scenario}
 shape=${2:-}
 self=$(readlink -f "$0")
-all_args=(--cluster "$cluster" --comm-run "$comm_run" --demo "$demo" --init "$init" --probe "$probe" --state "$state")
+all_args=(--cluster "$cluster" --comm-run "$comm_run" --demo "$demo" --init "$init" --probe "$probe" --train "$train"
+  --state "$state")
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
 say() { echo "multinode[$scenario${shape:+ $shape}]: $*"; }
@@ -490,4 +492,46 @@ scenario_cluster() {
   say "run tears down after failure and SIGTERM; a failed up removes what it made"
 }
 
+# Fault-tolerant training across nodes (docs/RELIABILITY.md, "Fault-tolerant communicators"):
+# examples/data_parallel_training --elastic over Hierarchical<Shm, Gloo>, node 0's launcher hosting
+# the store. "rank": the last rank of node 1 SIGKILLs itself at step 20; node 1's comm-run starts a
+# replacement (--max-restarts 1) that grows back in. "node": both ranks of node 1 die at step 20
+# and nobody replaces them, so the survivors go on as one node. Either way every survivor
+# recovers (its RECOVERED line gives the time from its error to its first good step) and the job
+# prints the fault-free run's final loss.
+scenario_elastic() {
+  local kind=${ELASTIC_KIND:-rank} steps=300 at=20 ref final kills restarts=() i
+  run_job 120 COMM_TIMEOUT=30s -- "$train" --backend hierarchical --elastic --steps "$steps"
+  jobs_ok
+  ref=$(logs_grep -h "final loss " | sed -E 's/.*final loss //')
+  [[ -n $ref ]] || fail "the fault-free run printed no final loss"
+  rm -f "$work"/node*.log
+  if [[ $kind == rank ]]; then
+    kills="$((2 * per_node - 1)):$at"
+    restarts=(--max-restarts 1)
+  else
+    kills="$per_node:$at"
+    for ((i = per_node + 1; i < 2 * per_node; i++)); do kills+=",$i:$at"; done
+  fi
+  run_job 120 COMM_TIMEOUT=30s -- "${restarts[@]}" "$train" --backend hierarchical --elastic --steps "$steps" --kill "$kills"
+  final=$(logs_grep -h "final loss " | sed -E 's/.*final loss //')
+  [[ -n $final ]] || fail "the run with faults printed no final loss"
+  awk -v a="$final" -v b="$ref" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 1e-5 * (b < 0 ? -b : b)) }' ||
+    fail "final loss $final differs from the fault-free run's $ref"
+  ((job_rc[0] == 0)) || fail "node 0's comm-run exited ${job_rc[0]}"
+  local recovered worst
+  recovered=$(logs_grep -c "RECOVERED " | awk '{ s += $1 } END { print s + 0 }')
+  worst=$(logs_grep -h "RECOVERED " | sed -E 's/.* ms=([0-9.]+).*/\1/' | sort -n | tail -1)
+  if [[ $kind == rank ]]; then
+    jobs_ok  # the replacement finished the job on node 1
+    ((recovered == 2 * per_node - 1)) || fail "$recovered survivors recovered, want $((2 * per_node - 1))"
+    expect_line "grew from $((2 * per_node - 1)) to $((2 * per_node)) rank(s)"
+  else
+    ((job_rc[1] != 0)) || fail "node 1's comm-run exited 0 though its ranks were killed"
+    ((recovered == per_node)) || fail "$recovered survivors recovered, want $per_node"
+  fi
+  say "elastic ($kind lost at step $at): final loss $final = fault-free $ref; $recovered survivors recovered, slowest ${worst} ms after its error"
+}
+
 "scenario_$scenario"
+
