@@ -1,4 +1,4 @@
-// Chaos soak (issue 16): random faults at random points of random collective loops, and the
+// Chaos soak: random faults at random points of random collective loops, and the
 // liveness watch (detail/engine/liveness.hpp) that ends every survivor's operation within a second.
 //
 // Each trial draws a fault, a backend (gloo, shm), a world of 2-4 fault_peer ranks, a collective,

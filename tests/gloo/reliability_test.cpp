@@ -1,4 +1,4 @@
-// Regression tests of the Gloo engine's reliability fixes (docs/RELIABILITY.md, issue 7) and of
+// Regression tests of the Gloo engine's reliability fixes (docs/RELIABILITY.md) and of
 // the engine's internals that the public API does not show: the op hooks, and bit-identical
 // results on every rank from comm's own all_reduce algorithms.
 #include <doctest/doctest.h>

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/gpu-check's 'bare machine' path (issue 15), on a machine without a GPU:
+# scripts/gpu-check's 'bare machine' path, on a machine without a GPU:
 #
 #   1. the build machine's step: scripts/gpu-deps makes a folder with apt (from apt's cache or the
 #      network), or, where that cannot work, the checkout's own .gpu-deps is taken as it is;

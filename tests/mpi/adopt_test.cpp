@@ -1,4 +1,4 @@
-// The MPI backend inside an MPI program (issue 13's "done when"): the program initializes MPI
+// The MPI backend inside an MPI program: the program initializes MPI
 // itself, adopts MPI_COMM_WORLD, runs every collective blocking and async (in place and out of
 // place, MPI-native and comm-kernel element types, custom reductions), subgroups of the adopted
 // communicator, and at the end the failure path: a rank that skips an operation makes one rank time

@@ -1,5 +1,5 @@
 // gloo_staging_bench: what comm's Gloo device-buffer staging costs against doing the copies by hand
-// (issue 15's table; scripts/gpu-check runs it at 4 ranks on one GPU).
+// (scripts/gpu-check runs it at 4 ranks on one GPU).
 //
 //   comm-run -n N gloo_staging_bench [--sizes 8,16M] [--iters 20] [--rounds 5]
 //

@@ -1,9 +1,9 @@
-// Cost of comm's NVTX ranges (detail/diagnostics/nvtx.hpp, issue 15) per operation, on the CPU: an
+// Cost of comm's NVTX ranges (detail/diagnostics/nvtx.hpp) per operation, on the CPU: an
 // "operation" (an out-of-line function doing a counter update) with the range as the NCCL engine
 // opens it, against the same function without it. Built twice: nccl_nvtx_bench (NVTX3 headers
 // found: run with COMM_NVTX unset for "off", COMM_NVTX=1 for "on") and
 // nccl_nvtx_bench_compiled_out (COMM_NO_NVTX). Prints one RESULT line; benchmarks/RESULTS.md
-// "NVTX ranges (issue 15)" has the figures and the command.
+// "NVTX ranges" has the figures and the command.
 //
 //   nccl_nvtx_bench [--iters N] [--rounds R]
 #include <algorithm>

@@ -1,4 +1,4 @@
-// A minimal NVTX tool for nccl_nvtx_test (issue 15): NVTX3 dlopen()s it from NVTX_INJECTION64_PATH
+// A minimal NVTX tool for nccl_nvtx_test: NVTX3 dlopen()s it from NVTX_INJECTION64_PATH
 // at the first NVTX call of the process and calls InitializeInjectionNvtx2, which installs
 // handlers for the domain calls comm makes. Each handler records one line
 //

@@ -1,4 +1,4 @@
-// NVTX ranges (detail/diagnostics/nvtx.hpp, issue 15): the COMM_NVTX switch, the range names, and what an
+// NVTX ranges (detail/diagnostics/nvtx.hpp): the COMM_NVTX switch, the range names, and what an
 // NVTX tool sees. The tool is tests/nccl/nvtx_injection.cpp, loaded by NVTX3 itself from
 // NVTX_INJECTION64_PATH (ctest sets it; without it the tool cases skip and say so).
 //
