@@ -3,11 +3,14 @@
 // Starts N ranks of a program on this node with the launcher environment (RANK, LOCAL_RANK,
 // WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK/NODE_RANK, MASTER_ADDR, MASTER_PORT,
 // COMM_STORE_TOKEN), hosts the job's TcpStore (so that it outlives any rank), prefixes every line
-// the ranks print with "[rank] ", forwards SIGINT/SIGTERM/SIGHUP to them, restarts a failed rank
-// alone when --max-restarts allows, and otherwise stops the whole job when one rank fails, exiting
-// with the first failing rank's code. A small POSIX program: fork + exec, one poll() loop, signals
-// read through a signalfd so nothing runs in a signal handler; the store server is the library's
-// (its own thread, started after the signals are blocked so that they still reach the signalfd).
+// the ranks print with "[rank] " (or writes them to per-rank files, --log-dir), forwards
+// SIGINT/SIGTERM/SIGHUP to them, restarts a failed rank alone when --max-restarts allows, and
+// otherwise stops the whole job when one rank fails, exiting with the first failing rank's code.
+// A small POSIX program: fork + exec, one poll() loop, signals read through a signalfd so nothing
+// runs in a signal handler; the store server is the library's (its own thread, started after the
+// signals are blocked so that they still reach the signalfd). Arguments: CLI11 finds the options
+// (torchrun's spellings among them), comm-run checks their values itself so every bad value gets
+// one kind of message, durations through the library's parser.
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -194,8 +197,18 @@ milliseconds parse_duration_option(std::string_view name, std::string_view value
   return *d;
 }
 
-/// GPUs the NVIDIA driver lists (no CUDA needed): torchrun's --nproc-per-node gpu counts them.
+/// The GPUs this job may use, as torchrun's --nproc-per-node gpu counts them, without CUDA: the
+/// entries of CUDA_VISIBLE_DEVICES when it is set, else the GPUs the NVIDIA driver lists.
 int count_gpus() {
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible != nullptr) {
+    int n = 0;
+    for (std::string_view v = visible; !v.empty();) {
+      const std::size_t comma = std::min(v.find(','), v.size());
+      if (comma > 0) ++n;
+      v.remove_prefix(std::min(comma + 1, v.size()));
+    }
+    return n;
+  }
   std::error_code ec;
   int n = 0;
   for (std::filesystem::directory_iterator it("/proc/driver/nvidia/gpus", ec), end; !ec && it != end; it.increment(ec))
@@ -208,7 +221,8 @@ int parse_nproc(std::string_view v) {
   if (v == "cpu" || v == "gpu" || v == "auto") {
     const int gpus = v == "cpu" ? 0 : count_gpus();
     if (v == "gpu" && gpus == 0)
-      usage_error("-n/--nproc-per-node gpu: no GPU found (/proc/driver/nvidia/gpus lists none); give a number");
+      usage_error("-n/--nproc-per-node gpu: no GPU found (CUDA_VISIBLE_DEVICES, else /proc/driver/nvidia/gpus); "
+                  "give a number");
     const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
     const long n = gpus > 0 ? gpus : std::max(1L, cpus);
     return static_cast<int>(std::min<long>(n, max_nproc));

@@ -928,8 +928,12 @@ std::set<int> ranks_in(const std::string& text) {
 int expected_auto_nproc(bool gpus_first) {
   int gpus = 0;
   std::error_code ec;
-  if (gpus_first)
+  if (gpus_first && std::getenv("CUDA_VISIBLE_DEVICES") != nullptr) {
+    std::istringstream in(std::getenv("CUDA_VISIBLE_DEVICES"));
+    for (std::string item; std::getline(in, item, ',');) gpus += item.empty() ? 0 : 1;
+  } else if (gpus_first) {
     for (fs::directory_iterator it("/proc/driver/nvidia/gpus", ec), end; !ec && it != end; it.increment(ec)) ++gpus;
+  }
   const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
   return static_cast<int>(std::min<long>(gpus > 0 ? gpus : std::max(1L, cpus), 1024));
 }
@@ -976,6 +980,14 @@ TEST_CASE("torchrun's spellings set the same environment") {
     CHECK(e[0]["COMM_JOB_ID"] == "from-flag");
     CHECK(std::stoi(e[0]["MASTER_PORT"]) > 0);
     CHECK(e[1]["MASTER_PORT"] == e[0]["MASTER_PORT"]);
+  }
+  SUBCASE("--nproc-per-node gpu counts CUDA_VISIBLE_DEVICES, and says when there is none") {
+    const Result r = run({"--nproc-per-node", "gpu", probe, "env"}, {{"CUDA_VISIBLE_DEVICES", "3,5,"}});
+    CHECK(r.code == 0);
+    CHECK(parse_env(r.out).size() == 2);
+    const Result none = run({"--nproc-per-node=gpu", probe, "env"}, {{"CUDA_VISIBLE_DEVICES", ""}});
+    CHECK(none.code == 2);
+    CHECK(contains(none.err, "no GPU found"));
   }
   SUBCASE("--nproc-per-node cpu and auto") {
     for (const char* what : {"cpu", "auto"}) {
