@@ -3,11 +3,14 @@
 // Starts N ranks of a program on this node with the launcher environment (RANK, LOCAL_RANK,
 // WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK/NODE_RANK, MASTER_ADDR, MASTER_PORT,
 // COMM_STORE_TOKEN), hosts the job's TcpStore (so that it outlives any rank), prefixes every line
-// the ranks print with "[rank] ", forwards SIGINT/SIGTERM/SIGHUP to them, restarts a failed rank
-// alone when --max-restarts allows, and otherwise stops the whole job when one rank fails, exiting
-// with the first failing rank's code. A small POSIX program: fork + exec, one poll() loop, signals
-// read through a signalfd so nothing runs in a signal handler; the store server is the library's
-// (its own thread, started after the signals are blocked so that they still reach the signalfd).
+// the ranks print with "[rank] " (or writes them to per-rank files, --log-dir), forwards
+// SIGINT/SIGTERM/SIGHUP to them, restarts a failed rank alone when --max-restarts allows, and
+// otherwise stops the whole job when one rank fails, exiting with the first failing rank's code.
+// A small POSIX program: fork + exec, one poll() loop, signals read through a signalfd so nothing
+// runs in a signal handler; the store server is the library's (its own thread, started after the
+// signals are blocked so that they still reach the signalfd). Arguments: CLI11 finds the options
+// (torchrun's spellings among them), comm-run checks their values itself so every bad value gets
+// one kind of message, durations through the library's parser.
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -39,6 +42,8 @@
 #include <utility>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include <comm/detail/init/duration.hpp>
 #include <comm/detail/store/common.hpp>
 #include <comm/detail/store/tcp_store_server.hpp>
@@ -62,29 +67,8 @@ constexpr int max_restarts_limit = 1'000'000;
 // A line longer than this is cut (with a newline) so one rank cannot make us buffer without bound.
 constexpr std::size_t max_line = 64 * 1024;
 
-constexpr std::string_view help_text =
-    R"(Usage: comm-run [options] [--] program [args...]
-
-Starts N processes (ranks) of `program` on this node for a comm job.
-
-Options:
-  -n, --nproc-per-node N  ranks to start on this node (default 1, at most 1024)
-  --nnodes K              nodes in the job (default 1); WORLD_SIZE = K * N
-  --node-rank I           this node's index, 0 <= I < K (default 0)
-  --master-addr A         address of the job's store (default 127.0.0.1)
-  --master-port P         port of the job's store (default: a free port; required when
-                          --nnodes > 1)
-  --no-agent-store        do not host the store: rank 0 does (the behaviour before comm-run
-                          hosted it; for programs that bind MASTER_PORT themselves)
-  --max-restarts N        restart a rank that fails (non-zero exit or a signal), alone, up to
-                          N times in all on this node (default 0: a failure ends the job);
-                          also --max_restarts
-  --grace-period S        after SIGTERM, wait S before SIGKILL (default 5s)
-  --timeout S             stop the whole job after S and exit with code 124
-  --no-prefix             do not prefix output lines with "[rank] "
-  -h, --help              show this help and exit
-  --version               show the version and exit
-Durations are seconds, or a number with an ms, s or m suffix (0.5, 500ms, 2m).
+constexpr std::string_view footer_text =
+    R"(Durations are seconds, or a number with an ms, s or m suffix (0.5, 500ms, 2m).
 Options also take the --option=value form. Options end at the program name or at `--`.
 
 Each rank gets in its environment:
@@ -97,8 +81,8 @@ Each rank gets in its environment:
   MASTER_ADDR, MASTER_PORT
   COMM_STORE_TOKEN  kept if set, else a random per-job token (the store checks it);
                     with --nnodes > 1 it must be set, to the same value on every node
-  COMM_JOB_ID       kept if set, else (one node) a fresh id per job: a store of another job
-                    on the same port refuses this job's ranks, naming both job ids
+  COMM_JOB_ID       --rdzv-id if given, else kept if set, else (one node) a fresh id per job: a
+                    store of another job on the same port refuses this job's ranks, naming both
   COMM_AGENT_STORE  1: the launcher hosts the store (unless --no-agent-store), so every rank,
                     rank 0 too, connects to it as a client
   COMM_RESTART_COUNT  only in a restarted rank: this node's restarts so far, this one
@@ -112,6 +96,13 @@ others do not. A connection with a wrong or no token is refused (logged with COM
 Output: every line a rank writes to stdout (stderr) is written to stdout (stderr) prefixed with
 "[RANK] ", whole lines only; a last line without a newline is completed at exit. Ranks run with
 stdin from /dev/null, except rank 0, which inherits stdin when it is not a terminal.
+With --log-dir DIR, rank r's stdout and stderr go, unprefixed, to DIR/rank_<r>/stdout.log and
+DIR/rank_<r>/stderr.log (emptied when the job starts; a restarted rank appends), and reach the
+console only as --tee says (torchrun's values: 0 none, 1 stdout, 2 stderr, 3 both; default 0).
+--redirects (torchrun's -r) names the streams that go to the files only; a stream in neither
+--redirects nor --tee then goes to the console only. --local-ranks-filter 0,2-3 shows only those
+local ranks' output on the console (the others' output goes to their files, or nowhere without
+--log-dir). comm-run's own messages always go to stderr.
 
 Restarts: with --max-restarts N, a rank that exits non-zero or is killed by a signal is started
 again, alone, with the same environment plus COMM_RESTART_COUNT (stdin from /dev/null; its
@@ -127,10 +118,35 @@ are forwarded to all ranks (a second SIGINT/SIGTERM kills them); comm-run then e
 Trace: when COMM_TRACE=path is set, every rank writes its Chrome trace to path.<rank>; when the job
 ends comm-run merges the files of this node's ranks into `path` (with --nnodes > 1:
 path.node<I>), a trace of every rank that opens in chrome://tracing or ui.perfetto.dev.
+
+torchrun: its spellings work (--nproc_per_node, --node_rank, --master_addr, --master_port,
+--max_restarts, --log_dir, -t, -r, --local_ranks_filter, --rdzv_*). comm-run runs a program, not a
+Python script: write `comm-run -n 2 python train.py` (--no-python is accepted and changes nothing;
+-m/--module and --run-path are refused). The rendezvous is static: --rdzv-backend static or c10d,
+--rdzv-endpoint HOST[:PORT] is --master-addr/--master-port, --rdzv-id is COMM_JOB_ID; with
+--nnodes > 1 every node names its --node-rank. --monitor-interval, --start-method and --role are
+accepted and change nothing.
+
+Examples:
+  comm-run -n 4 ./train                        4 ranks on this node
+  comm-run --standalone --nproc_per_node=4 ./train
+                                               the same, in torchrun's words
+  comm-run -n 4 --log-dir logs --tee 2 ./train
+                                               each rank's output in logs/rank_<r>/*.log,
+                                               stderr also on the console
+  comm-run -n 8 --local-ranks-filter 0 ./train only rank 0's output on the console
+  comm-run -n 4 --max-restarts 3 --timeout 10m -- ./train --epochs 3
+  export COMM_STORE_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')   # on both nodes
+  comm-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -n 8 ./train
+  comm-run --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 -n 8 ./train
 )";
 
 // ---------------------------------------------------------------------------------------------
 // Arguments
+
+// Bits of --tee and --redirects (torchrun's values).
+constexpr int stream_out = 1;
+constexpr int stream_err = 2;
 
 struct Options {
   int nproc = 1;
@@ -143,6 +159,11 @@ struct Options {
   bool prefix = true;
   bool agent_store = true;  // this launcher (node 0's) hosts the store
   int max_restarts = 0;
+  std::string job_id;   // --rdzv-id; empty: from the environment or fresh
+  std::string log_dir;  // empty: no log files, every stream to the console
+  int tee = 0;          // with log_dir: streams also shown on the console
+  int redirects = stream_out | stream_err;  // with log_dir: streams written to the files
+  std::vector<bool> shown;  // by local rank: its output may reach the console (empty: every rank)
   std::vector<char*> command;  // program and its arguments, null-terminated
 };
 
@@ -176,80 +197,302 @@ milliseconds parse_duration_option(std::string_view name, std::string_view value
   return *d;
 }
 
+/// The GPUs this job may use, as torchrun's --nproc-per-node gpu counts them, without CUDA: the
+/// entries of CUDA_VISIBLE_DEVICES when it is set, else the GPUs the NVIDIA driver lists.
+int count_gpus() {
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible != nullptr) {
+    int n = 0;
+    for (std::string_view v = visible; !v.empty();) {
+      const std::size_t comma = std::min(v.find(','), v.size());
+      if (comma > 0) ++n;
+      v.remove_prefix(std::min(comma + 1, v.size()));
+    }
+    return n;
+  }
+  std::error_code ec;
+  int n = 0;
+  for (std::filesystem::directory_iterator it("/proc/driver/nvidia/gpus", ec), end; !ec && it != end; it.increment(ec))
+    ++n;
+  return n;
+}
+
+/// -n: a number, or torchrun's cpu, gpu or auto (GPUs when there are any, else CPUs).
+int parse_nproc(std::string_view v) {
+  if (v == "cpu" || v == "gpu" || v == "auto") {
+    const int gpus = v == "cpu" ? 0 : count_gpus();
+    if (v == "gpu" && gpus == 0)
+      usage_error("-n/--nproc-per-node gpu: no GPU found (CUDA_VISIBLE_DEVICES, else /proc/driver/nvidia/gpus); "
+                  "give a number");
+    const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
+    const long n = gpus > 0 ? gpus : std::max(1L, cpus);
+    return static_cast<int>(std::min<long>(n, max_nproc));
+  }
+  return parse_int_option("-n/--nproc-per-node", v, 1, max_nproc);
+}
+
+/// --nnodes: K, or torchrun's MIN:MAX when both are K (an elastic range is refused).
+int parse_nnodes(std::string_view v) {
+  if (const auto colon = v.find(':'); colon != std::string_view::npos) {
+    const std::string_view lo = v.substr(0, colon), hi = v.substr(colon + 1);
+    if (lo != hi)
+      usage_error("--nnodes " + std::string(v) +
+                  ": a range of nodes (torchrun's elastic MIN:MAX) is not supported; comm-run starts a fixed "
+                  "number of nodes, give one number");
+    v = lo;
+  }
+  return parse_int_option("--nnodes", v, 1, max_nnodes);
+}
+
+/// --tee and --redirects: torchrun's 0 (none), 1 (stdout), 2 (stderr) or 3 (both).
+int parse_streams(std::string_view name, std::string_view v) {
+  if (v.find(':') != std::string_view::npos)
+    usage_error(std::string(name) + " " + std::string(v) +
+                ": a value per local rank (torchrun's RANK:VALUE,...) is not supported; give one of 0, 1, 2, 3");
+  if (v.size() != 1 || v[0] < '0' || v[0] > '3')
+    usage_error(std::string(name) + " must be 0 (none), 1 (stdout), 2 (stderr) or 3 (both), got '" + std::string(v) +
+                "'");
+  return v[0] - '0';
+}
+
+/// --local-ranks-filter: "0,2,5-7" → which of the `nproc` local ranks are shown.
+std::vector<bool> parse_rank_filter(std::string_view v, int nproc) {
+  std::vector<bool> shown(static_cast<std::size_t>(nproc), false);
+  const std::string name = "--local-ranks-filter";
+  if (v.empty()) usage_error(name + " must list local ranks (like 0,1 or 0-3), got ''");
+  for (std::size_t start = 0; start <= v.size();) {
+    const std::size_t comma = std::min(v.find(',', start), v.size());
+    const std::string_view item = v.substr(start, comma - start);
+    const std::size_t dash = item.find('-', 1);  // a leading '-' is a sign: out of range below
+    auto bound = [&](std::string_view s) {
+      auto r = parse_integer(s);
+      if (!r)
+        usage_error(name + " must list local ranks (like 0,1 or 0-3), got '" + std::string(v) + "' ('" +
+                    std::string(item) + "' is not a rank or a range)");
+      if (*r < 0 || *r >= nproc)
+        usage_error(name + ": local rank " + std::string(s) + " is not in 0.." + std::to_string(nproc - 1) +
+                    " (-n is " + std::to_string(nproc) + ")");
+      return static_cast<int>(*r);
+    };
+    const int lo = bound(item.substr(0, dash));
+    const int hi = dash == std::string_view::npos ? lo : bound(item.substr(dash + 1));
+    if (hi < lo) usage_error(name + ": the range '" + std::string(item) + "' is empty");
+    for (int r = lo; r <= hi; ++r) shown[static_cast<std::size_t>(r)] = true;
+    start = comma + 1;
+  }
+  return shown;
+}
+
+/// The usage line CLI11 cannot derive: the program comes after the options, not as one of them.
+class Formatter : public CLI::Formatter {
+ public:
+  std::string make_usage(const CLI::App*, std::string) const override {
+    return "Usage: comm-run [OPTIONS] [--] program [args...]\n";
+  }
+};
+
 Options parse_args(int argc, char** argv) {
   Options o;
-  int i = 1;
-  for (; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    if (arg == "--") {
-      ++i;
-      break;
+  CLI::App app{"Starts N processes (ranks) of `program` on this node for a comm job, with the launcher\n"
+               "environment, and hosts the job's store.",
+               "comm-run"};
+  app.formatter(std::make_shared<Formatter>());
+  app.get_formatter()->column_width(36);
+  app.footer(std::string(footer_text));
+  // The first word that is not an option, and all after it, is the program's command line.
+  app.prefix_command();
+  app.set_help_flag("-h,--help", "show this help and exit");
+  app.set_version_flag("--version", std::string("comm-run ") + COMM_RUN_VERSION, "show the version and exit");
+  // The last of a repeated option wins, as with the parser before CLI11 (and torchrun's argparse).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+
+  // Values are taken as text and checked below, so every bad value gets the same kind of message.
+  std::string nproc, nnodes, node_rank, master_addr, master_port, grace, timeout, max_restarts, log_dir, tee,
+      redirects, filter, rdzv_backend, rdzv_endpoint, rdzv_id, ignored;
+  bool no_prefix = false, no_agent_store = false, standalone = false, flag_ignored = false;
+  auto value = [&](const char* names, std::string& into, const char* type, const char* what) {
+    return app.add_option(names, into, what)->type_name(type);
+  };
+  auto flag = [&](const char* names, bool& into, const char* what) {
+    return app.add_flag(names, into, what)->disable_flag_override();
+  };
+  value("-n,--nproc-per-node,--nproc_per_node", nproc, "N",
+        "ranks to start on this node (default 1, at most 1024);\n"
+        "also cpu, gpu or auto (GPUs, else CPUs) as torchrun");
+  value("--nnodes", nnodes, "K", "nodes in the job (default 1); WORLD_SIZE = K * N");
+  value("--node-rank,--node_rank", node_rank, "I", "this node's index, 0 <= I < K (default 0)");
+  value("--master-addr,--master_addr", master_addr, "A", "address of the job's store (default 127.0.0.1)");
+  value("--master-port,--master_port", master_port, "P",
+        "port of the job's store (default: a free port;\nrequired when --nnodes > 1)");
+  flag("--standalone", standalone,
+       "one node, the store on 127.0.0.1 and a free port (torchrun's);\nnot with --nnodes > 1 or --master-*");
+  flag("--no-agent-store", no_agent_store,
+       "do not host the store: rank 0 does (for programs that bind\nMASTER_PORT themselves)");
+  value("--max-restarts,--max_restarts", max_restarts, "N",
+        "restart a rank that fails, alone, up to N times in all on this\nnode (default 0: a failure ends the job)");
+  value("--grace-period", grace, "S", "after SIGTERM, wait S before SIGKILL (default 5s)");
+  value("--timeout", timeout, "S", "stop the whole job after S and exit with code 124");
+  flag("--no-prefix", no_prefix, "do not prefix console lines with \"[rank] \"");
+  value("--log-dir,--log_dir", log_dir, "DIR",
+        "write rank r's stdout and stderr to DIR/rank_<r>/stdout.log\nand stderr.log (not to the console unless --tee)");
+  value("-t,--tee", tee, "0-3",
+        "with --log-dir, the streams also shown on the console:\n0 none (default), 1 stdout, 2 stderr, 3 both");
+  value("-r,--redirects", redirects, "0-3",
+        "with --log-dir, the streams written to the files only\n(default 3; the others go to the console only)");
+  value("--local-ranks-filter,--local_ranks_filter", filter, "LIST",
+        "show only these local ranks' output on the console (0,1 or 0-3)");
+  value("--rdzv-backend,--rdzv_backend", rdzv_backend, "NAME", "static or c10d (both: comm-run's static rendezvous)")
+      ->group("torchrun rendezvous");
+  value("--rdzv-endpoint,--rdzv_endpoint", rdzv_endpoint, "HOST[:PORT]", "as --master-addr HOST --master-port PORT")
+      ->group("torchrun rendezvous");
+  value("--rdzv-id,--rdzv_id", rdzv_id, "ID", "the job id (exported as COMM_JOB_ID)")->group("torchrun rendezvous");
+  // torchrun's options that mean nothing for comm-run: accepted (hidden) so its command lines work.
+  for (const char* names : {"--monitor-interval,--monitor_interval", "--start-method,--start_method", "--role"})
+    app.add_option(names, ignored)->group("");
+  app.add_flag("--no-python,--no_python", flag_ignored)->group("")->disable_flag_override();
+  // torchrun's options comm-run cannot honour: recognised (hidden), so the error says why.
+  std::string refused_value;
+  bool refused_flag = false;
+  struct Refused {
+    const char* names;
+    const char* why;
+    bool takes_value;
+  };
+  static constexpr Refused refused[] = {
+      {"-m,--module", "comm-run runs a program, not a Python module: write `comm-run ... python -m MODULE`", false},
+      {"--run-path,--run_path", "comm-run runs a program: write `comm-run ... python SCRIPT`", false},
+      {"--rdzv-conf,--rdzv_conf", "comm-run's rendezvous is static and has no settings (see --rdzv-backend)", true},
+      {"--local-addr,--local_addr", "the ranks connect to MASTER_ADDR; this node's address is not configurable", true},
+  };
+  std::vector<CLI::Option*> refused_opts;
+  for (const Refused& r : refused)
+    refused_opts.push_back((r.takes_value ? app.add_option(r.names, refused_value)
+                                          : app.add_flag(r.names, refused_flag)->disable_flag_override())
+                               ->group(""));
+
+  // Two forms CLI11 reads otherwise: "-n=4" (the old parser's; CLI11 would take "=4") and
+  // "--name=" (an empty value; CLI11 would take the next word). from[k]: the argv index of args[k].
+  std::vector<std::string> args;
+  std::vector<int> from;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.starts_with("-n=")) a = "--nproc-per-node=" + a.substr(3);
+    if (a.size() > 3 && a.starts_with("--") && a.find('=') == a.size() - 1) {
+      args.push_back(a.substr(0, a.size() - 1));
+      from.push_back(i);
+      a.clear();
     }
-    if (arg.size() < 2 || arg.front() != '-') break;  // the program ("-" alone is a name too)
-    if (arg == "-h" || arg == "--help") {
-      std::fwrite(help_text.data(), 1, help_text.size(), stdout);
-      std::exit(0);
-    }
-    if (arg == "--version") {
-      std::printf("comm-run %s\n", COMM_RUN_VERSION);
-      std::exit(0);
-    }
-    if (arg == "--no-prefix") {
-      o.prefix = false;
-      continue;
-    }
-    if (arg == "--no-agent-store") {
-      o.agent_store = false;
-      continue;
-    }
-    // Options with a value: "--name value", "--name=value", and for -n also "-nVALUE".
-    std::string_view name = arg;
-    std::optional<std::string_view> value;
-    if (arg.starts_with("--")) {
-      if (auto eq = arg.find('='); eq != std::string_view::npos) {
-        name = arg.substr(0, eq);
-        value = arg.substr(eq + 1);
-      }
-    } else if (arg.starts_with("-n") && arg.size() > 2) {
-      name = "-n";
-      value = arg.substr(arg[2] == '=' ? 3 : 2);
-    }
-    static constexpr std::string_view with_value[] = {"-n",          "--nproc-per-node", "--nnodes",
-                                                      "--node-rank", "--master-addr",    "--master-port",
-                                                      "--grace-period", "--timeout",    "--max-restarts",
-                                                      "--max_restarts"};
-    if (std::find(std::begin(with_value), std::end(with_value), name) == std::end(with_value))
-      usage_error("unknown option '" + std::string(arg) + "'");
-    if (!value) {
-      if (i + 1 >= argc) usage_error("option '" + std::string(name) + "' needs a value");
-      value = argv[++i];
-    }
-    if (name == "-n" || name == "--nproc-per-node") {
-      o.nproc = parse_int_option("-n/--nproc-per-node", *value, 1, max_nproc);
-    } else if (name == "--nnodes") {
-      o.nnodes = parse_int_option("--nnodes", *value, 1, max_nnodes);
-    } else if (name == "--node-rank") {
-      o.node_rank = parse_int_option("--node-rank", *value, 0, max_nnodes - 1);
-    } else if (name == "--master-addr") {
-      if (value->empty()) usage_error("--master-addr must not be empty");
-      o.master_addr = std::string(*value);
-    } else if (name == "--master-port") {
-      o.master_port = parse_int_option("--master-port", *value, 1, 65535);
-    } else if (name == "--grace-period") {
-      o.grace = parse_duration_option("--grace-period", *value, true);
-    } else if (name == "--timeout") {
-      o.timeout = parse_duration_option("--timeout", *value, false);
-    } else if (name == "--max-restarts" || name == "--max_restarts") {
-      o.max_restarts = parse_int_option("--max-restarts", *value, 0, max_restarts_limit);
-    }
+    args.push_back(std::move(a));
+    from.push_back(i);
   }
-  if (i >= argc) usage_error("no program given");
+  const std::vector<std::string> given = args;
+  std::reverse(args.begin(), args.end());  // CLI11 takes them last-first
+  try {
+    app.parse(args);
+  } catch (const CLI::CallForHelp& e) {
+    std::exit(app.exit(e));
+  } catch (const CLI::CallForVersion& e) {
+    std::exit(app.exit(e));
+  } catch (const CLI::ArgumentMismatch& e) {
+    // CLI11 says "--name: 1 required TYPE missing"; ours names the option as it is spelled above.
+    const std::string what = e.what();
+    if (what.ends_with(" missing")) usage_error("option '" + what.substr(0, what.find(':')) + "' needs a value");
+    usage_error(what);
+  } catch (const CLI::ParseError& e) {
+    usage_error(e.what());
+  }
+
+  // What CLI11 left: the command line, after a `--` if one came first; a leading word that looks
+  // like an option is one comm-run does not know.
+  std::vector<std::string> rest = app.remaining();
+  bool marked = false;
+  if (!rest.empty() && rest.front() == "--") {
+    const auto at = given.end() - static_cast<std::ptrdiff_t>(rest.size());
+    marked = std::equal(rest.begin(), rest.end(), at, given.end());  // the `--` is ours, not a stray word's
+    if (marked) rest.erase(rest.begin());
+  }
+  if (!rest.empty() && !marked && rest.front().size() >= 2 && rest.front().front() == '-')
+    usage_error("unknown option '" + rest.front() + "'");
+  for (std::size_t k = 0; k < refused_opts.size(); ++k)
+    if (refused_opts[k]->count() > 0) {
+      std::string names = refused[k].names;
+      std::replace(names.begin(), names.end(), ',', '/');
+      usage_error(names + " (torchrun's) is not supported: " + refused[k].why);
+    }
+
+  if (!nproc.empty()) o.nproc = parse_nproc(nproc);
+  if (!nnodes.empty()) o.nnodes = parse_nnodes(nnodes);
+  if (!node_rank.empty()) o.node_rank = parse_int_option("--node-rank", node_rank, 0, max_nnodes - 1);
+  if (app.count("--master-addr") > 0) {
+    if (master_addr.empty()) usage_error("--master-addr must not be empty");
+    o.master_addr = master_addr;
+  }
+  if (!master_port.empty() || app.count("--master-port") > 0)
+    o.master_port = parse_int_option("--master-port", master_port, 1, 65535);
+  if (!grace.empty()) o.grace = parse_duration_option("--grace-period", grace, true);
+  if (app.count("--timeout") > 0) o.timeout = parse_duration_option("--timeout", timeout, false);
+  if (!max_restarts.empty() || app.count("--max-restarts") > 0)
+    o.max_restarts = parse_int_option("--max-restarts", max_restarts, 0, max_restarts_limit);
+  o.prefix = !no_prefix;
+  o.agent_store = !no_agent_store;
+
+  if (app.count("--rdzv-backend") > 0 && rdzv_backend != "static" && rdzv_backend != "c10d")
+    usage_error("--rdzv-backend " + rdzv_backend +
+                " is not supported: comm-run's rendezvous is static (its store, every node naming --node-rank); "
+                "use static or c10d");
+  if (rdzv_backend == "c10d" && o.nnodes > 1 && node_rank.empty())
+    usage_error("--rdzv-backend c10d with --nnodes > 1 needs --node-rank on every node (comm-run does not hand out "
+                "node ranks)");
+  if (app.count("--rdzv-endpoint") > 0) {
+    if (app.count("--master-addr") > 0 || app.count("--master-port") > 0)
+      usage_error("give --rdzv-endpoint or --master-addr/--master-port, not both");
+    std::string_view ep = rdzv_endpoint, host = ep, port;
+    if (ep.starts_with('[')) {  // [IPv6]:PORT
+      const auto close = ep.find(']');
+      if (close == std::string_view::npos) usage_error("--rdzv-endpoint '" + rdzv_endpoint + "' lacks its ']'");
+      host = ep.substr(1, close - 1);
+      if (close + 1 < ep.size()) {
+        if (ep[close + 1] != ':') usage_error("--rdzv-endpoint must be HOST[:PORT], got '" + rdzv_endpoint + "'");
+        port = ep.substr(close + 2);
+      }
+    } else if (const auto colon = ep.rfind(':'); colon != std::string_view::npos && ep.find(':') == colon) {
+      host = ep.substr(0, colon);
+      port = ep.substr(colon + 1);
+    }
+    if (host.empty()) usage_error("--rdzv-endpoint must be HOST[:PORT], got '" + rdzv_endpoint + "'");
+    o.master_addr = std::string(host);
+    // torchrun's "localhost:0" (its --standalone endpoint): a free port.
+    if (!port.empty() && port != "0") o.master_port = parse_int_option("--rdzv-endpoint's port", port, 1, 65535);
+  }
+  if (app.count("--rdzv-id") > 0) {
+    if (rdzv_id.empty()) usage_error("--rdzv-id must not be empty");
+    o.job_id = rdzv_id;
+  }
+  if (standalone) {
+    for (const char* other : {"--master-addr", "--master-port", "--rdzv-endpoint"})
+      if (app.count(other) > 0)
+        usage_error(std::string("--standalone picks the store's address and port itself; drop ") + other);
+    if (o.nnodes != 1 || o.node_rank != 0)
+      usage_error("--standalone is one node: --nnodes must be 1 and --node-rank 0");
+    o.master_addr = "127.0.0.1";
+    o.master_port = 0;
+  }
+
+  if (app.count("--log-dir") > 0) {
+    if (log_dir.empty()) usage_error("--log-dir must not be empty");
+    o.log_dir = log_dir;
+  }
+  if (app.count("--tee") > 0) o.tee = parse_streams("--tee", tee);
+  if (app.count("--redirects") > 0) o.redirects = parse_streams("--redirects", redirects);
+  if (app.count("--local-ranks-filter") > 0) o.shown = parse_rank_filter(filter, o.nproc);
+
+  if (rest.empty()) usage_error("no program given");
   if (o.node_rank >= o.nnodes)
     usage_error("--node-rank must be less than --nnodes (" + std::to_string(o.nnodes) + "), got " +
                 std::to_string(o.node_rank));
   if (o.nnodes > 1 && o.master_port == 0)
     usage_error("--master-port is required when --nnodes > 1 (every node must use the same port)");
-  for (; i < argc; ++i) o.command.push_back(argv[i]);
+  // The program's words are argv's own strings (exec needs char*; they live as long as we do).
+  for (int i = from[given.size() - rest.size()]; i < argc; ++i) o.command.push_back(argv[i]);
   o.command.push_back(nullptr);
   return o;
 }
@@ -438,8 +681,9 @@ void merge_traces(const Options& o, std::filesystem::file_time_type started) {
 /// One output pipe of one rank, cut into prefixed lines.
 struct Stream {
   int fd = -1;
-  int dest = STDOUT_FILENO;
-  std::string pending;  // bytes after the last newline
+  int dest = STDOUT_FILENO;  // the console (our stdout or stderr), or -1: not shown
+  int file = -1;             // the rank's log file (--log-dir), or -1
+  std::string pending;       // bytes after the last newline (console only)
 };
 
 struct Rank {
@@ -447,6 +691,7 @@ struct Rank {
   int local = 0;
   pid_t pid = -1;  // also its process group id
   bool running = false;
+  bool logged = false;  // its log files were started (a restart appends to them)
   Stream out, err;
 };
 
@@ -457,6 +702,7 @@ class Job {
   int run() {
     setup_signals();
     prepare_env();
+    prepare_logs();
     host_store();
     const auto started = std::filesystem::file_time_type::clock::now();
     start_ranks();
@@ -502,10 +748,53 @@ class Job {
       token_ = random_token();
     }
     const char* job = std::getenv("COMM_JOB_ID");
-    if (job != nullptr && *job != '\0')
+    if (!opt_.job_id.empty())
+      job_id_ = opt_.job_id;
+    else if (job != nullptr && *job != '\0')
       job_id_ = job;
     else if (opt_.nnodes == 1)
       job_id_ = "comm-run-" + std::to_string(::getpid()) + "-" + random_token().substr(0, 8);
+  }
+
+  /// --log-dir: DIR/rank_<r>/ for each of this node's ranks, made before any rank starts so that a
+  /// directory we cannot write is a clear error, not a job running blind.
+  void prepare_logs() {
+    if (opt_.log_dir.empty()) return;
+    for (int local = 0; local < opt_.nproc; ++local) {
+      const std::filesystem::path dir = rank_log_dir(opt_.node_rank * opt_.nproc + local);
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      if (ec) {
+        message("--log-dir: cannot create " + dir.string() + ": " + ec.message());
+        std::exit(1);
+      }
+    }
+  }
+
+  std::filesystem::path rank_log_dir(int rank) const {
+    return std::filesystem::path(opt_.log_dir) / ("rank_" + std::to_string(rank));
+  }
+
+  /// " (its output: DIR/rank_<r>/)" when the rank's output is in files, so a failure names them.
+  std::string where_output(int rank) const {
+    return opt_.log_dir.empty() ? std::string() : " (its output: " + rank_log_dir(rank).string() + "/)";
+  }
+
+  /// The log file of `bit` (stream_out or stream_err) for rank `r`, or -1 when that stream has none.
+  /// Emptied when the job first starts the rank; a restart appends.
+  int open_log(const Rank& r, int bit) {
+    if (opt_.log_dir.empty() || ((opt_.redirects | opt_.tee) & bit) == 0) return -1;
+    const std::string path = (rank_log_dir(r.rank) / (bit == stream_out ? "stdout.log" : "stderr.log")).string();
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (r.logged ? O_APPEND : O_TRUNC), 0644);
+    if (fd < 0) message("--log-dir: cannot open " + path + ": " + std::strerror(errno) + "; that output is lost");
+    return fd;
+  }
+
+  /// Where stream `bit` of local rank `local` shows on the console: our stdout/stderr, or -1.
+  int console(int local, int bit) const {
+    if (!opt_.shown.empty() && !opt_.shown[static_cast<std::size_t>(local)]) return -1;
+    const bool shown = opt_.log_dir.empty() || (opt_.tee & bit) != 0 || (opt_.redirects & bit) == 0;
+    return shown ? (bit == stream_out ? STDOUT_FILENO : STDERR_FILENO) : -1;
   }
 
   /// Node 0's launcher hosts the job's store from before the ranks start until the job ends (the
@@ -590,8 +879,9 @@ class Job {
     r.pid = pid;
     r.running = true;
     ++running_;
-    r.out = Stream{out[0], STDOUT_FILENO, {}};
-    r.err = Stream{err[0], STDERR_FILENO, {}};
+    r.out = Stream{out[0], console(r.local, stream_out), open_log(r, stream_out), {}};
+    r.err = Stream{err[0], console(r.local, stream_err), open_log(r, stream_err), {}};
+    r.logged = true;
     for (int fd : {out[0], err[0]}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
 
     // The status pipe closes on a successful exec, or carries errno when exec failed.
@@ -696,6 +986,8 @@ class Job {
   // --- output ---------------------------------------------------------------------------------
 
   void emit(Stream& s, int rank, std::string_view data) {
+    if (s.file >= 0 && !data.empty()) write_all(s.file, data);  // the file gets the bytes as written
+    if (s.dest < 0) return;
     s.pending.append(data);
     const std::string prefix = opt_.prefix ? "[" + std::to_string(rank) + "] " : std::string();
     std::string out;
@@ -722,6 +1014,10 @@ class Job {
     if (s.fd < 0) return;
     ::close(s.fd);
     s.fd = -1;
+    if (s.file >= 0) {
+      ::close(s.file);
+      s.file = -1;
+    }
     if (!s.pending.empty()) {
       s.pending += '\n';  // complete the last line so it is not glued to another rank's output
       emit(s, rank, {});
@@ -779,17 +1075,20 @@ class Job {
       if (stopping_) continue;  // the job is already going down; the first cause is known
       drain(*it);               // its last words come before our report
       if (restarts_ < opt_.max_restarts) {
-        restart(*it, WIFEXITED(status) ? "exited with code " + std::to_string(WEXITSTATUS(status))
-                                       : "was killed by signal " + signal_name(WTERMSIG(status)));
+        restart(*it, (WIFEXITED(status) ? "exited with code " + std::to_string(WEXITSTATUS(status))
+                                        : "was killed by signal " + signal_name(WTERMSIG(status))) +
+                         where_output(it->rank));
         continue;
       }
       if (opt_.max_restarts > 0)
         message("no restart left (--max-restarts " + std::to_string(opt_.max_restarts) + " used up)");
       if (WIFEXITED(status)) {
-        message("rank " + std::to_string(it->rank) + " exited with code " + std::to_string(WEXITSTATUS(status)));
+        message("rank " + std::to_string(it->rank) + " exited with code " + std::to_string(WEXITSTATUS(status)) +
+                where_output(it->rank));
         begin_stop(WEXITSTATUS(status), SIGTERM);
       } else {
-        message("rank " + std::to_string(it->rank) + " was killed by signal " + signal_name(WTERMSIG(status)));
+        message("rank " + std::to_string(it->rank) + " was killed by signal " + signal_name(WTERMSIG(status)) +
+                where_output(it->rank));
         begin_stop(128 + WTERMSIG(status), SIGTERM);
       }
       if (running_ > 0)

@@ -24,6 +24,9 @@ set_tests_properties(consumer.find_package PROPERTIES FIXTURES_REQUIRED comm_ins
 _comm_consumer(build_tree ARGS -DCOMM_CONSUME=package -Dcomm_DIR=${PROJECT_BINARY_DIR})
 _comm_consumer(add_subdirectory ARGS -DCOMM_CONSUME=subdirectory -DCOMM_SOURCE_DIR=${_src})
 _comm_consumer(fetch_content ARGS -DCOMM_CONSUME=fetch -DCOMM_SOURCE_DIR=${_src})
+# Without CLI11, a subproject still configures and builds; only comm-run is skipped.
+_comm_consumer(add_subdirectory_no_cli11 ARGS -DCOMM_CONSUME=subdirectory -DCOMM_SOURCE_DIR=${_src}
+  -DCMAKE_DISABLE_FIND_PACKAGE_CLI11=ON -DCOMM_EXPECT_RUN=OFF)
 
 # comm::mpi from the install, in a C++-only project (tests/consumer/mpi).
 if(COMM_HAS_MPI)

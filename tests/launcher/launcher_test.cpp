@@ -540,6 +540,43 @@ TEST_CASE("bad arguments: a clear message and exit code 2") {
       {{"--max-restarts", "-1", probe, "env"}, "--max-restarts"},
       {{"--max-restarts", "two", probe, "env"}, "--max-restarts"},
       {{"--max_restarts=1x", probe, "env"}, "--max-restarts"},
+      // CLI11 finds the option, comm-run checks the value: the same messages for every spelling.
+      {{"--nproc_per_node=abc", probe, "env"}, "got 'abc'"},
+      {{"--nproc-per-node", "2.5", probe, "env"}, "got '2.5'"},
+      {{"--master_port"}, "option '--master-port' needs a value"},
+      {{"--node_rank=x", probe, "env"}, "--node-rank"},
+      {{"--no-prefix=1", probe, "env"}, "no-prefix"},
+      {{"-n", "2", "--bogus=3", probe, "env"}, "unknown option '--bogus=3'"},
+      {{"-5", probe, "env"}, "unknown option '-5'"},
+      // torchrun's spellings comm-run cannot honour: refused, saying why.
+      {{"--nnodes", "1:4", probe, "env"}, "MIN:MAX) is not supported"},
+      {{"--nnodes=0:0", probe, "env"}, "--nnodes"},
+      {{"-m", "pkg.train"}, "-m/--module (torchrun's) is not supported"},
+      {{"--run_path", probe}, "--run-path/--run_path (torchrun's) is not supported"},
+      {{"--rdzv-conf", "timeout=5", probe, "env"}, "--rdzv-conf/--rdzv_conf (torchrun's) is not supported"},
+      {{"--local_addr", "10.0.0.2", probe, "env"}, "is not supported"},
+      {{"--rdzv-backend", "etcd", probe, "env"}, "--rdzv-backend etcd is not supported"},
+      {{"--rdzv-backend=c10d", "--nnodes", "2", "--master-port", "29516", probe, "env"}, "needs --node-rank"},
+      {{"--rdzv-endpoint", "127.0.0.1:29519", "--master-port", "29519", probe, "env"}, "not both"},
+      {{"--rdzv-endpoint", "127.0.0.1:99999", probe, "env"}, "--rdzv-endpoint's port"},
+      {{"--rdzv-endpoint", ":29519", probe, "env"}, "HOST[:PORT]"},
+      {{"--rdzv-id=", probe, "env"}, "--rdzv-id must not be empty"},
+      {{"--standalone", "--nnodes", "2", probe, "env"}, "--standalone is one node"},
+      {{"--standalone", "--node_rank=1", "--nnodes=2", probe, "env"}, "--standalone is one node"},
+      {{"--standalone", "--master-port", "29516", probe, "env"}, "drop --master-port"},
+      {{"--standalone", "--master_addr=127.0.0.1", probe, "env"}, "drop --master-addr"},
+      {{"--nproc_per_node", "0", probe, "env"}, "got '0'"},
+      // Output options.
+      {{"--log-dir=", probe, "env"}, "--log-dir must not be empty"},
+      {{"--log-dir", "/tmp", "--tee", "4", probe, "env"}, "--tee must be 0 (none), 1 (stdout), 2 (stderr) or 3 (both), got '4'"},
+      {{"-t", "x", probe, "env"}, "--tee must be"},
+      {{"--tee", "0:1,1:2", probe, "env"}, "a value per local rank"},
+      {{"-r", "-1", probe, "env"}, "--redirects must be"},
+      {{"-n", "2", "--local-ranks-filter", "2", probe, "env"}, "local rank 2 is not in 0..1"},
+      {{"-n", "2", "--local-ranks-filter", "0,x", probe, "env"}, "'x' is not a rank or a range"},
+      {{"-n", "4", "--local_ranks_filter=3-1", probe, "env"}, "the range '3-1' is empty"},
+      {{"-n", "4", "--local-ranks-filter", "", probe, "env"}, "--local-ranks-filter must list local ranks"},
+      {{"-n", "4", "--local-ranks-filter", "-1", probe, "env"}, "local rank -1 is not in 0..3"},
   };
   for (const auto& c : cases) {
     std::string joined;
@@ -554,13 +591,37 @@ TEST_CASE("bad arguments: a clear message and exit code 2") {
 }
 
 TEST_CASE("--help") {
-  const Result r = run({"--help"});
+  for (const char* flag : {"--help", "-h"}) {
+    CAPTURE(flag);
+    const Result r = run({flag});
+    CHECK(r.code == 0);
+    CHECK(r.err.empty());
+    CHECK(r.out.starts_with("Starts N processes"));
+    CHECK(contains(r.out, "Usage: comm-run [OPTIONS] [--] program [args...]"));
+    CHECK(contains(r.out, "--nproc-per-node"));
+    CHECK(contains(r.out, "--nproc_per_node"));
+    CHECK(contains(r.out, "--max-restarts,--max_restarts N"));
+    CHECK(contains(r.out, "--standalone"));
+    CHECK(contains(r.out, "--log-dir,--log_dir DIR"));
+    CHECK(contains(r.out, "-t,--tee 0-3"));
+    CHECK(contains(r.out, "--local-ranks-filter"));
+    CHECK(contains(r.out, "--rdzv-endpoint"));
+    CHECK(contains(r.out, "COMM_RESTART_COUNT"));
+    CHECK(contains(r.out, "COMM_AGENT_STORE"));
+    CHECK(contains(r.out, "\nExamples:\n  comm-run -n 4 ./train"));
+    CHECK(!contains(r.out, "--rdzv-conf"));  // refused torchrun options are not advertised
+  }
+}
+
+TEST_CASE("--version prints the project's version") {
+  const Result r = run({"--version"});
   CHECK(r.code == 0);
-  CHECK(contains(r.out, "Usage: comm-run"));
-  CHECK(contains(r.out, "--nproc-per-node"));
-  CHECK(contains(r.out, "--max-restarts N"));
-  CHECK(contains(r.out, "COMM_RESTART_COUNT"));
-  CHECK(contains(r.out, "COMM_AGENT_STORE"));
+  CHECK(r.out == std::string("comm-run ") + COMM_PROJECT_VERSION + "\n");
+  CHECK(r.err.empty());
+  // Options after the program are the program's: comm-run's --version is not taken from there.
+  const Result p = run({"-n", "1", probe, "env", "--version"});
+  CHECK(p.code == 0);
+  CHECK(contains(p.out, "[0] RANK=0"));
 }
 
 TEST_CASE("a program that cannot be found is reported") {
@@ -844,4 +905,226 @@ TEST_CASE("--nnodes 2: node 0's launcher hosts the store, node 1's ranks use it,
     CHECK(contains(r1.out, "[" + std::to_string(rank) + "] DEAD rank=0 "));
     CHECK(contains(r1.out, "[" + std::to_string(rank) + "] STORE OK"));
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// torchrun's spellings, --standalone, --log-dir/--tee/--redirects, --local-ranks-filter
+
+namespace {
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+/// The ranks `[r] ` prefixes seen in `text`.
+std::set<int> ranks_in(const std::string& text) {
+  std::set<int> seen;
+  for (const auto& line : lines(text))
+    if (line.starts_with('[')) seen.insert(std::stoi(line.substr(1, line.find(']') - 1)));
+  return seen;
+}
+
+int expected_auto_nproc(bool gpus_first) {
+  int gpus = 0;
+  std::error_code ec;
+  if (gpus_first && std::getenv("CUDA_VISIBLE_DEVICES") != nullptr) {
+    std::istringstream in(std::getenv("CUDA_VISIBLE_DEVICES"));
+    for (std::string item; std::getline(in, item, ',');) gpus += item.empty() ? 0 : 1;
+  } else if (gpus_first) {
+    for (fs::directory_iterator it("/proc/driver/nvidia/gpus", ec), end; !ec && it != end; it.increment(ec)) ++gpus;
+  }
+  const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return static_cast<int>(std::min<long>(gpus > 0 ? gpus : std::max(1L, cpus), 1024));
+}
+
+}  // namespace
+
+TEST_CASE("torchrun's spellings set the same environment") {
+  const std::map<std::string, std::string> env{{"COMM_STORE_TOKEN", "0123abcd"}};
+  SUBCASE("underscores, --nnodes K:K, and options without effect") {
+    const Result r = run({"--nproc_per_node=2", "--nnodes", "2:2", "--node_rank", "1", "--master_addr", "127.0.0.1",
+                          "--master_port=29521", "--max_restarts", "0", "--no-python", "--no_python",
+                          "--monitor-interval", "5", "--start_method=spawn", "--role", "trainer", probe, "env"},
+                         env);
+    INFO(r.err);
+    CHECK(r.code == 0);
+    auto e = parse_env(r.out);
+    REQUIRE(e.size() == 2);
+    CHECK(e[2]["RANK"] == "2");
+    CHECK(e[3]["LOCAL_RANK"] == "1");
+    CHECK(e[3]["WORLD_SIZE"] == "4");
+    CHECK(e[3]["GROUP_RANK"] == "1");
+    CHECK(e[3]["MASTER_PORT"] == "29521");
+  }
+  SUBCASE("--rdzv-backend c10d, --rdzv-endpoint HOST:PORT and --rdzv-id") {
+    const Result r = run({"--rdzv-backend=c10d", "--rdzv_endpoint", "127.0.0.1:29522", "--rdzv-id", "my-job-7",
+                          "--nnodes=2", "--node-rank=1", "-n", "1", probe, "env"},
+                         env);
+    INFO(r.err);
+    CHECK(r.code == 0);
+    auto e = parse_env(r.out);
+    REQUIRE(e.count(1) == 1);
+    CHECK(e[1]["MASTER_ADDR"] == "127.0.0.1");
+    CHECK(e[1]["MASTER_PORT"] == "29522");
+    CHECK(e[1]["COMM_JOB_ID"] == "my-job-7");
+  }
+  SUBCASE("--rdzv-id wins over COMM_JOB_ID; --rdzv-endpoint localhost:0 picks a free port") {
+    const Result r = run({"--rdzv-backend", "static", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", "from-flag",
+                          "-n", "2", probe, "env"},
+                         {{"COMM_JOB_ID", "from-env"}});
+    INFO(r.err);
+    CHECK(r.code == 0);
+    auto e = parse_env(r.out);
+    REQUIRE(e.size() == 2);
+    CHECK(e[0]["COMM_JOB_ID"] == "from-flag");
+    CHECK(std::stoi(e[0]["MASTER_PORT"]) > 0);
+    CHECK(e[1]["MASTER_PORT"] == e[0]["MASTER_PORT"]);
+  }
+  SUBCASE("--nproc-per-node gpu counts CUDA_VISIBLE_DEVICES, and says when there is none") {
+    const Result r = run({"--nproc-per-node", "gpu", probe, "env"}, {{"CUDA_VISIBLE_DEVICES", "3,5,"}});
+    CHECK(r.code == 0);
+    CHECK(parse_env(r.out).size() == 2);
+    const Result none = run({"--nproc-per-node=gpu", probe, "env"}, {{"CUDA_VISIBLE_DEVICES", ""}});
+    CHECK(none.code == 2);
+    CHECK(contains(none.err, "no GPU found"));
+  }
+  SUBCASE("--nproc-per-node cpu and auto") {
+    for (const char* what : {"cpu", "auto"}) {
+      CAPTURE(what);
+      const int want = expected_auto_nproc(std::string(what) == "auto");
+      if (want > 64) continue;  // a very large machine: not worth starting that many probes
+      const Result r = run({"--nproc-per-node", what, probe, "env"});
+      CHECK(r.code == 0);
+      auto e = parse_env(r.out);
+      CHECK(e.size() == static_cast<std::size_t>(want));
+      CHECK(e[0]["WORLD_SIZE"] == std::to_string(want));
+    }
+  }
+}
+
+TEST_CASE("--standalone: one node, the store on 127.0.0.1 and a port of its own") {
+  const Result a = run({"--standalone", "--nproc_per_node", "2", probe, "env"});
+  INFO(a.err);
+  CHECK(a.code == 0);
+  auto e = parse_env(a.out);
+  REQUIRE(e.size() == 2);
+  CHECK(e[0]["MASTER_ADDR"] == "127.0.0.1");
+  CHECK(std::stoi(e[0]["MASTER_PORT"]) > 0);
+  CHECK(e[1]["MASTER_PORT"] == e[0]["MASTER_PORT"]);
+  CHECK(e[0]["WORLD_SIZE"] == "2");
+  CHECK(e[1]["GROUP_WORLD_SIZE"] == "1");
+  CHECK(e[0]["COMM_AGENT_STORE"] == "1");
+  // Two standalone jobs at once: each hosts its own store on its own port, and each job's ranks
+  // use theirs (rank 0 killed and restarted, the store survives: the store really is the job's).
+  const std::map<std::string, std::string> env{{"COMM_TIMEOUT", "20s"}};
+  Launch one({"--standalone", "-n", "2", "--max-restarts", "1", store_probe, "survive"}, env);
+  Launch two({"--standalone", "-n", "2", "--max-restarts", "1", store_probe, "survive"}, env);
+  const Result r1 = one.finish(40), r2 = two.finish(40);
+  for (const Result* r : {&r1, &r2}) {
+    INFO(r->out);
+    INFO(r->err);
+    CHECK(r->code == 0);
+    CHECK(contains(r->out, "[1] STORE OK"));
+    CHECK(contains(r->out, "[0] REPLACEMENT restart=1"));
+  }
+}
+
+TEST_CASE("--log-dir: each rank's streams in its own files, the console as --tee and --redirects say") {
+  TempDir dir;
+  const fs::path logs = dir.path / "logs";  // made by comm-run, parents included
+  auto file = [&](int rank, const char* name) { return logs / ("rank_" + std::to_string(rank)) / name; };
+  const std::string out_text = "hello world\nhello world\nhello world\ntail";  // as written: no prefix, no added newline
+  const std::string err_text = "err line\nerr line\nerr line\n";
+  struct Case {
+    std::vector<std::string> flags;
+    bool out_console, err_console, out_file, err_file;
+  };
+  const std::vector<Case> cases = {
+      {{}, false, false, true, true},
+      {{"--tee", "0"}, false, false, true, true},
+      {{"--tee", "1"}, true, false, true, true},
+      {{"-t", "2"}, false, true, true, true},
+      {{"--tee=3"}, true, true, true, true},
+      {{"-r", "1"}, false, true, true, false},         // stdout to its file only, stderr to the console only
+      {{"--redirects", "0"}, true, true, false, false},  // torchrun: nothing redirected
+      {{"-r", "1", "--tee", "2"}, false, true, true, true},
+  };
+  SUBCASE("each --tee and --redirects") {
+    for (const Case& c : cases) {
+      std::string joined;
+      for (const auto& f : c.flags) joined += f + " ";
+      CAPTURE(joined);
+      fs::remove_all(logs);
+      std::vector<std::string> args = {"-n", "2", "--log-dir", logs.string()};
+      args.insert(args.end(), c.flags.begin(), c.flags.end());
+      for (const std::string& a : {probe, std::string("hello"), std::string("3")}) args.push_back(a);
+      const Result r = run(args);
+      CHECK(r.code == 0);
+      for (int rank = 0; rank < 2; ++rank) {
+        CAPTURE(rank);
+        const std::string p = "[" + std::to_string(rank) + "] ";
+        CHECK(count_of(r.out, p + "hello world\n") == (c.out_console ? 3u : 0u));
+        CHECK(count_of(r.err, p + "err line\n") == (c.err_console ? 3u : 0u));
+        CHECK(fs::exists(file(rank, "stdout.log")) == c.out_file);
+        CHECK(fs::exists(file(rank, "stderr.log")) == c.err_file);
+        if (c.out_file) CHECK(read_file(file(rank, "stdout.log")) == out_text);
+        if (c.err_file) CHECK(read_file(file(rank, "stderr.log")) == err_text);
+      }
+      if (!c.out_console) CHECK(r.out.empty());
+      if (!c.err_console) CHECK_MESSAGE(r.err.empty(), r.err);
+    }
+  }
+  SUBCASE("the files are emptied when a job starts") {
+    for (int k = 0; k < 2; ++k) REQUIRE(run({"-n", "1", "--log-dir", logs.string(), probe, "hello", "3"}).code == 0);
+    CHECK(read_file(file(0, "stdout.log")) == out_text);
+  }
+  SUBCASE("a failure names the failing rank's folder; a restarted rank appends") {
+    const Result f = run({"-n", "2", "--log_dir=" + logs.string(), probe, "exit", "1", "7"});
+    CHECK(f.code == 7);
+    CHECK_MESSAGE(contains(f.err, "rank 1 exited with code 7 (its output: " + (logs / "rank_1").string() + "/)"), f.err);
+    const Result r = run({"-n", "2", "--max-restarts", "1", "--log-dir", logs.string(), probe, "restart", "1", "5", "1",
+                          "100"});
+    INFO(r.err);
+    CHECK(r.code == 0);
+    CHECK(r.out.empty());
+    const std::string one = read_file(file(1, "stdout.log"));
+    CHECK(count_of(one, "START rank=1 restart=unset") == 1);
+    CHECK(count_of(one, "DYING") == 1);
+    CHECK(count_of(one, "START rank=1 restart=1 ") == 1);
+    CHECK(count_of(one, "DONE") == 1);
+    CHECK(contains(r.err, "restarting it (restart 1 of 1)"));
+  }
+  SUBCASE("a folder that cannot be made is an error before any rank starts") {
+    std::ofstream(dir.path / "plain-file") << "x";
+    const Result r = run({"-n", "2", "--log-dir", (dir.path / "plain-file").string(), probe, "hello", "1"});
+    CHECK(r.code == 1);
+    CHECK(contains(r.err, "--log-dir: cannot create"));
+    CHECK(r.out.empty());
+  }
+}
+
+TEST_CASE("--local-ranks-filter shows only the chosen ranks' output on the console") {
+  for (const std::string& filter : {std::string("0,2"), std::string("0,2-2"), std::string("2,0,0")}) {
+    CAPTURE(filter);
+    const Result r = run({"-n", "3", "--local-ranks-filter", filter, probe, "hello", "2"});
+    CHECK(r.code == 0);
+    CHECK(ranks_in(r.out) == std::set<int>{0, 2});
+    CHECK(ranks_in(r.err) == std::set<int>{0, 2});
+    CHECK(count_of(r.out, "[2] hello world\n") == 2);
+  }
+  // Local ranks: on node 1 of 2, local rank 1 is rank 3; the hidden ranks still write their files.
+  TempDir dir;
+  const Result r = run({"--nnodes", "2", "--node-rank", "1", "--master-port", "29523", "-n", "2",
+                        "--local_ranks_filter=1", "--log-dir", dir.path.string(), "--tee", "3", probe, "hello", "1"},
+                       {{"COMM_STORE_TOKEN", "0123abcd"}});
+  CHECK(r.code == 0);
+  CHECK(ranks_in(r.out) == std::set<int>{3});
+  CHECK(ranks_in(r.err) == std::set<int>{3});
+  CHECK(read_file(dir.path / "rank_2" / "stdout.log") == "hello world\ntail");
+  CHECK(read_file(dir.path / "rank_3" / "stdout.log") == "hello world\ntail");
+  // A failing hidden rank is still reported: comm-run's own messages are never filtered.
+  const Result f = run({"-n", "2", "--local-ranks-filter", "0", probe, "exit", "1", "6"});
+  CHECK(f.code == 6);
+  CHECK(contains(f.err, "comm-run: rank 1 exited with code 6"));
 }

@@ -103,7 +103,7 @@ int main(int argc, char** argv) {
   if (mode == "env") {
     for (const char* name : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                              "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "COMM_STORE_TOKEN", "COMM_AGENT_STORE",
-                             "COMM_RESTART_COUNT"}) {
+                             "COMM_RESTART_COUNT", "COMM_JOB_ID"}) {
       const char* v = std::getenv(name);
       say(STDOUT_FILENO, std::string(name) + "=" + (v != nullptr ? v : "<unset>") + "\n");
     }
