@@ -39,7 +39,7 @@
 #include <utility>
 #include <vector>
 
-#include <comm/detail/init/duration.hpp>
+#include <comm/detail/base/duration.hpp>
 #include <comm/detail/store/common.hpp>
 #include <comm/detail/store/tcp_store_server.hpp>
 
