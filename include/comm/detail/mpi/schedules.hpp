@@ -117,7 +117,9 @@ class OwnSchedules {
   }
 
   /// The receive slot of peer `p` (the peers in rank order, this rank left out).
-  [[nodiscard]] std::size_t slot_of(int p) const noexcept { return static_cast<std::size_t>(p < self().rank() ? p : p - 1); }
+  [[nodiscard]] std::size_t slot_of(int p) const noexcept {
+    return static_cast<std::size_t>(p < self().rank() ? p : p - 1);
+  }
 
 
   /// The size of the pieces a message of `bytes` goes in: messages a little above the library's
@@ -135,7 +137,8 @@ class OwnSchedules {
     for (std::size_t off = 0; off < bytes || off == 0; off += piece) {
       const std::size_t len = std::min(piece, bytes - off);
       MPI_Request r = MPI_REQUEST_NULL;
-      COMM_MPI_CHECK(MPI_Irecv(b + off, static_cast<int>(len), MPI_BYTE, peer, tag, self().comm(), &r), name, self().rank());
+      COMM_MPI_CHECK(MPI_Irecv(b + off, static_cast<int>(len), MPI_BYTE, peer, tag, self().comm(), &r), name,
+                     self().rank());
       s.recvs.push_back(s.reqs.size());
       s.reqs.push_back(r);
       s.peers.push_back(peer);
@@ -151,7 +154,8 @@ class OwnSchedules {
     for (std::size_t off = 0; off < bytes || off == 0; off += piece) {
       const std::size_t len = std::min(piece, bytes - off);
       MPI_Request r = MPI_REQUEST_NULL;
-      COMM_MPI_CHECK(MPI_Isend(b + off, static_cast<int>(len), MPI_BYTE, peer, tag, self().comm(), &r), name, self().rank());
+      COMM_MPI_CHECK(MPI_Isend(b + off, static_cast<int>(len), MPI_BYTE, peer, tag, self().comm(), &r), name,
+                     self().rank());
       s.reqs.push_back(r);
       s.peers.push_back(peer);
       s.expect.push_back(Step::kSend);
@@ -224,8 +228,8 @@ class OwnSchedules {
                                : s.expect[late] != Step::kSend ? "no data from rank " + peer + " arrived"
                                                                 : "rank " + peer + " did not take this rank's data";
       throw Timeout(name, self().rank(),
-                    "op #" + std::to_string(seq) + " did not complete within " + std::to_string(self().timeout().count()) +
-                        " ms: " + what +
+                    "op #" + std::to_string(seq) + " did not complete within " +
+                        std::to_string(self().timeout().count()) + " ms: " + what +
                         " (a rank is late, hung, or did not call it). Its MPI requests stay pending (MPI may still "
                         "read and write this operation's buffers if the peers arrive later) and this communicator "
                         "is unusable",

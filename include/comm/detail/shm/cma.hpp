@@ -74,8 +74,9 @@ class SingleCopy {
       std::uint64_t v = 0;
       iovec local{&v, sizeof v};
       iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(self().ctl(p).probe)), sizeof v};
-      ok = ::process_vm_readv(static_cast<pid_t>(self().ctl(p).pid), &local, 1, &remote, 1, 0) == static_cast<ssize_t>(sizeof v) &&
-           v == cma_probe(self().ctl(p).pid);
+      const std::int64_t pid = self().ctl(p).pid;
+      ok = ::process_vm_readv(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0) == static_cast<ssize_t>(sizeof v) &&
+           v == cma_probe(pid);
     }
     self().ctl(self().rank()).cma_min = cma_.min_bytes;
     self().ctl(self().rank()).cma.store(ok ? 2 : 1, std::memory_order_relaxed);
@@ -109,13 +110,16 @@ class SingleCopy {
       if (got <= 0) {
         const int err = got < 0 ? errno : EIO;
         if (err == EINTR) continue;
+        const Engine& e = self();
+        const std::string op_no = "op #" + std::to_string(e.op_seq_);
         if (err == ESRCH)
-          throw RemoteError(self().op_name_, self().rank(), "rank " + std::to_string(p) + " (pid " + std::to_string(self().ctl(p).pid) +
-                                                  ") exited while this rank read its buffer (op #" + std::to_string(self().op_seq_) + ")",
+          throw RemoteError(e.op_name_, e.rank(),
+                            "rank " + std::to_string(p) + " (pid " + std::to_string(e.ctl(p).pid) +
+                                ") exited while this rank read its buffer (" + op_no + ")",
                             "rank " + std::to_string(p));
-        throw BackendError(self().op_name_, self().rank(), "process_vm_readv of " + std::to_string(bytes) + " bytes from rank " +
-                                                 std::to_string(p) + " failed: " + errno_text(err) + " (op #" +
-                                                 std::to_string(self().op_seq_) + "; COMM_SHM_CMA=0 avoids it)",
+        throw BackendError(e.op_name_, e.rank(),
+                           "process_vm_readv of " + std::to_string(bytes) + " bytes from rank " + std::to_string(p) +
+                               " failed: " + errno_text(err) + " (" + op_no + "; COMM_SHM_CMA=0 avoids it)",
                            "rank " + std::to_string(p));
       }
       dst += got;
@@ -179,7 +183,8 @@ class SingleCopy {
     self().publish(b);
     self().wait_all(b);
     for (int p = 0; p < n; ++p)
-      if (p != self().rank()) cma_read(p, out + lo_of(p) * e, address_of(p, a, 1) + lo_of(p) * e, (hi_of(p) - lo_of(p)) * e);
+      if (p != self().rank())
+        cma_read(p, out + lo_of(p) * e, address_of(p, a, 1) + lo_of(p) * e, (hi_of(p) - lo_of(p)) * e);
     const std::uint64_t c = self().next_step();
     self().publish(c);
     self().wait_all(c);
