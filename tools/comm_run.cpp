@@ -44,7 +44,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include <comm/detail/init/duration.hpp>
+#include <comm/detail/base/duration.hpp>
 #include <comm/detail/store/common.hpp>
 #include <comm/detail/store/tcp_store_server.hpp>
 

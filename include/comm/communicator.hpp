@@ -58,8 +58,7 @@
 
 #include <comm/buffers.hpp>
 #include <comm/concepts.hpp>
-#include <comm/detail/facade/checks.hpp>
-#include <comm/detail/facade/reduction.hpp>
+#include <comm/detail/facade/entries.hpp>
 #include <comm/detail/init/rejoin.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
@@ -136,9 +135,10 @@ class Communicator {
     if constexpr (!element<T>) {
       return reduce_result_t<A...>();  // the element message above is the only error
     } else {
-      check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("all_reduce");
+      detail::facade::check_buffer<Backend, Data, true, detail::reduce_tail_traits<A...>::is_async>();
       const std::span<T> s = detail::as_span(data);
-      return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(s), s, std::forward<A>(a)...);
+      return detail::facade::reduce_entry<Backend, T>(b_, detail::reduction_kind::all_reduce, std::span<const T>(s), s,
+                                                      std::forward<A>(a)...);
     }
   }
 
@@ -151,12 +151,9 @@ class Communicator {
     if constexpr (!element<T>) {
       return reduce_result_t<A...>();  // the element message above is the only error
     } else {
-      constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
-      check_buffer<In, false, is_async>("all_reduce");
-      check_buffer<Out, true, is_async>("all_reduce");
-      static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
-      return reduce_entry<T>(detail::reduction_kind::all_reduce, std::span<const T>(detail::as_span(in)),
-                             std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
+      auto [i, o] = detail::facade::in_out<Backend, In, Out, detail::reduce_tail_traits<A...>::is_async>(in, out);
+      return detail::facade::reduce_entry<Backend, T>(b_, detail::reduction_kind::all_reduce, i, o,
+                                                      std::forward<A>(a)...);
     }
   }
 
@@ -171,12 +168,9 @@ class Communicator {
     if constexpr (!element<T>) {
       return reduce_result_t<A...>();  // the element message above is the only error
     } else {
-      constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
-      check_buffer<In, false, is_async>("reduce_scatter");
-      check_buffer<Out, true, is_async>("reduce_scatter");
-      static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
-      return reduce_entry<T>(detail::reduction_kind::reduce_scatter, std::span<const T>(detail::as_span(in)),
-                             std::span<T>(detail::as_span(out)), std::forward<A>(a)...);
+      auto [i, o] = detail::facade::in_out<Backend, In, Out, detail::reduce_tail_traits<A...>::is_async>(in, out);
+      return detail::facade::reduce_entry<Backend, T>(b_, detail::reduction_kind::reduce_scatter, i, o,
+                                                      std::forward<A>(a)...);
     }
   }
 
@@ -186,26 +180,26 @@ class Communicator {
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   void all_gather(In&& in, Out&& out) {
-    all_gather_entry<In, Out>(in, out, blocking);
+    detail::facade::all_gather_entry<Backend, In, Out>(b_, in, out, blocking);
   }
   /// all_gather with `comm::async`: returns a Work at once; the buffers must outlive it.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work all_gather(In&& in, Out&& out, async_t) {
-    return all_gather_entry<In, Out>(in, out, async);
+    return detail::facade::all_gather_entry<Backend, In, Out>(b_, in, out, async);
   }
 
   /// broadcast: every rank's `data` becomes the `root` rank's `data` (same size on every rank).
   template <class Data>
     requires buffer_range<Data>
   void broadcast(Data&& data, int root) {
-    broadcast_entry<Data>(data, root, blocking);
+    detail::facade::broadcast_entry<Backend, Data>(b_, data, root, blocking);
   }
   /// broadcast with `comm::async`: returns a Work at once; the buffer must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work broadcast(Data&& data, int root, async_t) {
-    return broadcast_entry<Data>(data, root, async);
+    return detail::facade::broadcast_entry<Backend, Data>(b_, data, root, async);
   }
 
   /// gather: on `root`, `out` (size()*in.size() elements) receives every rank's `in` in rank order;
@@ -213,13 +207,13 @@ class Communicator {
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   void gather(In&& in, Out&& out, int root) {
-    gather_entry<In, Out>(in, out, root, blocking);
+    detail::facade::gather_entry<Backend, In, Out>(b_, in, out, root, blocking);
   }
   /// gather with `comm::async`: returns a Work at once; the buffers must outlive it.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work gather(In&& in, Out&& out, int root, async_t) {
-    return gather_entry<In, Out>(in, out, root, async);
+    return detail::facade::gather_entry<Backend, In, Out>(b_, in, out, root, async);
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -233,12 +227,8 @@ class Communicator {
     if constexpr (!element<T>) {
       return reduce_result_t<A...>();  // the element message above is the only error
     } else {
-      constexpr bool is_async = detail::reduce_tail_traits<A...>::is_async;
-      check_buffer<In, false, is_async>("reduce");
-      check_buffer<Out, true, is_async>("reduce");
-      static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
-      return reduce_root_entry<T>(std::span<const T>(detail::as_span(in)), std::span<T>(detail::as_span(out)), root,
-                                  std::forward<A>(a)...);
+      auto [i, o] = detail::facade::in_out<Backend, In, Out, detail::reduce_tail_traits<A...>::is_async>(in, out);
+      return detail::facade::reduce_root_entry<Backend, T>(b_, i, o, root, std::forward<A>(a)...);
     }
   }
   /// reduce in place: the `root` rank's `data` becomes the reduction; other ranks' `data` is left
@@ -250,9 +240,9 @@ class Communicator {
     if constexpr (!element<T>) {
       return reduce_result_t<A...>();  // the element message above is the only error
     } else {
-      check_buffer<Data, true, detail::reduce_tail_traits<A...>::is_async>("reduce");
+      detail::facade::check_buffer<Backend, Data, true, detail::reduce_tail_traits<A...>::is_async>();
       const std::span<T> d = detail::as_span(data);
-      return reduce_root_entry<T>(std::span<const T>(d), d, root, std::forward<A>(a)...);
+      return detail::facade::reduce_root_entry<Backend, T>(b_, std::span<const T>(d), d, root, std::forward<A>(a)...);
     }
   }
 
@@ -262,13 +252,13 @@ class Communicator {
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   void scatter(In&& in, Out&& out, int root) {
-    scatter_entry<In, Out>(in, out, root, blocking);
+    detail::facade::scatter_entry<Backend, In, Out>(b_, in, out, root, blocking);
   }
   /// scatter with `comm::async`: returns a Work at once; the buffers must outlive it.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work scatter(In&& in, Out&& out, int root, async_t) {
-    return scatter_entry<In, Out>(in, out, root, async);
+    return detail::facade::scatter_entry<Backend, In, Out>(b_, in, out, root, async);
   }
 
   /// all_to_all: `in` and `out` hold size() equal blocks; block p of this rank's `in` goes to
@@ -277,13 +267,13 @@ class Communicator {
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   void all_to_all(In&& in, Out&& out) {
-    all_to_all_entry<In, Out>(in, out, blocking);
+    detail::facade::all_to_all_entry<Backend, In, Out>(b_, in, out, blocking);
   }
   /// all_to_all with `comm::async`: returns a Work at once; the buffers must outlive it.
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work all_to_all(In&& in, Out&& out, async_t) {
-    return all_to_all_entry<In, Out>(in, out, async);
+    return detail::facade::all_to_all_entry<Backend, In, Out>(b_, in, out, async);
   }
 
   /// all_to_all_v: this rank sends `in_counts[p]` elements to rank p and receives
@@ -294,14 +284,14 @@ class Communicator {
     requires buffer_range<In> && buffer_range<Out>
   void all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out,
                     std::span<const std::size_t> out_counts) {
-    all_to_all_v_entry<In, Out>(in, in_counts, out, out_counts, blocking);
+    detail::facade::all_to_all_v_entry<Backend, In, Out>(b_, in, in_counts, out, out_counts, blocking);
   }
   /// all_to_all_v with `comm::async`: returns a Work at once; the buffers must outlive it (not the counts).
   template <class In, class Out>
     requires buffer_range<In> && buffer_range<Out>
   Work all_to_all_v(In&& in, std::span<const std::size_t> in_counts, Out&& out,
                     std::span<const std::size_t> out_counts, async_t) {
-    return all_to_all_v_entry<In, Out>(in, in_counts, out, out_counts, async);
+    return detail::facade::all_to_all_v_entry<Backend, In, Out>(b_, in, in_counts, out, out_counts, async);
   }
 
   /// send: `data` to rank `peer`, received there by a recv (or a batch's irecv) with the same
@@ -315,38 +305,38 @@ class Communicator {
   template <class Data>
     requires buffer_range<Data>
   void send(Data&& data, int peer, int tag = 0) {
-    send_entry<Data>(data, peer, tag, blocking);
+    detail::facade::send_entry<Backend, Data>(b_, data, peer, tag, blocking);
   }
   /// send with tag 0 and `comm::async`: returns a Work at once; `data` must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work send(Data&& data, int peer, async_t) {
-    return send_entry<Data>(data, peer, 0, async);
+    return detail::facade::send_entry<Backend, Data>(b_, data, peer, 0, async);
   }
   /// send with `comm::async`: returns a Work at once; `data` must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work send(Data&& data, int peer, int tag, async_t) {
-    return send_entry<Data>(data, peer, tag, async);
+    return detail::facade::send_entry<Backend, Data>(b_, data, peer, tag, async);
   }
 
   /// recv: `data` from rank `peer`'s matching send (see send).
   template <class Data>
     requires buffer_range<Data>
   void recv(Data&& data, int peer, int tag = 0) {
-    recv_entry<Data>(data, peer, tag, blocking);
+    detail::facade::recv_entry<Backend, Data>(b_, data, peer, tag, blocking);
   }
   /// recv with tag 0 and `comm::async`: returns a Work at once; `data` must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work recv(Data&& data, int peer, async_t) {
-    return recv_entry<Data>(data, peer, 0, async);
+    return detail::facade::recv_entry<Backend, Data>(b_, data, peer, 0, async);
   }
   /// recv with `comm::async`: returns a Work at once; `data` must outlive it.
   template <class Data>
     requires buffer_range<Data>
   Work recv(Data&& data, int peer, int tag, async_t) {
-    return recv_entry<Data>(data, peer, tag, async);
+    return detail::facade::recv_entry<Backend, Data>(b_, data, peer, tag, async);
   }
 
   /// batch_isend_irecv: the sends and receives of `ops` (made with comm::isend / comm::irecv) as
@@ -356,12 +346,13 @@ class Communicator {
     requires p2p_op_range<R>
   std::vector<Work> batch_isend_irecv(R&& ops) {
     using P = detail::buffer_value_t<R>;
-    return batch_entry<typename P::value_type>(std::span<const P>(std::ranges::data(ops), std::ranges::size(ops)));
+    return detail::facade::batch_entry<Backend, typename P::value_type>(
+        b_, std::span<const P>(std::ranges::data(ops), std::ranges::size(ops)));
   }
   /// batch_isend_irecv of a braced list: `c.batch_isend_irecv({comm::isend(a, 1), comm::irecv(b, 1)})`.
   template <class T>
   std::vector<Work> batch_isend_irecv(std::initializer_list<P2POp<T>> ops) {
-    return batch_entry<T>(std::span<const P2POp<T>>(ops.begin(), ops.size()));
+    return detail::facade::batch_entry<Backend, T>(b_, std::span<const P2POp<T>>(ops.begin(), ops.size()));
   }
 
   /// barrier: returns once every rank has entered it (blocking form; the async one completes then).
@@ -401,7 +392,7 @@ class Communicator {
                   "comm: this backend cannot make groups (it lacks the optional capability "
                   "`std::optional<B> new_group(std::span<const int> ranks)`, see concepts.hpp)");
     if constexpr (supports_new_group<Backend>) {
-      checks("new_group").group_ranks(ranks);
+      detail::facade::checks(b_, "new_group").group_ranks(ranks);
       auto g = b_.new_group(ranks);
       if (!g) return std::nullopt;
       return std::optional<Communicator>(std::in_place, std::move(*g));
@@ -472,7 +463,8 @@ class Communicator {
                   "comm: this backend has no monitored_barrier (it lacks the optional capability "
                   "`void monitored_barrier(std::chrono::milliseconds, bool)`, see concepts.hpp)");
     if (timeout.count() <= 0)
-      invalid("monitored_barrier", "timeout " + std::to_string(timeout.count()) + " ms must be positive");
+      detail::facade::checks(b_, "monitored_barrier")
+          .invalid("timeout " + std::to_string(timeout.count()) + " ms must be positive");
     if constexpr (supports_monitored_barrier<Backend>) b_.monitored_barrier(timeout, wait_all_ranks);
   }
   /// monitored_barrier with the communicator's timeout.
@@ -504,190 +496,6 @@ class Communicator {
   }
 
  private:
-  // ---- compile-time checks with messages that say what is wrong ----
-
-  template <class R, bool Output, bool IsAsync>
-  static constexpr void check_buffer(const char* /*op*/) {
-    using T = detail::element_value_t<R>;
-    if constexpr (element<T>)
-      static_assert(supports_element<Backend, T>, "comm: this backend does not support this element type");
-    if constexpr (Output)
-      static_assert(detail::is_mutable_buffer_v<R>,
-                    "comm: an output buffer must be mutable (std::span<T>, not std::span<const T> or a const container)");
-    if constexpr (IsAsync)
-      static_assert(std::ranges::borrowed_range<R>,
-                    "comm: an async collective needs buffers that outlive the call: pass an lvalue container or a "
-                    "std::span, not a temporary");
-  }
-
-  /// The run-time checks of operation `name` (detail/facade/checks.hpp, shared with
-  /// AnyCommunicator), for elements of T.
-  template <class T = std::byte>
-  [[nodiscard]] detail::ArgChecks checks(const char* name) const {
-    return detail::ArgChecks{name, rank(), size(), sizeof(T)};
-  }
-  template <class T>
-  static detail::ArgBuf buf(std::span<T> s) noexcept {
-    return detail::ArgBuf{s.data(), s.size()};
-  }
-
-  [[noreturn]] void invalid(const char* name, const std::string& what) const { checks(name).invalid(what); }
-
-  // ---- entry points: split the trailing arguments, check, call the backend ----
-
-  template <class T, class... A>
-  auto reduce_entry(detail::reduction_kind kind, std::span<const T> in, std::span<T> out, A&&... a) {
-    if constexpr (sizeof...(A) == 0) {
-      return reduce_checked<T>(kind, in, out, op::sum, blocking);
-    } else if constexpr (sizeof...(A) == 1) {
-      if constexpr ((detail::async_tag<A> && ...))
-        return reduce_checked<T>(kind, in, out, op::sum, async);
-      else
-        return reduce_checked<T>(kind, in, out, std::forward<A>(a)..., blocking);
-    } else {
-      return reduce_checked<T>(kind, in, out, std::forward<A>(a)...);
-    }
-  }
-
-  template <class T, class Op, class Launch>
-  auto reduce_checked(detail::reduction_kind kind, std::span<const T> in, std::span<T> out, Op&& o, Launch l) {
-    const bool ar = kind == detail::reduction_kind::all_reduce;
-    const char* name = ar ? "all_reduce" : "reduce_scatter";
-    auto red = detail::normalize_op<Backend, T>(checks(name), std::forward<Op>(o));
-    if (ar) {
-      checks<T>(name).all_reduce(buf(in), buf(out));
-      return b_.all_reduce(in, out, std::move(red), l);
-    }
-    checks<T>(name).reduce_scatter(buf(in), buf(out));
-    return b_.reduce_scatter(in, out, std::move(red), l);
-  }
-
-  /// The spans of a (input, output) pair, after the compile-time checks of operation `name`.
-  template <class In, class Out, bool IsAsync>
-  static auto in_out(const char* name, In& in_r, Out& out_r) {
-    using T = detail::element_value_t<Out>;
-    check_buffer<In, false, IsAsync>(name);
-    check_buffer<Out, true, IsAsync>(name);
-    static_assert(detail::same_element_v<In, Out>, "comm: input and output buffers must have the same element type");
-    return std::pair<std::span<const T>, std::span<T>>(detail::as_span(in_r), detail::as_span(out_r));
-  }
-
-  template <class In, class Out, class Launch>
-  auto all_gather_entry(In& in_r, Out& out_r, Launch l) {
-    using T = detail::element_value_t<Out>;
-    auto [in, out] = in_out<In, Out, std::is_same_v<Launch, async_t>>("all_gather", in_r, out_r);
-    checks<T>("all_gather").all_gather(buf(in), buf(out));
-    return b_.all_gather(in, out, l);
-  }
-
-  template <class Data, class Launch>
-  auto broadcast_entry(Data& data_r, int root, Launch l) {
-    using T = detail::element_value_t<Data>;
-    check_buffer<Data, true, std::is_same_v<Launch, async_t>>("broadcast");
-    checks("broadcast").root(root);
-    return b_.broadcast(std::span<T>(detail::as_span(data_r)), root, l);
-  }
-
-  template <class In, class Out, class Launch>
-  auto gather_entry(In& in_r, Out& out_r, int root, Launch l) {
-    using T = detail::element_value_t<Out>;
-    auto [in, out] = in_out<In, Out, std::is_same_v<Launch, async_t>>("gather", in_r, out_r);
-    checks<T>("gather").gather(buf(in), buf(out), root);
-    return b_.gather(in, out, root, l);
-  }
-
-  // ---- the rest of the surface (capability 11) ----
-
-  static constexpr void check_full_surface() {
-    static_assert(supports_full_surface<Backend>,
-                  "comm: this backend lacks reduce/scatter/all_to_all/send/recv (the optional capability "
-                  "supports_full_surface, see concepts.hpp)");
-  }
-
-  template <class T, class... A>
-  auto reduce_root_entry(std::span<const T> in, std::span<T> out, int root, A&&... a) {
-    check_full_surface();
-    checks<T>("reduce").reduce(buf(in), buf(out), root);
-    return detail::with_reduce_tail(
-        [&](auto&& o, auto l) {
-          auto red = detail::normalize_op<Backend, T>(checks("reduce"), std::forward<decltype(o)>(o));
-          if constexpr (supports_full_surface<Backend>)
-            return b_.reduce(in, out, root, std::move(red), l);
-        },
-        std::forward<A>(a)...);
-  }
-
-  template <class In, class Out, class Launch>
-  auto scatter_entry(In& in_r, Out& out_r, int root, Launch l) {
-    using T = detail::element_value_t<Out>;
-    check_full_surface();
-    auto [in, out] = in_out<In, Out, std::is_same_v<Launch, async_t>>("scatter", in_r, out_r);
-    checks<T>("scatter").scatter(buf(in), buf(out), root);
-    if constexpr (supports_full_surface<Backend>) return b_.scatter(in, out, root, l);
-  }
-
-  template <class In, class Out, class Launch>
-  auto all_to_all_entry(In& in_r, Out& out_r, Launch l) {
-    using T = detail::element_value_t<Out>;
-    check_full_surface();
-    auto [in, out] = in_out<In, Out, std::is_same_v<Launch, async_t>>("all_to_all", in_r, out_r);
-    checks<T>("all_to_all").all_to_all(buf(in), buf(out));
-    if constexpr (supports_full_surface<Backend>) return b_.all_to_all(in, out, l);
-  }
-
-  template <class In, class Out, class Launch>
-  auto all_to_all_v_entry(In& in_r, std::span<const std::size_t> in_counts, Out& out_r,
-                          std::span<const std::size_t> out_counts, Launch l) {
-    using T = detail::element_value_t<Out>;
-    check_full_surface();
-    auto [in, out] = in_out<In, Out, std::is_same_v<Launch, async_t>>("all_to_all_v", in_r, out_r);
-    checks<T>("all_to_all_v").all_to_all_v(buf(in), in_counts, buf(out), out_counts);
-    if constexpr (supports_full_surface<Backend>) return b_.all_to_all_v(in, in_counts, out, out_counts, l);
-  }
-
-  template <class Data, class Launch>
-  auto send_entry(Data& data_r, int peer, int tag, Launch l) {
-    using T = detail::element_value_t<Data>;
-    check_full_surface();
-    check_buffer<Data, false, std::is_same_v<Launch, async_t>>("send");
-    checks("send").peer(peer, tag);
-    if constexpr (supports_full_surface<Backend>)
-      return b_.send(std::span<const T>(detail::as_span(data_r)), peer, tag, l);
-  }
-
-  template <class Data, class Launch>
-  auto recv_entry(Data& data_r, int peer, int tag, Launch l) {
-    using T = detail::element_value_t<Data>;
-    check_full_surface();
-    check_buffer<Data, true, std::is_same_v<Launch, async_t>>("recv");
-    const std::span<T> data = detail::as_span(data_r);  // (not in the return: the static_assert above must show)
-    checks("recv").peer(peer, tag);
-    if constexpr (supports_full_surface<Backend>) return b_.recv(data, peer, tag, l);
-  }
-
-  template <class T>
-  std::vector<Work> batch_entry(std::span<const P2POp<T>> ops) {
-    using C = detail::checked_element_t<T>;
-    if constexpr (!std::is_same_v<C, T>) {
-      // long long entries: the same buffers, viewed as the 64-bit type the backend takes.
-      std::vector<P2POp<C>> same;
-      same.reserve(ops.size());
-      for (const auto& o : ops)
-        same.push_back(P2POp<C>{o.op, std::span<C>(reinterpret_cast<C*>(o.buffer.data()), o.buffer.size()), o.peer,
-                                o.tag});
-      return batch_entry<C>(std::span<const P2POp<C>>(same));
-    } else {
-      check_full_surface();
-      if constexpr (element<T>)
-        static_assert(supports_element<Backend, T>, "comm: this backend does not support this element type");
-      checks<T>("batch_isend_irecv").p2p_batch(ops);
-      if constexpr (supports_full_surface<Backend>)
-        return b_.batch_isend_irecv(ops);
-      else
-        return std::vector<Work>{};
-    }
-  }
-
   Backend b_;
 };
 

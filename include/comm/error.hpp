@@ -3,6 +3,8 @@
 /// The exception hierarchy. Every error a user can cause or observe is a `comm::Error`;
 /// the message always names the operation and the rank, and the peer where one is known.
 
+#include <exception>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -85,5 +87,38 @@ class BackendError : public Error {
   /// Same constructor as comm::Error.
   using Error::Error;
 };
+
+namespace detail {
+
+/// The text of exception `e`: what() of a std::exception, else `unknown`. May throw bad_alloc.
+[[nodiscard]] inline std::string exception_text(const std::exception_ptr& e, const char* unknown) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+  }
+  return unknown;
+}
+
+/// In a catch block: comm::Error and std::bad_alloc go on as they are, any other std::exception
+/// becomes BackendError from `op` on `rank` with its text, anything else goes on as it is or, with
+/// `unknown`, becomes BackendError(`unknown`).
+[[noreturn]] inline void rethrow_as_error(const char* op, int rank, const char* unknown = nullptr) {
+  try {
+    throw;
+  } catch (const Error&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw BackendError(op, rank, e.what());
+  } catch (...) {
+    if (unknown == nullptr) throw;
+    throw BackendError(op, rank, unknown);
+  }
+}
+
+}  // namespace detail
 
 }  // namespace comm

@@ -18,7 +18,7 @@
 #include <string>
 #include <string_view>
 
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 

@@ -9,7 +9,7 @@
 #include <string>
 
 #include <comm/detail/diagnostics/desync.hpp>
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
 
 namespace comm {

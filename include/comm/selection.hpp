@@ -25,7 +25,7 @@
 #include <comm/communicator.hpp>
 #include <comm/detail/init/discovery.hpp>
 #include <comm/detail/init/host.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/init.hpp>
 #include <comm/store.hpp>
 #include <comm/types.hpp>

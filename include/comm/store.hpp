@@ -18,7 +18,7 @@
 #include <string_view>
 #include <vector>
 
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/detail/net/socket.hpp>
 #include <comm/error.hpp>
 
@@ -208,6 +208,7 @@ class TcpStore final : public Store {
   Reply call(std::string_view op, std::vector<std::uint8_t>& frame, std::chrono::steady_clock::time_point deadline,
              std::chrono::steady_clock::time_point reply_deadline);
   void check_key(std::string_view op, std::string_view key) const;
+  void check_keys(std::string_view op, const std::vector<std::string>& keys, std::string_view verb) const;
   void check_value(std::string_view op, std::string_view key, std::size_t size) const;
   [[noreturn]] void throw_reply_error(std::string_view op, const Reply& r, std::chrono::milliseconds waited,
                                       const std::vector<std::string>& keys = {}) const;

@@ -169,15 +169,7 @@ class [[nodiscard]] Work {
   /// there is none yet. Never throws.
   [[nodiscard]] std::string exception() const noexcept {
     try {
-      if (auto e = error()) {
-        try {
-          std::rethrow_exception(e);
-        } catch (const std::exception& x) {
-          return x.what();
-        } catch (...) {
-          return "unknown exception";
-        }
-      }
+      if (auto e = error()) return detail::exception_text(e, "unknown exception");
     } catch (...) {  // out of memory while copying the text
     }
     return {};

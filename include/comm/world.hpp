@@ -12,7 +12,7 @@
 #include <comm/any_communicator.hpp>
 #include <comm/backends/registry.hpp>
 #include <comm/communicator.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/error.hpp>
 #include <comm/init.hpp>
 #include <comm/selection.hpp>

@@ -19,7 +19,7 @@
 #endif
 #include <comm/backends/registry.hpp>
 #if defined(COMM_TEST_BACKEND_HIERARCHICAL)
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #endif
 #include <comm/communicator.hpp>
 #include <support/collective_test_util.hpp>

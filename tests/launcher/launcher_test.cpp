@@ -532,7 +532,7 @@ TEST_CASE("bad arguments: a clear message and exit code 2") {
       {{"--grace-period", "soon", probe, "env"}, "--grace-period"},
       {{"--timeout", "0", probe, "env"}, "--timeout"},
       {{"--timeout", "-3", probe, "env"}, "--timeout"},
-      // The library's syntax (comm/detail/init/duration.hpp): no exponents, no inf, one '.'.
+      // The library's syntax (comm/detail/base/duration.hpp): no exponents, no inf, one '.'.
       {{"--timeout", "1e3", probe, "env"}, "--timeout"},
       {{"--timeout=inf", probe, "env"}, "--timeout"},
       {{"--grace-period", "1.5.2", probe, "env"}, "--grace-period"},

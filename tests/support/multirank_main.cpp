@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/init.hpp>
 #include <comm/store.hpp>
 #include <support/multirank.hpp>

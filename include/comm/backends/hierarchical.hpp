@@ -77,7 +77,7 @@
 #include <comm/detail/engine/policy.hpp>
 #include <comm/detail/engine/elastic.hpp>
 #include <comm/detail/engine/subgroups.hpp>
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/detail/hierarchical/engine.hpp>
 #include <comm/detail/init/host.hpp>
 #include <comm/error.hpp>

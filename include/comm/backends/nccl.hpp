@@ -205,10 +205,10 @@
 #include <comm/detail/engine/elastic.hpp>
 #include <comm/detail/engine/forward.hpp>
 #include <comm/detail/engine/policy.hpp>
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/detail/engine/groups.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/detail/nccl/bootstrap.hpp>
 #include <comm/detail/nccl/device.hpp>
 #include <comm/detail/nccl/engine.hpp>

@@ -69,7 +69,7 @@
 #include <comm/detail/engine/policy.hpp>
 #include <comm/detail/engine/elastic.hpp>
 #include <comm/detail/engine/subgroups.hpp>
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/detail/shm/engine.hpp>
 #include <comm/error.hpp>
 #include <comm/options.hpp>

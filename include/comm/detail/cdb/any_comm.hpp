@@ -123,46 +123,12 @@ class AnyCommModel final : public AnyCommImpl {
 
   Work all_reduce(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, const ErasedOp& op,
                   bool async) override {
-    if constexpr (kErased) {
-      if (host(in, out)) {
-        const ArgChecks chk = checks(d, "all_reduce");
-        check_custom(op, "all_reduce");
-        Op o = erased_op(OpKind::all_reduce, d, in, out, in_n, out_n);
-        set_erased_reduction(chk, o, d, op, async);
-        chk.all_reduce({in, in_n}, {out, out_n});
-        return launch(o, async);
-      }
-    }
-    return typed(d, "all_reduce", [&]<class T>() {
-      return reduce(op, async, "all_reduce", [&](auto&& red, auto tag) {
-        return run(tag, [&](auto... t) {
-          return c_.all_reduce(std::span<const T>(static_cast<const T*>(in), in_n),
-                               std::span<T>(static_cast<T*>(out), out_n), red, t...);
-        });
-      }, static_cast<T*>(nullptr));
-    });
+    return symmetric_reduction<OpKind::all_reduce>(d, in, in_n, out, out_n, op, async);
   }
 
   Work reduce_scatter(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, const ErasedOp& op,
                       bool async) override {
-    if constexpr (kErased) {
-      if (host(in, out)) {
-        const ArgChecks chk = checks(d, "reduce_scatter");
-        check_custom(op, "reduce_scatter");
-        Op o = erased_op(OpKind::reduce_scatter, d, in, out, in_n, out_n);
-        set_erased_reduction(chk, o, d, op, async);
-        chk.reduce_scatter({in, in_n}, {out, out_n});
-        return launch(o, async);
-      }
-    }
-    return typed(d, "reduce_scatter", [&]<class T>() {
-      return reduce(op, async, "reduce_scatter", [&](auto&& red, auto tag) {
-        return run(tag, [&](auto... t) {
-          return c_.reduce_scatter(std::span<const T>(static_cast<const T*>(in), in_n),
-                                   std::span<T>(static_cast<T*>(out), out_n), red, t...);
-        });
-      }, static_cast<T*>(nullptr));
-    });
+    return symmetric_reduction<OpKind::reduce_scatter>(d, in, in_n, out, out_n, op, async);
   }
 
   Work all_gather(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n, bool async) override {
@@ -434,6 +400,39 @@ class AnyCommModel final : public AnyCommImpl {
   }
 
  private:
+  /// all_reduce or reduce_scatter (`K`): the erased path on host buffers, else the typed call.
+  template <OpKind K>
+  Work symmetric_reduction(Dtype d, const void* in, std::size_t in_n, void* out, std::size_t out_n,
+                           const ErasedOp& op, bool async) {
+    constexpr bool ar = K == OpKind::all_reduce;
+    constexpr const char* name = ar ? "all_reduce" : "reduce_scatter";
+    if constexpr (kErased) {
+      if (host(in, out)) {
+        const ArgChecks chk = checks(d, name);
+        check_custom(op, name);
+        Op o = erased_op(K, d, in, out, in_n, out_n);
+        set_erased_reduction(chk, o, d, op, async);
+        if constexpr (ar)
+          chk.all_reduce({in, in_n}, {out, out_n});
+        else
+          chk.reduce_scatter({in, in_n}, {out, out_n});
+        return launch(o, async);
+      }
+    }
+    return typed(d, name, [&]<class T>() {
+      return reduce(op, async, name, [&](auto&& red, auto tag) {
+        return run(tag, [&](auto... t) {
+          const std::span<const T> i(static_cast<const T*>(in), in_n);
+          const std::span<T> o(static_cast<T*>(out), out_n);
+          if constexpr (ar)
+            return c_.all_reduce(i, o, red, t...);
+          else
+            return c_.reduce_scatter(i, o, red, t...);
+        });
+      }, static_cast<T*>(nullptr));
+    });
+  }
+
   // ---- the erased form: for backends whose engine takes Op records (not NCCL), a call is one
   // record, built here after the facade's checks (detail/facade/checks.hpp) and handed to the
   // engine's erased entry: no re-typing. Device buffers take the typed path (Gloo stages them). ----

@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/error.hpp>
 
 namespace comm::detail::cuda {

@@ -56,9 +56,9 @@
 
 #include <unistd.h>
 
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/error.hpp>
 #include <comm/types.hpp>
 

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include <comm/detail/diagnostics/flight_recorder.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/error.hpp>
 
 namespace comm::detail {

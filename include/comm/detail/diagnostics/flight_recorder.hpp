@@ -17,8 +17,8 @@
 #include <string_view>
 #include <vector>
 
-#include <comm/detail/init/env.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/env.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
 #include <comm/types.hpp>

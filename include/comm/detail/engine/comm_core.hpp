@@ -25,7 +25,7 @@
 #include <comm/detail/engine/failure.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/detail/engine/liveness.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/detail/engine/membership.hpp>
 #include <comm/detail/diagnostics/monitored_barrier.hpp>
 #include <comm/diagnostics.hpp>

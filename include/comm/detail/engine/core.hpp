@@ -56,7 +56,7 @@
 #include <comm/detail/engine/work_state.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/detail/engine/liveness.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/detail/engine/membership.hpp>
 #include <comm/detail/diagnostics/monitored_barrier.hpp>
 #include <comm/detail/engine/reduce.hpp>
@@ -67,27 +67,6 @@
 #include <comm/work.hpp>
 
 namespace comm::detail {
-
-template <class Red>
-[[nodiscard]] constexpr bool is_avg(const Red& red) noexcept {
-  if constexpr (std::is_same_v<Red, ReduceOp>)
-    return red == ReduceOp::avg;
-  else if constexpr (builtin_reduction<Red>)
-    return reduce_op_of<Red> == ReduceOp::avg;
-  else
-    return false;
-}
-
-/// The flight recorder's / desync check's code of a reduction argument.
-template <class Red>
-[[nodiscard]] constexpr std::uint8_t reduce_code(const Red& red) noexcept {
-  if constexpr (std::is_same_v<Red, ReduceOp>)
-    return static_cast<std::uint8_t>(red);
-  else if constexpr (builtin_reduction<Red>)
-    return static_cast<std::uint8_t>(reduce_op_of<Red>);
-  else
-    return OpDesc::custom;
-}
 
 /// The traffic of an engine-core operation record.
 [[nodiscard]] inline Traffic traffic_of(const Op& op, int n) noexcept {
@@ -149,35 +128,24 @@ class EngineCore : public CommCore {
 
   template <class T, class Red, class Launch>
   auto all_reduce(std::span<const T> in, std::span<T> out, Red red, Launch l, OpHooks hooks = {}) {
-    Op op = make_op<T>(OpKind::all_reduce, in.data(), out.data(), in.size(), out.size());
-    op.desc.reduce = reduce_code(red);
-    op.desc.count = in.size();
-    op.hooks = std::move(hooks);
-    return with_reduction<T>(op, red, l);
+    return typed_reduction(OpKind::all_reduce, in, out, -1, red, l, std::move(hooks));
   }
 
   template <class T, class Red, class Launch>
   auto reduce_scatter(std::span<const T> in, std::span<T> out, Red red, Launch l, OpHooks hooks = {}) {
-    Op op = make_op<T>(OpKind::reduce_scatter, in.data(), out.data(), in.size(), out.size());
-    op.desc.reduce = reduce_code(red);
-    op.desc.count = out.size();
-    op.hooks = std::move(hooks);
-    return with_reduction<T>(op, red, l);
+    return typed_reduction(OpKind::reduce_scatter, in, out, -1, red, l, std::move(hooks));
   }
 
   template <class T, class Launch>
   auto all_gather(std::span<const T> in, std::span<T> out, Launch l, OpHooks hooks = {}) {
     Op op = make_op<T>(OpKind::all_gather, in.data(), out.data(), in.size(), out.size());
-    op.desc.count = in.size();
     op.hooks = std::move(hooks);
     return launch(op, l);
   }
 
   template <class T, class Launch>
   auto broadcast(std::span<T> data, int root, Launch l, OpHooks hooks = {}) {
-    Op op = make_op<T>(OpKind::broadcast, nullptr, data.data(), 0, data.size());
-    op.desc.root = root;
-    op.desc.count = data.size();
+    Op op = make_op<T>(OpKind::broadcast, nullptr, data.data(), 0, data.size(), root);
     op.hooks = std::move(hooks);
     return launch(op, l);
   }
@@ -185,9 +153,7 @@ class EngineCore : public CommCore {
   template <class T, class Launch>
   auto gather(std::span<const T> in, std::span<T> out, int root, Launch l, OpHooks hooks = {}) {
     // The input count: the output is only meaningful (and sized) on the root.
-    Op op = make_op<T>(OpKind::gather, in.data(), out.data(), in.size(), out.size());
-    op.desc.root = root;
-    op.desc.count = in.size();
+    Op op = make_op<T>(OpKind::gather, in.data(), out.data(), in.size(), out.size(), root);
     op.hooks = std::move(hooks);
     return launch(op, l);
   }
@@ -195,25 +161,18 @@ class EngineCore : public CommCore {
   template <class T, class Red, class Launch>
   auto reduce(std::span<const T> in, std::span<T> out, int root, Red red, Launch l) {
     // Off the root `out` may be empty: the engine (or compose) gives it scratch.
-    Op op = make_op<T>(OpKind::reduce, in.data(), out.data(), in.size(), out.size());
-    op.desc.reduce = reduce_code(red);
-    op.desc.root = root;
-    op.desc.count = in.size();
-    return with_reduction<T>(op, red, l);
+    return typed_reduction(OpKind::reduce, in, out, root, red, l, {});
   }
 
   template <class T, class Launch>
   auto scatter(std::span<const T> in, std::span<T> out, int root, Launch l) {
-    Op op = make_op<T>(OpKind::scatter, in.data(), out.data(), in.size(), out.size());
-    op.desc.root = root;
-    op.desc.count = out.size();
+    Op op = make_op<T>(OpKind::scatter, in.data(), out.data(), in.size(), out.size(), root);
     return launch(op, l);
   }
 
   template <class T, class Launch>
   auto all_to_all(std::span<const T> in, std::span<T> out, Launch l) {
     Op op = make_op<T>(OpKind::all_to_all, in.data(), out.data(), in.size(), out.size());
-    op.desc.count = in.size();
     return launch(op, l);
   }
 
@@ -225,24 +184,19 @@ class EngineCore : public CommCore {
     op.counts.reserve(in_counts.size() + out_counts.size());
     op.counts.insert(op.counts.end(), in_counts.begin(), in_counts.end());
     op.counts.insert(op.counts.end(), out_counts.begin(), out_counts.end());
-    op.desc.count = 0;  // differs by rank: the message headers check the counts of each pair
     return launch(op, l);
   }
 
   template <class T, class Launch>
   auto send(std::span<const T> data, int peer, int tag, Launch l) {
-    Op op = make_op<T>(OpKind::send, data.data(), nullptr, data.size(), 0);
-    op.desc.root = peer;
-    op.desc.count = data.size();
+    Op op = make_op<T>(OpKind::send, data.data(), nullptr, data.size(), 0, peer);
     op.p2p.push_back(P2PItem{true, const_cast<T*>(data.data()), data.size(), peer, tag});
     return launch(op, l);
   }
 
   template <class T, class Launch>
   auto recv(std::span<T> data, int peer, int tag, Launch l) {
-    Op op = make_op<T>(OpKind::recv, nullptr, data.data(), 0, data.size());
-    op.desc.root = peer;
-    op.desc.count = data.size();
+    Op op = make_op<T>(OpKind::recv, nullptr, data.data(), 0, data.size(), peer);
     op.p2p.push_back(P2PItem{false, data.data(), data.size(), peer, tag});
     return launch(op, l);
   }
@@ -451,19 +405,7 @@ class EngineCore : public CommCore {
   /// The default translation of an engine's exception (call inside a catch block): comm::Error
   /// and std::bad_alloc pass, any other exception becomes BackendError with its text. Engines
   /// whose library throws its own types define their own (Gloo).
-  [[noreturn]] void rethrow_translated(const char* op) {
-    try {
-      throw;
-    } catch (const Error&) {
-      throw;
-    } catch (const std::bad_alloc&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw BackendError(op, rank(), e.what());
-    } catch (...) {
-      throw BackendError(op, rank(), "unknown exception");
-    }
-  }
+  [[noreturn]] void rethrow_translated(const char* op) { rethrow_as_error(op, rank(), "unknown exception"); }
 
   /// Engines that read and write buffers with the CPU set this: a CUDA device buffer is then a
   /// comm::InvalidArgument before anything is sent, not a crash (one branch per operation where no
@@ -504,40 +446,21 @@ class EngineCore : public CommCore {
     for (const P2PItem& it : op.p2p) reject(it.buf);
   }
 
-  template <class T>
-  [[nodiscard]] static Op make_op(OpKind kind, const T* in, T* out, std::size_t in_count, std::size_t out_count) {
-    return erased_op(kind, dtype_of<T>, in, out, in_count, out_count);
+  /// A reduction of kind `kind` (all_reduce, reduce_scatter, reduce) with reduction argument `red`.
+  template <class T, class Red, class Launch>
+  auto typed_reduction(OpKind kind, std::span<const T> in, std::span<T> out, int root, Red& red, Launch l,
+                       OpHooks hooks) {
+    Op op = make_op<T>(kind, in.data(), out.data(), in.size(), out.size(), root);
+    op.hooks = std::move(hooks);
+    set_typed_reduction<T, Launch>(op, red);
+    return launch(op, l);
   }
 
-  /// Sets the reduction of `op` from `red`, then launches it. A custom callable is referred to
-  /// where it lives: in the caller's frame for a blocking call, in `op.keep` for an async one.
-  template <class T, class Red, class Launch>
-  auto with_reduction(Op& op, Red& red, Launch l) {
-    if constexpr (std::is_same_v<Red, ReduceOp>) {
-      op.kernel = reduce_kernel_for<T>(red);
-      op.many = reduce_many_for<T>(red);
-    } else if constexpr (std::is_same_v<Red, op::premul_sum_t>) {
-      op.kernel = &reduce_kernel<ReduceOp::sum, T>;
-      op.many = &reduce_many_kernel<ReduceOp::sum, T>;
-      op.prescale = &prescale_erased<T>;
-      op.factor = red.factor;
-    } else if constexpr (builtin_reduction<Red>) {
-      constexpr ReduceOp r = reduce_op_of<Red> == ReduceOp::avg ? ReduceOp::sum : reduce_op_of<Red>;
-      op.kernel = &reduce_kernel<r, T>;
-      op.many = &reduce_many_kernel<r, T>;
-    } else {
-      using F = std::remove_cvref_t<decltype(red.fn)>;
-      op.custom = &apply_custom<T, F>;
-      if constexpr (std::is_same_v<Launch, async_t>) {
-        auto held = std::make_shared<F>(std::move(red.fn));
-        op.custom_arg = held.get();
-        op.keep = std::move(held);
-      } else {
-        op.custom_arg = &red.fn;
-      }
-    }
-    if (is_avg(red)) op.finish = &finish_avg_erased<T>;
-    return launch(op, l);
+  /// The record of a typed call (erased_op: desc.count follows the kind; `root`: root or peer).
+  template <class T>
+  [[nodiscard]] static Op make_op(OpKind kind, const T* in, T* out, std::size_t in_count, std::size_t out_count,
+                                  int root = -1) {
+    return erased_op(kind, dtype_of<T>, in, out, in_count, out_count, root);
   }
 
   static void execute_thunk(void* self, Op& op, std::uint64_t id, std::uint64_t seq) {
@@ -608,12 +531,8 @@ class EngineCore : public CommCore {
   void run_hook(const char* name, const std::function<void()>& hook) {
     try {
       hook();
-    } catch (const Error&) {
-      throw;
-    } catch (const std::bad_alloc&) {
-      throw;
-    } catch (const std::exception& e) {
-      throw BackendError(name, rank(), e.what());
+    } catch (...) {
+      rethrow_as_error(name, rank());  // an exception of no std type goes on as it is
     }
   }
 

@@ -50,8 +50,8 @@
 #include <string_view>
 #include <thread>
 
-#include <comm/detail/init/env.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/env.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 

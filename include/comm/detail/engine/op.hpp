@@ -16,6 +16,7 @@
 #include <memory>
 #include <array>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <comm/detail/diagnostics/flight_recorder.hpp>
@@ -38,7 +39,7 @@ struct OpHooks {
   std::function<void()> after;
 };
 
-/// out = a R b over n elements of a user callable at `fn` (type-erased; see EngineCore::with_reduction).
+/// out = a R b over n elements of a user callable at `fn` (type-erased; see set_typed_reduction).
 using custom_reduce_fn = void (*)(const void* fn, void* out, const void* a, const void* b, std::size_t n);
 /// Turns a sum over `size` ranks into the average, in place.
 using finish_fn = void (*)(void* data, std::size_t n, int size);
@@ -159,6 +160,60 @@ inline void set_reduction(Op& op, ReduceOp r) {
   op.kernel = k.kernel;
   op.many = k.many;
   op.finish = k.finish;
+}
+
+/// Whether a reduction argument is avg (a sum finished by dividing by the rank count).
+template <class Red>
+[[nodiscard]] constexpr bool is_avg(const Red& red) noexcept {
+  if constexpr (std::is_same_v<Red, ReduceOp>)
+    return red == ReduceOp::avg;
+  else if constexpr (builtin_reduction<Red>)
+    return reduce_op_of<Red> == ReduceOp::avg;
+  else
+    return false;
+}
+
+/// The flight recorder's / desync check's code of a reduction argument.
+template <class Red>
+[[nodiscard]] constexpr std::uint8_t reduce_code(const Red& red) noexcept {
+  if constexpr (std::is_same_v<Red, ReduceOp>)
+    return static_cast<std::uint8_t>(red);
+  else if constexpr (builtin_reduction<Red>)
+    return static_cast<std::uint8_t>(reduce_op_of<Red>);
+  else
+    return OpDesc::custom;
+}
+
+/// Sets the reduction of `op` (a typed call's record, element type T) from the reduction argument
+/// `red`, for a call launched as `Launch`. A custom callable is referred to where it lives: in the
+/// caller's frame for a blocking call, in `op.keep` for an async one.
+template <class T, class Launch, class Red>
+void set_typed_reduction(Op& op, Red& red) {
+  op.desc.reduce = reduce_code(red);
+  if constexpr (std::is_same_v<Red, ReduceOp>) {
+    op.kernel = reduce_kernel_for<T>(red);
+    op.many = reduce_many_for<T>(red);
+  } else if constexpr (std::is_same_v<Red, op::premul_sum_t>) {
+    op.kernel = &reduce_kernel<ReduceOp::sum, T>;
+    op.many = &reduce_many_kernel<ReduceOp::sum, T>;
+    op.prescale = &prescale_erased<T>;
+    op.factor = red.factor;
+  } else if constexpr (builtin_reduction<Red>) {
+    constexpr ReduceOp r = reduce_op_of<Red> == ReduceOp::avg ? ReduceOp::sum : reduce_op_of<Red>;
+    op.kernel = &reduce_kernel<r, T>;
+    op.many = &reduce_many_kernel<r, T>;
+  } else {
+    using F = std::remove_cvref_t<decltype(red.fn)>;
+    op.custom = &apply_custom<T, F>;
+    if constexpr (std::is_same_v<Launch, async_t>) {
+      auto held = std::make_shared<F>(std::move(red.fn));
+      op.custom_arg = held.get();
+      op.keep = std::move(held);
+    } else {
+      op.custom_arg = &red.fn;
+    }
+  }
+  if (is_avg(red)) op.finish = &finish_avg_erased<T>;
 }
 
 }  // namespace comm::detail

@@ -31,7 +31,7 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/detail/gloo/bulk.hpp>
 #include <comm/detail/gloo/reduce_scatter.hpp>
 #include <comm/detail/gloo/waits.hpp>

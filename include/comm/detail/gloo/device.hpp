@@ -35,7 +35,7 @@
 #include <gloo/common/logging.h>
 #include <gloo/transport/tcp/device.h>
 
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/error.hpp>
 
 namespace comm::detail::gloo {

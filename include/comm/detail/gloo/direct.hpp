@@ -52,8 +52,8 @@
 #include <gloo/transport/tcp/attr.h>
 #include <gloo/transport/tcp/device.h>
 
-#include <comm/detail/init/env.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/env.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/detail/gloo/device.hpp>
 #include <comm/detail/gloo/waits.hpp>
 #include <comm/detail/net/socket.hpp>

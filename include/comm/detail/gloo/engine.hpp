@@ -51,7 +51,7 @@
 #include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/detail/diagnostics/monitored_barrier.hpp>
 #include <comm/detail/engine/reduce.hpp>
 #include <comm/diagnostics.hpp>

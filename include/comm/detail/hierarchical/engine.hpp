@@ -60,7 +60,7 @@
 
 #include <comm/concepts.hpp>
 #include <comm/detail/diagnostics/desync.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/hierarchical/members.hpp>
 #include <comm/detail/hierarchical/topology.hpp>
@@ -152,8 +152,10 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   void perform(Op& op, std::uint64_t seq) {
     members_->guarded([&] {
       switch (op.desc.kind) {
-        case OpKind::all_reduce: return do_all_reduce(op);
-        case OpKind::reduce_scatter: return do_reduce_scatter(op);
+        case OpKind::all_reduce:
+          return reduce_then_finish(op, op.in_count, [&](std::size_t n) { all_reduce_n(op, op.in, op.out, n); });
+        case OpKind::reduce_scatter:
+          return reduce_then_finish(op, op.out_count, [&](std::size_t c) { reduce_scatter_n(op, op.in, op.out, c); });
         case OpKind::all_gather:
         case OpKind::split:
           return do_all_gather(static_cast<const Bytes*>(op.in), static_cast<Bytes*>(op.out), op.in_count * op.elem_size);
@@ -289,10 +291,11 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
 
   // ---- operations ----
 
-  void do_all_reduce(const Op& op) {
-    const std::size_t n = op.in_count;
+  /// `body(n)` for an operation of `n` elements (nothing for 0), then the reduction's finish (avg).
+  template <class Body>
+  void reduce_then_finish(const Op& op, std::size_t n, Body&& body) {
     if (n == 0) return;
-    all_reduce_n(op, op.in, op.out, n);
+    body(n);
     if (op.finish != nullptr) op.finish(op.out, n, this->size());
   }
 
@@ -404,13 +407,6 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     for (std::size_t i = 0; i < count; ++i) members_->wait(Level::intra, "all_gather", p.works[ag[i]]);
     for (const auto& x : v)
       if (x.buf != x.dst) copy(x.buf, x.dst, x.len * e);
-  }
-
-  void do_reduce_scatter(const Op& op) {
-    const std::size_t c = op.out_count;
-    if (c == 0) return;
-    reduce_scatter_n(op, op.in, op.out, c);
-    if (op.finish != nullptr) op.finish(op.out, c, this->size());
   }
 
   void reduce_scatter_n(const Op& r, const void* in, void* out, std::size_t c) {

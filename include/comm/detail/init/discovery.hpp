@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/error.hpp>
 
 namespace comm::detail {

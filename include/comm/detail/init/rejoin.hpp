@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
 

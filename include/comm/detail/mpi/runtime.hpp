@@ -8,8 +8,8 @@
 #include <mutex>
 #include <string>
 
-#include <comm/detail/init/env.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/env.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/detail/mpi/errors.hpp>
 #include <comm/error.hpp>
 

@@ -29,6 +29,12 @@
 
 namespace comm::detail::mpi {
 
+/// The datatype and op one reduction runs with (MPI's own, or the engine's slot op).
+struct Reduction {
+  MPI_Datatype type;
+  MPI_Op op;
+};
+
 /// The MPI datatype that moves (and, where MPI can, reduces) elements of type T.
 template <element T>
 [[nodiscard]] MPI_Datatype datatype() noexcept {

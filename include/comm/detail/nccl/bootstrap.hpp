@@ -25,7 +25,8 @@
 #include <string>
 #include <thread>
 
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/logging.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/detail/nccl/device.hpp>
 #include <comm/detail/nccl/errors.hpp>
 #include <comm/detail/nccl/types.hpp>
@@ -76,6 +77,35 @@ inline void abort_comm(ncclComm_t comm, int device) noexcept {
   if (restore) (void)cudaSetDevice(device);
   (void)ncclCommAbort(comm);
   if (restore) (void)cudaSetDevice(prev);
+}
+
+/// ncclCommFinalize (flushes the communicator's work), polled until done or `timeout`, then
+/// ncclCommDestroy; ncclCommAbort when finalizing fails or takes too long (`rank`: for the log).
+inline void finalize_or_abort(ncclComm_t comm, std::chrono::milliseconds timeout, int rank) noexcept {
+  ncclResult_t r = ncclCommFinalize(comm);
+  ncclResult_t state = r;
+  if (r == ncclSuccess || r == ncclInProgress) {
+    const auto deadline = Clock::now() + timeout;
+    Backoff backoff(std::chrono::microseconds(50), std::chrono::milliseconds(10));
+    for (;;) {
+      if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclInternalError;
+      if (state != ncclInProgress || Clock::now() >= deadline) break;
+      try {
+        backoff.pause();
+      } catch (...) {
+      }
+    }
+  }
+  if (state == ncclSuccess) {
+    (void)ncclCommDestroy(comm);
+    return;
+  }
+  try {
+    log(LogLevel::warn, "nccl on rank " + std::to_string(rank) + ": finalizing the communicator " +
+                            (state == ncclInProgress ? "timed out" : "failed") + "; aborting it");
+  } catch (...) {
+  }
+  (void)ncclCommAbort(comm);
 }
 
 /// Tells the other ranks that this one failed (best effort: the store may be gone too).

@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <string>
 
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/detail/nccl/errors.hpp>
 #include <comm/error.hpp>
 

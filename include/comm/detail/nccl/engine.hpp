@@ -41,32 +41,12 @@ class Engine final : public NcclCore {
 
   template <class T, class Red, class Launch>
   auto all_reduce(std::span<const T> in, std::span<T> out, const Red& red, Launch l) {
-    constexpr const char* op = "all_reduce";
-    RedArg a = rules().reduction_arg<T>(op, red);
-    check_buffer(op, in.data(), in.size_bytes(), "input");
-    check_buffer(op, out.data(), out.size_bytes(), "output");
-    const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
-    const OpDesc d{OpKind::all_reduce, dtype_code<T>(), a.code, -1, in.size()};
-    return issue(d, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
-      return with_red_op(op, a, dt, c, [&](ncclRedOp_t o) {
-        return COMM_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), out.size(), dt, o, c, s), op, rank(), c);
-      });
-    });
+    return symmetric_reduction<OpKind::all_reduce>(in, out, red, l);
   }
 
   template <class T, class Red, class Launch>
   auto reduce_scatter(std::span<const T> in, std::span<T> out, const Red& red, Launch l) {
-    constexpr const char* op = "reduce_scatter";
-    RedArg a = rules().reduction_arg<T>(op, red);
-    check_buffer(op, in.data(), in.size_bytes(), "input");
-    check_buffer(op, out.data(), out.size_bytes(), "output");
-    const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
-    const OpDesc d{OpKind::reduce_scatter, dtype_code<T>(), a.code, -1, out.size()};
-    return issue(d, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
-      return with_red_op(op, a, dt, c, [&](ncclRedOp_t o) {
-        return COMM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), out.size(), dt, o, c, s), op, rank(), c);
-      });
-    });
+    return symmetric_reduction<OpKind::reduce_scatter>(in, out, red, l);
   }
 
   /// ncclReduce: `out` is used on the root only (in place when it is `in`); elsewhere NCCL gets a
@@ -105,8 +85,7 @@ class Engine final : public NcclCore {
     static_assert(reduction_supported(ReduceOp::sum, dtype_of<T>),
                   "comm: the nccl backend does not reduce this element type");
     rules().check_reduction_runtime<T>(op);
-    check_buffer(op, in.data(), in.size_bytes(), "input");
-    check_buffer(op, out.data(), out.size_bytes(), "output");
+    check_in_out(op, in, out);
     const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
     RedArg a;
     a.premul = true;
@@ -125,8 +104,7 @@ class Engine final : public NcclCore {
   template <class T, class Launch>
   auto all_gather(std::span<const T> in, std::span<T> out, Launch l) {
     constexpr const char* op = "all_gather";
-    check_buffer(op, in.data(), in.size_bytes(), "input");
-    check_buffer(op, out.data(), out.size_bytes(), "output");
+    check_in_out(op, in, out);
     const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
     const OpDesc d{OpKind::all_gather, dtype_code<T>(), OpDesc::none, -1, in.size()};
     return issue(d, l, in.empty(), [&](ncclComm_t c, cudaStream_t s) {
@@ -218,8 +196,7 @@ class Engine final : public NcclCore {
   template <class T, class Launch>
   auto all_to_all(std::span<const T> in, std::span<T> out, Launch l) {
     constexpr const char* op = "all_to_all";
-    check_buffer(op, in.data(), in.size_bytes(), "input");
-    check_buffer(op, out.data(), out.size_bytes(), "output");
+    check_in_out(op, in, out);
     const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
     const std::size_t block = in.size() / static_cast<std::size_t>(size());
     const OpDesc d{OpKind::all_to_all, dtype_code<T>(), OpDesc::none, -1, in.size()};
@@ -246,8 +223,7 @@ class Engine final : public NcclCore {
   auto all_to_all_v(std::span<const T> in, std::span<const std::size_t> in_counts, std::span<T> out,
                     std::span<const std::size_t> out_counts, Launch l) {
     constexpr const char* op = "all_to_all_v";
-    check_buffer(op, in.data(), in.size_bytes(), "input");
-    check_buffer(op, out.data(), out.size_bytes(), "output");
+    check_in_out(op, in, out);
     const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
     // The count differs by rank: the fingerprint compares the operation and element type only.
     const OpDesc d{OpKind::all_to_all_v, dtype_code<T>(), OpDesc::none, -1, 0};
@@ -280,29 +256,13 @@ class Engine final : public NcclCore {
   /// ncclSend in a group call. NCCL has no message tags: `tag` must be 0.
   template <class T, class Launch>
   auto send(std::span<const T> data, int peer, int tag, Launch l) {
-    constexpr const char* op = "send";
-    check_tag(op, tag, "");
-    check_buffer(op, data.data(), data.size_bytes(), "data");
-    const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
-    const OpDesc d{OpKind::send, dtype_code<T>(), OpDesc::none, peer, data.size()};
-    return issue(d, l, data.empty(), [&](ncclComm_t c, cudaStream_t s) {
-      return in_group(op, c,
-                      [&] { COMM_NCCL_CHECK(ncclSend(data.data(), data.size(), dt, peer, c, s), op, rank(), c); });
-    });
+    return one_message<OpKind::send>(data, peer, tag, l);
   }
 
   /// ncclRecv in a group call. NCCL has no message tags: `tag` must be 0.
   template <class T, class Launch>
   auto recv(std::span<T> data, int peer, int tag, Launch l) {
-    constexpr const char* op = "recv";
-    check_tag(op, tag, "");
-    check_buffer(op, data.data(), data.size_bytes(), "data");
-    const ncclDataType_t dt = transfer_dtype(dtype_of<T>);
-    const OpDesc d{OpKind::recv, dtype_code<T>(), OpDesc::none, peer, data.size()};
-    return issue(d, l, data.empty(), [&](ncclComm_t c, cudaStream_t s) {
-      return in_group(op, c,
-                      [&] { COMM_NCCL_CHECK(ncclRecv(data.data(), data.size(), dt, peer, c, s), op, rank(), c); });
-    });
+    return one_message<OpKind::recv>(data, peer, tag, l);
   }
 
   /// Every entry's ncclSend / ncclRecv in one group call: one operation (one flight-recorder
@@ -343,6 +303,52 @@ class Engine final : public NcclCore {
   }
 
  private:
+  /// check_buffer of an operation's input and output (both on this rank).
+  template <class T>
+  void check_in_out(const char* op, std::span<const T> in, std::span<T> out) const {
+    check_buffer(op, in.data(), in.size_bytes(), "input");
+    check_buffer(op, out.data(), out.size_bytes(), "output");
+  }
+
+  /// send or recv (`K`): one ncclSend / ncclRecv in a group call.
+  template <OpKind K, class T, class Launch>
+  auto one_message(std::span<T> data, int peer, int tag, Launch l) {
+    constexpr bool is_send = K == OpKind::send;
+    constexpr const char* op = is_send ? "send" : "recv";
+    using E = std::remove_const_t<T>;
+    check_tag(op, tag, "");
+    check_buffer(op, data.data(), data.size_bytes(), "data");
+    const ncclDataType_t dt = transfer_dtype(dtype_of<E>);
+    const OpDesc d{K, dtype_code<E>(), OpDesc::none, peer, data.size()};
+    return issue(d, l, data.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      return in_group(op, c, [&] {
+        if constexpr (is_send)
+          COMM_NCCL_CHECK(ncclSend(data.data(), data.size(), dt, peer, c, s), op, rank(), c);
+        else
+          COMM_NCCL_CHECK(ncclRecv(data.data(), data.size(), dt, peer, c, s), op, rank(), c);
+      });
+    });
+  }
+
+  /// all_reduce or reduce_scatter (`K`): ncclAllReduce / ncclReduceScatter of out.size() elements.
+  template <OpKind K, class T, class Red, class Launch>
+  auto symmetric_reduction(std::span<const T> in, std::span<T> out, const Red& red, Launch l) {
+    constexpr bool ar = K == OpKind::all_reduce;
+    constexpr const char* op = ar ? "all_reduce" : "reduce_scatter";
+    RedArg a = rules().reduction_arg<T>(op, red);
+    check_in_out(op, in, out);
+    const ncclDataType_t dt = nccl_dtype(dtype_of<T>);
+    const OpDesc d{K, dtype_code<T>(), a.code, -1, ar ? in.size() : out.size()};
+    return issue(d, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
+      return with_red_op(op, a, dt, c, [&](ncclRedOp_t o) {
+        if constexpr (ar)
+          return COMM_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), out.size(), dt, o, c, s), op, rank(), c);
+        else
+          return COMM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), out.size(), dt, o, c, s), op, rank(), c);
+      });
+    });
+  }
+
   /// Runs `call(nccl op)`, which returns the NCCL call's result. A premul_sum's operator is made
   /// just before (ncclRedOpCreatePreMulSum, ncclScalarHostImmediate: the scalar is read at once) and
   /// destroyed once the call is enqueued (NCCL allows it as soon as the call has returned).

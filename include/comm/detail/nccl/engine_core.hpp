@@ -46,7 +46,7 @@
 #include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/comm_core.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/detail/nccl/bootstrap.hpp>
 #include <comm/detail/nccl/comms_timing.hpp>
 #include <comm/detail/nccl/device.hpp>
@@ -580,7 +580,7 @@ class NcclCore : public WatchTarget, public CommCore {
       std::lock_guard lock(nccl_mu_);
       if (comm_ != nullptr && owns_comm_) {
         if (healthy)
-          finalize_and_destroy();
+          finalize_or_abort(comm_, timeout(), rank());
         else
           (void)ncclCommAbort(comm_);
       }
@@ -600,35 +600,6 @@ class NcclCore : public WatchTarget, public CommCore {
     stream_ = nullptr;
     (void)cudaGetLastError();
     if (restore) (void)cudaSetDevice(prev);
-  }
-
-  /// ncclCommFinalize (flushes the communicator's work), polled until done or the timeout, then
-  /// ncclCommDestroy; ncclCommAbort when finalizing fails or takes too long.
-  void finalize_and_destroy() noexcept {
-    ncclResult_t r = ncclCommFinalize(comm_);
-    ncclResult_t state = r;
-    if (r == ncclSuccess || r == ncclInProgress) {
-      const auto deadline = Clock::now() + timeout();
-      Backoff backoff(std::chrono::microseconds(50), std::chrono::milliseconds(10));
-      for (;;) {
-        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
-        if (state != ncclInProgress || Clock::now() >= deadline) break;
-        try {
-          backoff.pause();
-        } catch (...) {
-        }
-      }
-    }
-    if (state == ncclSuccess) {
-      (void)ncclCommDestroy(comm_);
-      return;
-    }
-    try {
-      log(LogLevel::warn, "nccl on rank " + std::to_string(rank()) + ": finalizing the communicator " +
-                              (state == ncclInProgress ? "timed out" : "failed") + "; aborting it");
-    } catch (...) {
-    }
-    (void)ncclCommAbort(comm_);
   }
 
   mutable std::mutex nccl_mu_;  // one thread at a time on the communicator (NCCL's rule)

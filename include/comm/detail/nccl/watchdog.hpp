@@ -29,7 +29,7 @@
 #include <thread>
 #include <utility>
 
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/detail/nccl/errors.hpp>
 #include <comm/error.hpp>
 #include <comm/work.hpp>
@@ -81,15 +81,7 @@ struct Fault {
   return Fault::Kind::backend;
 }
 
-[[nodiscard]] inline std::string what_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-  }
-  return "unknown error";
-}
+[[nodiscard]] inline std::string what_of(const std::exception_ptr& e) { return exception_text(e, "unknown error"); }
 
 /// An error for `op` that follows an earlier failure `cause` of the communicator: same kind,
 /// and the message quotes the first cause.

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include <comm/detail/diagnostics/desync.hpp>
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/detail/shm/segment.hpp>
 #include <comm/detail/shm/wait.hpp>
 #include <comm/error.hpp>

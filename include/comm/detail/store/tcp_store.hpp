@@ -247,6 +247,21 @@ inline void TcpStore::check_key(std::string_view op, std::string_view key) const
                           address_);
 }
 
+/// Every key of a multi-key request, and the request's size (`verb`: "reading", for the error).
+inline void TcpStore::check_keys(std::string_view op, const std::vector<std::string>& keys,
+                                 std::string_view verb) const {
+  std::size_t bytes = 0;
+  for (const auto& k : keys) {
+    check_key(op, k);
+    bytes += k.size() + 8;
+  }
+  if (keys.size() > UINT32_MAX || bytes + 16 > detail::store_proto::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes))
+    throw InvalidArgument(std::string(op), rank(),
+                          std::string(verb) + " " + std::to_string(keys.size()) + " keys (" + std::to_string(bytes) +
+                              " bytes) exceeds the request size limit",
+                          address_);
+}
+
 inline void TcpStore::check_value(std::string_view op, std::string_view key, std::size_t size) const {
   if (size > opts_.max_value_bytes)
     throw InvalidArgument(std::string(op), rank(),
@@ -392,16 +407,7 @@ inline Store::Bytes TcpStore::compare_set(std::string_view key, std::span<const 
 
 inline void TcpStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   if (keys.empty()) return;
-  std::size_t bytes = 0;
-  for (const auto& k : keys) {
-    check_key("store.wait", k);
-    bytes += k.size() + 8;
-  }
-  if (keys.size() > UINT32_MAX || bytes + 16 > detail::store_proto::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes))
-    throw InvalidArgument("store.wait", rank(),
-                          "waiting on " + std::to_string(keys.size()) + " keys (" + std::to_string(bytes) +
-                              " bytes) exceeds the request size limit",
-                          address_);
+  check_keys("store.wait", keys, "waiting on");
   (void)request(
       "store.wait", detail::store_proto::Op::wait, timeout, true,
       [&](detail::store_proto::Writer& w, detail::Clock::time_point d) {
@@ -415,16 +421,7 @@ inline void TcpStore::wait(const std::vector<std::string>& keys, std::chrono::mi
 inline std::vector<Store::Bytes> TcpStore::multi_get(const std::vector<std::string>& keys,
                                                      std::chrono::milliseconds timeout) {
   if (keys.empty()) return {};
-  std::size_t bytes = 0;
-  for (const auto& k : keys) {
-    check_key("store.multi_get", k);
-    bytes += k.size() + 8;
-  }
-  if (keys.size() > UINT32_MAX || bytes + 16 > detail::store_proto::frame_limit(opts_.max_key_bytes, opts_.max_value_bytes))
-    throw InvalidArgument("store.multi_get", rank(),
-                          "reading " + std::to_string(keys.size()) + " keys (" + std::to_string(bytes) +
-                              " bytes) exceeds the request size limit",
-                          address_);
+  check_keys("store.multi_get", keys, "reading");
   return request(
       "store.multi_get", detail::store_proto::Op::multi_get, timeout, true,
       [&](detail::store_proto::Writer& w, detail::Clock::time_point d) {

@@ -40,7 +40,7 @@
 #include <vector>
 
 #include <comm/error.hpp>
-#include <comm/detail/diagnostics/logging.hpp>
+#include <comm/detail/base/logging.hpp>
 #include <comm/detail/net/socket.hpp>
 #include <comm/detail/store/common.hpp>
 #include <comm/detail/store/protocol.hpp>

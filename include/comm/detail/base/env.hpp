@@ -10,7 +10,7 @@
 #include <string>
 #include <string_view>
 
-#include <comm/detail/init/duration.hpp>
+#include <comm/detail/base/duration.hpp>
 #include <comm/error.hpp>
 
 namespace comm::detail {

@@ -6,7 +6,7 @@
 #include <string>
 #include <string_view>
 
-#include <comm/detail/init/env.hpp>
+#include <comm/detail/base/env.hpp>
 
 namespace comm::detail {
 

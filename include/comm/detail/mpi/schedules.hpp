@@ -1,0 +1,422 @@
+#pragma once
+// comm's own schedules for the MPI engine (mpi/engine.hpp): on 2..kOwnMaxRanks ranks,
+// all_reduce, reduce_scatter, all_gather and broadcast are point-to-point messages on the data
+// communicator (tags kStepTag and kGatherTag; collectives never match them) that every rank posts
+// to every other at once, then MPI_Reduce_local. MPI's non-blocking collectives run their own,
+// slower schedules (OpenMPI's libnbc: 1.5-6x its blocking calls on one node); MPI's blocking calls
+// would keep no deadline (a handshake before them cannot stop a rank that timed out from leaving
+// the others blocked); these point-to-point messages go through the same shared-memory path as the
+// blocking calls' own, and every request is polled to the deadline, so a Timeout can name the peer
+// whose message is missing. all_reduce reduces in rank order (up to Tuning::exchange_max, where
+// every rank reduces every input) or block by block on one rank each, so every rank gets the same
+// bits.
+//
+// OwnSchedules is a base of the engine (CRTP): the schedules use the engine's data communicator,
+// its failure watch (look_out) and its leak-on-failure storage (Pending), so a request left pending
+// after a Timeout keeps what it writes alive exactly as the engine's other requests do.
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <comm/detail/engine/op.hpp>
+#include <comm/detail/mpi/errors.hpp>
+#include <comm/detail/mpi/types.hpp>
+#include <comm/detail/mpi/wait.hpp>
+#include <comm/error.hpp>
+
+namespace comm::detail::mpi {
+
+/// Scratch above this size is given back after an operation (smaller stays for the next one).
+inline constexpr std::size_t kScratchKeep = std::size_t{8} << 20;
+
+/// Sizes the own schedules are picked by, per MPI library (its eager limit on one node: the
+/// largest message sent without a rendezvous round trip). Measured on both libraries
+/// (benchmarks/RESULTS.md, "Mpi backend vs blocking MPI").
+struct Tuning {
+  std::size_t eager = ~std::size_t{0};  // messages above it (up to pieces_max) go as eager pieces
+  std::size_t pieces_max = 0;
+  std::size_t exchange_max = std::size_t{4} << 10;  // all_reduce: one exchange up to here
+};
+
+/// OpenMPI's shared memory (vader) sends 4 KiB eagerly, its header included; MPICH 4's 8 KiB.
+/// Other libraries: no pieces, and the exchange only up to 4 KiB.
+[[nodiscard]] inline Tuning tuning_for_library() noexcept {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int len = 0;
+  if (MPI_Get_library_version(text, &len) != MPI_SUCCESS) return {};
+  const std::string_view v(text, static_cast<std::size_t>(std::max(len, 0)));
+  if (v.find("Open MPI") != std::string_view::npos) return {4000, 12000, std::size_t{32} << 10};
+  if (v.substr(0, 5) == "MPICH") return {std::size_t{8} << 10, std::size_t{32} << 10, std::size_t{32} << 10};
+  return {};
+}
+
+/// One step of a schedule: its requests, and for each the peer, (receives) the bytes expected
+/// and the caller's tag for in-order processing.
+struct Step {
+  std::vector<MPI_Request> reqs;
+  std::vector<int> peers;
+  std::vector<std::size_t> expect;  // bytes; kSend for a send
+  std::vector<std::size_t> user;    // receives: passed to finish_step's on_recv (kSend: not)
+  std::vector<std::size_t> recvs;   // indices of the receives, in the order posted
+  std::vector<MPI_Status> status;
+  static constexpr std::size_t kSend = ~std::size_t{0};
+  void clear() {
+    reqs.clear();
+    peers.clear();
+    expect.clear();
+    user.clear();
+    recvs.clear();
+  }
+};
+
+/// The own schedules of `Engine` (mpi::Engine): run_own() runs `op` when own_schedule(op).
+template <class Engine>
+class OwnSchedules {
+ protected:
+  /// Communicators up to this size run all_reduce, reduce_scatter, all_gather and broadcast as
+  /// comm's direct schedules (every rank talks to every other at once); larger ones keep MPI's
+  /// non-blocking collectives, whose trees scale with the rank count.
+  static constexpr int kOwnMaxRanks = 8;
+
+  /// The large all_reduce's first step goes in chunks of this many bytes per peer, each reduced
+  /// as soon as it arrived (while it is still in cache) and in the same order on every chunk.
+  static constexpr std::size_t kChunk = std::size_t{256} << 10;
+  static constexpr std::size_t kDepth = 4;
+  /// Tags on the data communicator: the schedules' two steps (MPI keeps the messages of one
+  /// source and tag in order, so consecutive operations never mix).
+  static constexpr int kStepTag = 1;
+  static constexpr int kGatherTag = 2;
+
+  /// Whether `op` runs as comm's own schedule: one of the four operations, 2..kOwnMaxRanks ranks,
+  /// and every message within MPI's int count of bytes.
+  [[nodiscard]] bool own_schedule(const Op& op) const noexcept {
+    if (self().size() < 2 || self().size() > kOwnMaxRanks) return false;
+    std::size_t bytes = 0;  // the largest message of the operation
+    switch (op.desc.kind) {
+      case OpKind::all_reduce:
+      case OpKind::broadcast: bytes = op.out_count * op.elem_size; break;
+      case OpKind::reduce_scatter: bytes = op.out_count * op.elem_size; break;
+      case OpKind::all_gather: bytes = op.in_count * op.elem_size; break;
+      default: return false;
+    }
+    return bytes <= Engine::kMaxCount;
+  }
+
+  /// Block `j` of `count` elements split over size() ranks: [lo(j), lo(j + 1)).
+  [[nodiscard]] std::size_t block_lo(std::size_t count, int j) const noexcept {
+    return count * static_cast<std::size_t>(j) / static_cast<std::size_t>(self().size());
+  }
+
+  /// The receive slot of peer `p` (the peers in rank order, this rank left out).
+  [[nodiscard]] std::size_t slot_of(int p) const noexcept {
+    return static_cast<std::size_t>(p < self().rank() ? p : p - 1);
+  }
+
+
+  /// The size of the pieces a message of `bytes` goes in: messages a little above the library's
+  /// eager limit go as several eager ones (cheaper than one rendezvous: OpenMPI 4 KiB 1.8 vs 2.9
+  /// us), which both sides compute alike from the length.
+  [[nodiscard]] std::size_t piece_of(std::size_t bytes) const noexcept {
+    if (bytes <= tuning_.eager || bytes > tuning_.pieces_max) return bytes;
+    const std::size_t k = (bytes + tuning_.eager - 1) / tuning_.eager;
+    return (bytes + k - 1) / k;
+  }
+
+  void post_recv(Step& s, void* buf, std::size_t bytes, int peer, int tag, const char* name, std::size_t user = 0) {
+    const std::size_t piece = piece_of(bytes);
+    auto* b = static_cast<std::byte*>(buf);
+    for (std::size_t off = 0; off < bytes || off == 0; off += piece) {
+      const std::size_t len = std::min(piece, bytes - off);
+      MPI_Request r = MPI_REQUEST_NULL;
+      COMM_MPI_CHECK(MPI_Irecv(b + off, static_cast<int>(len), MPI_BYTE, peer, tag, self().comm(), &r), name,
+                     self().rank());
+      s.recvs.push_back(s.reqs.size());
+      s.reqs.push_back(r);
+      s.peers.push_back(peer);
+      s.expect.push_back(len);
+      s.user.push_back(off + len < bytes ? Step::kSend : user);  // handed over with its last piece
+      if (bytes == 0) break;
+    }
+  }
+
+  void post_send(Step& s, const void* buf, std::size_t bytes, int peer, int tag, const char* name) {
+    const std::size_t piece = piece_of(bytes);
+    const auto* b = static_cast<const std::byte*>(buf);
+    for (std::size_t off = 0; off < bytes || off == 0; off += piece) {
+      const std::size_t len = std::min(piece, bytes - off);
+      MPI_Request r = MPI_REQUEST_NULL;
+      COMM_MPI_CHECK(MPI_Isend(b + off, static_cast<int>(len), MPI_BYTE, peer, tag, self().comm(), &r), name,
+                     self().rank());
+      s.reqs.push_back(r);
+      s.peers.push_back(peer);
+      s.expect.push_back(Step::kSend);
+      s.user.push_back(0);
+      if (bytes == 0) break;
+    }
+  }
+
+  /// A received message of another length than expected: the ranks called with different counts.
+  void check_length(const Step& s, std::size_t i, const MPI_Status& st, const char* name) {
+    int got = 0;
+    COMM_MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &got), name, self().rank());
+    if (static_cast<std::size_t>(got) != s.expect[i])
+      throw BackendError(name, self().rank(),
+                         "rank " + std::to_string(s.peers[i]) + " sent " + std::to_string(got) + " bytes where " +
+                             std::to_string(s.expect[i]) +
+                             " were expected: the ranks called this operation with different counts",
+                         std::to_string(s.peers[i]));
+  }
+
+  void finish_step(Step& s, const char* name, std::uint64_t seq, Deadline& deadline) {
+    finish_step(s, name, seq, deadline, static_cast<void (*)(std::size_t)>(nullptr));
+  }
+
+  /// Waits for every request of `s` by the deadline (poll: failure notices are looked for while
+  /// waiting). With `on_recv`, each receive is handed to it (its `user` value) as soon as it and
+  /// every receive posted before it completed. A Timeout names the first peer whose message did not
+  /// arrive, else the first that did not take this rank's; a message of another length than
+  /// expected is a BackendError naming its sender.
+  template <class OnRecv>
+  void finish_step(Step& s, const char* name, std::uint64_t seq, Deadline& deadline, OnRecv&& on_recv) {
+    constexpr bool in_order = !std::is_same_v<std::decay_t<OnRecv>, void (*)(std::size_t)>;
+    std::size_t next = 0;  // in_order: receives handed over so far
+    int all = 0;
+    // on_recv may post more requests: the statuses follow.
+    auto fit = [&] {
+      if (s.status.size() < s.reqs.size()) s.status.resize(s.reqs.size());
+    };
+    auto test = [&] {
+      if constexpr (in_order) {
+        while (next < s.recvs.size()) {
+          fit();
+          const std::size_t i = s.recvs[next];
+          int done = 0;
+          COMM_MPI_CHECK(MPI_Test(&s.reqs[i], &done, &s.status[i]), name, self().rank());
+          if (done == 0) return false;
+          check_length(s, i, s.status[i], name);
+          if (s.user[i] != Step::kSend) on_recv(s.user[i]);
+          ++next;
+        }
+      }
+      fit();
+      COMM_MPI_CHECK(MPI_Testall(static_cast<int>(s.reqs.size()), s.reqs.data(), &all, s.status.data()), name,
+                     self().rank());
+      return all != 0;
+    };
+    if (!test() && !poll(test, [&] { self().look_out(name); }, deadline)) {
+      self().leaked_ = true;
+      // The first receive still pending, else the first send.
+      std::size_t late = s.reqs.size();
+      for (const bool sends : {false, true})
+        for (std::size_t i = 0; i < s.reqs.size() && late == s.reqs.size(); ++i) {
+          if ((s.expect[i] == Step::kSend) != sends) continue;
+          int done = 0;
+          MPI_Request_get_status(s.reqs[i], &done, MPI_STATUS_IGNORE);
+          if (done == 0) late = i;
+        }
+      const std::string peer = late < s.reqs.size() ? std::to_string(s.peers[late]) : std::string();
+      const std::string what = late == s.reqs.size()                   ? std::string("its messages did not complete")
+                               : s.expect[late] != Step::kSend ? "no data from rank " + peer + " arrived"
+                                                                : "rank " + peer + " did not take this rank's data";
+      throw Timeout(name, self().rank(),
+                    "op #" + std::to_string(seq) + " did not complete within " +
+                        std::to_string(self().timeout().count()) + " ms: " + what +
+                        " (a rank is late, hung, or did not call it). Its MPI requests stay pending (MPI may still "
+                        "read and write this operation's buffers if the peers arrive later) and this communicator "
+                        "is unusable",
+                    peer);
+    }
+    if constexpr (!in_order)
+      for (const std::size_t i : s.recvs) check_length(s, i, s.status[i], name);
+    s.clear();
+  }
+
+  /// The receive buffer of a schedule: `slots` slots of `bytes` bytes. It lives in pending_, which
+  /// a failure leaks with the requests that may still write it.
+  std::byte* recv_slots(std::size_t slots, std::size_t bytes) {
+    auto& b = self().pending_->recv;
+    if (b.size() < slots * bytes) b.resize(slots * bytes);
+    return b.data();
+  }
+
+  void release_slots() {
+    if (self().pending_->recv.capacity() > kScratchKeep) std::vector<std::byte>().swap(self().pending_->recv);
+  }
+
+  /// The end of a reduction schedule of `count` elements: the scratch given back, then the
+  /// reduction's finish (avg).
+  void finish_reduction(Op& op, std::size_t count) {
+    release_slots();
+    if (op.finish != nullptr) op.finish(op.out, count, self().size());
+  }
+
+  /// all_reduce, reduce_scatter, all_gather and broadcast as comm's direct schedules over
+  /// point-to-point messages on the data communicator (see the file comment).
+  void run_own(Op& op, std::uint64_t seq, Deadline& deadline) {
+    const char* name = op_name(op.desc.kind);
+    const std::size_t es = op.elem_size;
+    const int me = self().rank(), n = self().size();
+    Step& s = self().pending_->step;
+    s.clear();
+    switch (op.desc.kind) {
+      case OpKind::all_reduce: {
+        const std::size_t count = op.out_count;
+        if (count == 0) return;
+        const Reduction red = self().reduction(op);
+        auto* out = static_cast<std::byte*>(op.out);
+        const std::byte* in = op.in == nullptr ? out : static_cast<const std::byte*>(op.in);
+        const std::size_t bytes = count * es;
+        if (bytes <= tuning_.exchange_max) {
+          // Every rank sends its whole input to every other, then reduces all inputs in rank order
+          // (the same order on every rank, so every rank has the same result).
+          std::byte* slots = recv_slots(static_cast<std::size_t>(n), bytes);
+          for (int p = 0; p < n; ++p)
+            if (p != me) post_recv(s, slots + slot_of(p) * bytes, bytes, p, kStepTag, name);
+          for (int p = 0; p < n; ++p)
+            if (p != me) post_send(s, in, bytes, p, kStepTag, name);
+          finish_step(s, name, seq, deadline);
+          if (n == 2) {
+            // a (op) b == b (op) a bit for bit (the ops are commutative): no order to keep.
+            if (in != out) std::memcpy(out, in, bytes);
+            reduce_local(slots, out, count, red, name);
+            return finish_reduction(op, count);
+          }
+          // In place, this rank's input is the output: keep it in the last slot before reducing.
+          const std::byte* own = in;
+          if (in == out && me != 0) {
+            std::memcpy(slots + static_cast<std::size_t>(n - 1) * bytes, in, bytes);
+            own = slots + static_cast<std::size_t>(n - 1) * bytes;
+          }
+          auto src = [&](int p) { return p == me ? own : slots + slot_of(p) * bytes; };
+          if (src(0) != out) std::memcpy(out, src(0), bytes);
+          for (int p = 1; p < n; ++p) reduce_local(src(p), out, count, red, name);
+        } else {
+          // Direct reduce-scatter: block j of every input goes to rank j, which reduces it...
+          const std::size_t lo = block_lo(count, me), len = block_lo(count, me + 1) - lo;
+          if (in != out) std::memcpy(out + lo * es, in + lo * es, len * es);
+          reduce_step(in, [&](int p) { return std::pair{block_lo(count, p), block_lo(count, p + 1) - block_lo(count, p)}; },
+                      out + lo * es, len, es, red, name, seq, deadline);
+          // ... then a direct all-gather of the reduced blocks (after every send of the first step
+          // completed: in place, those read the blocks now received).
+          for (int p = 0; p < n; ++p) {
+            if (p == me) continue;
+            const std::size_t plo = block_lo(count, p), plen = block_lo(count, p + 1) - plo;
+            post_recv(s, out + plo * es, plen * es, p, kGatherTag, name);
+          }
+          for (int p = 0; p < n; ++p)
+            if (p != me) post_send(s, out + lo * es, len * es, p, kGatherTag, name);
+          finish_step(s, name, seq, deadline);
+        }
+        return finish_reduction(op, count);
+      }
+      case OpKind::reduce_scatter: {
+        const std::size_t block = op.out_count;
+        if (block == 0) return;
+        const Reduction red = self().reduction(op);
+        const std::size_t bytes = block * es;
+        const auto* in = static_cast<const std::byte*>(op.in);
+        auto* out = static_cast<std::byte*>(op.out);
+        const std::byte* own = in + static_cast<std::size_t>(me) * bytes;
+        if (own != out) std::memcpy(out, own, bytes);  // the output is never a block another rank reads
+        reduce_step(in, [&](int p) { return std::pair{block * static_cast<std::size_t>(p), block}; }, out, block, es,
+                    red, name, seq, deadline);
+        return finish_reduction(op, block);
+      }
+      case OpKind::all_gather: {
+        const std::size_t block = op.in_count;
+        if (block == 0) return;
+        const std::size_t bytes = block * es;
+        auto* out = static_cast<std::byte*>(op.out);
+        std::byte* mine = out + static_cast<std::size_t>(me) * bytes;
+        const auto* in = static_cast<const std::byte*>(op.in);
+        for (int p = 0; p < n; ++p)
+          if (p != me) post_recv(s, out + static_cast<std::size_t>(p) * bytes, bytes, p, kStepTag, name);
+        for (int p = 0; p < n; ++p)
+          if (p != me) post_send(s, in, bytes, p, kStepTag, name);
+        if (in != mine) std::memcpy(mine, in, bytes);
+        finish_step(s, name, seq, deadline);
+        return;
+      }
+      case OpKind::broadcast: {
+        const std::size_t bytes = op.out_count * es;
+        if (bytes == 0) return;
+        const int root = op.desc.root;
+        if (me == root) {
+          for (int p = 0; p < n; ++p)
+            if (p != me) post_send(s, op.out, bytes, p, kStepTag, name);
+        } else {
+          post_recv(s, op.out, bytes, root, kStepTag, name);
+        }
+        finish_step(s, name, seq, deadline);
+        return;
+      }
+      default: throw BackendError(name, self().rank(), "not an operation of comm's own MPI schedules");
+    }
+  }
+
+  /// A direct reduce-scatter step: `in`'s block of each peer p (`block_of(p)`: first element and
+  /// length) goes to p, and the peers' contributions to this rank's block (`len` elements) are
+  /// reduced into `acc`, which holds this rank's own. Each peer's block goes in chunks of about
+  /// kChunk bytes, received into kDepth slots per peer that are reused as the chunks are reduced
+  /// (bounded scratch, kept between operations; each chunk reduced while still in cache), the
+  /// peers in rank order within every chunk: every element is reduced in the same order.
+  template <class BlockOf>
+  void reduce_step(const std::byte* in, BlockOf&& block_of, std::byte* acc, std::size_t len, std::size_t es,
+                   const Reduction& red, const char* name, std::uint64_t seq, Deadline& deadline) {
+    const int me = self().rank(), n = self().size();
+    const auto un = static_cast<std::size_t>(n);
+    Step& s = self().pending_->step;
+    auto chunks = [&](std::size_t elems) { return std::max<std::size_t>(1, (elems * es + kChunk - 1) / kChunk); };
+    const std::size_t nc = chunks(len);
+    const std::size_t depth = std::min(nc, kDepth);
+    const std::size_t chunk_bytes = (len / nc + 1) * es;
+    std::byte* slots = recv_slots((un - 1) * depth, chunk_bytes);
+    auto slot = [&](int p, std::size_t c) { return slots + (slot_of(p) * depth + c % depth) * chunk_bytes; };
+    auto post = [&](std::size_t c, int p) {
+      const std::size_t clo = len * c / nc, clen = len * (c + 1) / nc - clo;
+      post_recv(s, slot(p, c), clen * es, p, kStepTag, name, c * un + static_cast<std::size_t>(p));
+    };
+    for (std::size_t c = 0; c < depth; ++c)
+      for (int p = 0; p < n; ++p)
+        if (p != me) post(c, p);
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      const auto [plo, plen] = block_of(p);
+      const std::size_t pc = chunks(plen);
+      for (std::size_t c = 0; c < pc; ++c) {
+        const std::size_t clo = plen * c / pc, clen = plen * (c + 1) / pc - clo;
+        post_send(s, in + (plo + clo) * es, clen * es, p, kStepTag, name);
+      }
+    }
+    // Handed over in the order posted: chunk by chunk, the peers in rank order within each.
+    finish_step(s, name, seq, deadline, [&](std::size_t u) {
+      const std::size_t c = u / un;
+      const int p = static_cast<int>(u % un);
+      const std::size_t clo = len * c / nc, clen = len * (c + 1) / nc - clo;
+      reduce_local(slot(p, c), acc + clo * es, clen, red, name);
+      if (c + depth < nc) post(c + depth, p);  // into the slot just freed
+    });
+  }
+
+  /// inout = in (op) inout over `count` elements, by MPI's own op or the slot op (comm's kernel).
+  void reduce_local(const std::byte* in, std::byte* inout, std::size_t count, const Reduction& red, const char* name) {
+    COMM_MPI_CHECK(MPI_Reduce_local(in, inout, static_cast<int>(count), red.type, red.op), name, self().rank());
+  }
+
+  Tuning tuning_;
+
+ private:
+  [[nodiscard]] Engine& self() noexcept { return static_cast<Engine&>(*this); }
+  [[nodiscard]] const Engine& self() const noexcept { return static_cast<const Engine&>(*this); }
+};
+
+}  // namespace comm::detail::mpi

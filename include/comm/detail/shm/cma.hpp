@@ -1,0 +1,237 @@
+#pragma once
+// Cross-memory attach (single copy) for the Shm engine (shm/engine.hpp).
+//
+// Large messages: each rank publishes its buffers' addresses in a step and the peers read them
+// with process_vm_readv, one copy by the kernel from the owner's buffer into the reader's (where
+// the segment path copies into the segment and out again). The kernel allows it between
+// processes of one user unless Yama's ptrace_scope is 1 (then each rank allows it with
+// PR_SET_PTRACER_ANY, as Open MPI's vader does), 2 or 3, or a seccomp policy forbids the call:
+// every rank reads every peer's probe word once at creation, and the ranks use it only when all
+// succeeded, else the segment path.
+//
+// SingleCopy is a base of the engine (CRTP): its steps are the engine's steps (steps.hpp), so they
+// carry the fingerprints and the failure checks of every other step.
+
+#include <sys/prctl.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include <comm/detail/engine/op.hpp>
+#include <comm/detail/base/env.hpp>
+#include <comm/detail/shm/segment.hpp>
+#include <comm/error.hpp>
+
+namespace comm::detail::shm {
+
+/// The value a rank's probe word holds: a peer that reads it through process_vm_readv knows that
+/// cross-memory attach works between them.
+[[nodiscard]] inline std::uint64_t cma_probe(std::int64_t pid) noexcept {
+  return 0x636d615f70726f62ull ^ static_cast<std::uint64_t>(pid);  // "cma_prob"
+}
+
+/// Cross-memory attach settings, from the environment (the same on every rank, or the ranks agree
+/// on the smaller capability: see SingleCopy::agree_cma).
+struct CmaConfig {
+  bool enabled = true;              // COMM_SHM_CMA=0 turns it off
+  std::size_t min_bytes = 1 << 20;  // COMM_SHM_CMA_MIN: smallest buffer moved by it
+  std::size_t block = 64 << 10;     // COMM_SHM_CMA_BLOCK: bytes per read in a reduction
+  static CmaConfig from_env() {
+    CmaConfig c;
+    if (auto v = env_nonneg_int("COMM_SHM_CMA")) c.enabled = *v != 0;
+    if (auto v = env_nonneg_int("COMM_SHM_CMA_MIN")) c.min_bytes = std::max<std::size_t>(static_cast<std::size_t>(*v), 4096);
+    if (auto v = env_nonneg_int("COMM_SHM_CMA_BLOCK"))
+      c.block = std::clamp<std::size_t>(static_cast<std::size_t>(*v), 4096, std::size_t{64} << 20) / kLine * kLine;
+    return c;
+  }
+};
+
+/// The single-copy path of `Engine` (shm::Engine): large all_reduce, broadcast and all_gather.
+template <class Engine>
+class SingleCopy {
+ protected:
+  /// One more symmetric step at creation: every rank tries every peer's probe word and publishes
+  /// whether all reads succeeded; cross-memory attach is on only when every rank says so.
+  void agree_cma() {
+    self().op_name_ = "shm.init";
+    bool ok = cma_.enabled;
+    if (ok && yama_scope() == 1) (void)::prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+    // The PR_SET_PTRACER above takes effect for the peers' reads after the step below.
+    std::uint64_t s = self().next_step();
+    self().publish(s);
+    self().wait_all(s);
+    for (int p = 0; p < self().size() && ok; ++p) {
+      if (p == self().rank()) continue;
+      std::uint64_t v = 0;
+      iovec local{&v, sizeof v};
+      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(self().ctl(p).probe)), sizeof v};
+      const std::int64_t pid = self().ctl(p).pid;
+      ok = ::process_vm_readv(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0) == static_cast<ssize_t>(sizeof v) &&
+           v == cma_probe(pid);
+    }
+    self().ctl(self().rank()).cma_min = cma_.min_bytes;
+    self().ctl(self().rank()).cma.store(ok ? 2 : 1, std::memory_order_relaxed);
+    s = self().next_step();
+    self().publish(s);
+    self().wait_all(s);
+    // Which path an operation takes must not depend on a rank's environment: the largest
+    // threshold wins (the path is not in the fingerprint).
+    cma_on_ = true;
+    for (int p = 0; p < self().size(); ++p) {
+      cma_on_ = cma_on_ && self().ctl(p).cma.load(std::memory_order_relaxed) == 2;
+      cma_.min_bytes = std::max<std::size_t>(cma_.min_bytes, self().ctl(p).cma_min);
+    }
+  }
+
+  static int yama_scope() {
+    std::ifstream f("/proc/sys/kernel/yama/ptrace_scope");
+    int v = 0;
+    return f >> v ? v : 0;
+  }
+
+  [[nodiscard]] bool use_cma(std::size_t bytes) const noexcept { return cma_on_ && bytes >= cma_.min_bytes && bytes != 0; }
+
+  /// Copies `bytes` from address `from` in peer `p`'s process into `to`.
+  void cma_read(int p, void* to, std::uint64_t from, std::size_t bytes) {
+    auto* dst = static_cast<std::byte*>(to);
+    while (bytes != 0) {
+      iovec local{dst, bytes};
+      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(from)), bytes};
+      const ssize_t got = ::process_vm_readv(static_cast<pid_t>(self().ctl(p).pid), &local, 1, &remote, 1, 0);
+      if (got <= 0) {
+        const int err = got < 0 ? errno : EIO;
+        if (err == EINTR) continue;
+        const Engine& e = self();
+        const std::string op_no = "op #" + std::to_string(e.op_seq_);
+        if (err == ESRCH)
+          throw RemoteError(e.op_name_, e.rank(),
+                            "rank " + std::to_string(p) + " (pid " + std::to_string(e.ctl(p).pid) +
+                                ") exited while this rank read its buffer (" + op_no + ")",
+                            "rank " + std::to_string(p));
+        throw BackendError(e.op_name_, e.rank(),
+                           "process_vm_readv of " + std::to_string(bytes) + " bytes from rank " + std::to_string(p) +
+                               " failed: " + errno_text(err) + " (" + op_no + "; COMM_SHM_CMA=0 avoids it)",
+                           "rank " + std::to_string(p));
+      }
+      dst += got;
+      from += static_cast<std::uint64_t>(got);
+      bytes -= static_cast<std::size_t>(got);
+    }
+  }
+
+  /// Publishes step `s` with `addrs` (buffer addresses) as payload and waits for every peer.
+  void publish_addresses(std::uint64_t s, std::initializer_list<const void*> addrs) {
+    std::byte* mine = self().begin(s);
+    for (const void* a : addrs) {
+      const auto v = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(a));
+      std::memcpy(mine, &v, sizeof v);
+      mine += sizeof v;
+    }
+    self().publish(s);
+    self().wait_all(s);
+  }
+  [[nodiscard]] std::uint64_t address_of(int p, std::uint64_t s, int i) const noexcept {
+    std::uint64_t v = 0;
+    std::memcpy(&v, self().payload(p, s) + static_cast<std::size_t>(i) * sizeof v, sizeof v);
+    return v;
+  }
+
+  /// all_reduce by cross-memory attach: step a (addresses), every rank reduces its slice from the
+  /// peers' inputs read in blocks into cache-sized scratch; step b (slices reduced: from here a
+  /// rank may overwrite its input, which may be its output); every rank reads the peers' slices
+  /// of their outputs; step c (every rank is done reading the others).
+  void cma_all_reduce(Op& op) {
+    const std::size_t e = op.elem_size;
+    const std::size_t count = op.out_count;
+    const auto* in = static_cast<const std::byte*>(op.in);
+    auto* out = static_cast<std::byte*>(op.out);
+    const int n = self().size();
+    const auto un = static_cast<std::size_t>(n);
+    const std::size_t align = std::max<std::size_t>(kLine / e, 1);
+    const std::size_t q = ((count + un - 1) / un + align - 1) / align * align;
+    auto lo_of = [&](int p) { return std::min(count, q * static_cast<std::size_t>(p)); };
+    auto hi_of = [&](int p) { return std::min(count, lo_of(p) + q); };
+    const std::uint64_t a = self().next_step();
+    publish_addresses(a, {in, out});
+    const std::size_t k = std::max<std::size_t>(cma_.block / e, 1);
+    cma_tmp_.resize((un - 1) * k * e);
+    const std::size_t lo = lo_of(self().rank()), hi = hi_of(self().rank());
+    for (std::size_t off = lo; off < hi; off += k) {
+      const std::size_t c = std::min(k, hi - off);
+      std::size_t t = 0;
+      for (int p = 0; p < n; ++p) {
+        if (p == self().rank()) {
+          self().srcs_[static_cast<std::size_t>(p)] = in + off * e;
+          continue;
+        }
+        std::byte* tmp = cma_tmp_.data() + t++ * k * e;
+        cma_read(p, tmp, address_of(p, a, 0) + off * e, c * e);
+        self().srcs_[static_cast<std::size_t>(p)] = tmp;
+      }
+      self().reduce_from(op, out + off * e, c, true);
+    }
+    const std::uint64_t b = self().next_step();
+    self().publish(b);
+    self().wait_all(b);
+    for (int p = 0; p < n; ++p)
+      if (p != self().rank())
+        cma_read(p, out + lo_of(p) * e, address_of(p, a, 1) + lo_of(p) * e, (hi_of(p) - lo_of(p)) * e);
+    const std::uint64_t c = self().next_step();
+    self().publish(c);
+    self().wait_all(c);
+  }
+
+  /// broadcast by cross-memory attach: step a (the root's address; symmetric), the others read the
+  /// root's buffer into theirs, step b (the root waits for every reader).
+  void cma_broadcast(Op& op) {
+    const std::size_t bytes = op.out_count * op.elem_size;
+    const int root = op.desc.root;
+    const std::uint64_t a = self().next_step();
+    publish_addresses(a, {op.out});
+    if (self().rank() != root) cma_read(root, op.out, address_of(root, a, 0), bytes);
+    const std::uint64_t b = self().next_step();
+    self().publish(b);
+    if (self().rank() == root) self().wait_all(b);
+  }
+
+  /// all_gather by cross-memory attach: step a (input addresses), every rank reads every peer's
+  /// input into its block of the output, step b (every rank done reading).
+  void cma_all_gather(Op& op) {
+    const std::size_t bytes = op.in_count * op.elem_size;
+    const auto* in = static_cast<const std::byte*>(op.in);
+    auto* out = static_cast<std::byte*>(op.out);
+    const std::uint64_t a = self().next_step();
+    publish_addresses(a, {in});
+    for (int p = 0; p < self().size(); ++p) {
+      std::byte* dst = out + static_cast<std::size_t>(p) * bytes;
+      if (p == self().rank()) {
+        if (dst != in) Engine::move(dst, in, bytes);
+      } else {
+        cma_read(p, dst, address_of(p, a, 0), bytes);
+      }
+    }
+    const std::uint64_t b = self().next_step();
+    self().publish(b);
+    self().wait_all(b);
+  }
+
+  CmaConfig cma_ = CmaConfig::from_env();
+  bool cma_on_ = false;
+  std::vector<std::byte> cma_tmp_;       // cma_all_reduce's blocks read from the peers
+  std::uint64_t probe_ = cma_probe(static_cast<std::int64_t>(::getpid()));  // read by the peers at creation
+
+ private:
+  [[nodiscard]] Engine& self() noexcept { return static_cast<Engine&>(*this); }
+  [[nodiscard]] const Engine& self() const noexcept { return static_cast<const Engine&>(*this); }
+};
+
+}  // namespace comm::detail::shm
