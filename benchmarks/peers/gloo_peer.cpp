@@ -25,12 +25,15 @@ namespace {
 
 using namespace comm::bench;
 
-constexpr std::string_view kHelp =
-    R"(Usage: comm-run -n N comm-bench-gloo-peer [options]
+constexpr std::string_view kAbout =
+    R"(Raw Gloo collectives (gloo::allreduce, allgather, broadcast, gather, ReduceScatterHalvingDoubling),
+timed like comm-bench (same buffers, checks and rows); start it with comm-run -n N. The other ops
+of comm-bench are comm's own.)";
 
-Raw Gloo collectives (gloo::allreduce, allgather, broadcast, gather, ReduceScatterHalvingDoubling).
-  --algo A   all_reduce ring|bcube|hd|oldring|direct|rd, reduce_scatter hd|allreduce
-  --system NAME   the "system" field of the JSON lines (default gloo-raw)
+constexpr std::string_view kFooter = R"(
+Examples:
+  comm-run -n 2 comm-bench-gloo-peer --op all_reduce --sizes 8,1M --json --algo bcube
+  comm-run -n 4 comm-bench-gloo-peer --op all -c 1        (all: the five collectives above)
 )";
 
 template <class T>
@@ -47,10 +50,16 @@ void run_dtype(const Options& o, RawGloo<T>& g, const CrossRank& x, const std::s
       case Op::all_gather: return [&g, v, l] { g.all_gather(v.in, v.out, l.block); };
       case Op::broadcast: return [&g, v, l, root = o.root] { g.broadcast(v.out, l.count, root); };
       case Op::gather: return [&g, v, l, root = o.root] { g.gather(v.in, v.out, l.block, root); };
+      default: break;  // s.supports keeps the other ops away
     }
     return {};
   };
   s.after_size = [&g] { g.clear_persistent(); };
+  s.supports = [](Op op) {
+    for (Op k : kClassicOps)
+      if (k == op) return true;
+    return false;
+  };
   run_peer(o, g.rank(), g.size(), x, s);
 }
 
@@ -60,7 +69,9 @@ int main(int argc, char** argv) {
   Options o;
   std::string system = "gloo-raw";
   try {
-    parse_peer_args(argc, argv, o, kHelp, system);
+    const Program p{"comm-bench-gloo-peer", std::string(kAbout), std::string(kCommonFooter) + std::string(kFooter)};
+    if (const auto code = parse_peer_args(argc, argv, o, p, system)) return *code;
+    if (o.ops.size() == std::size(kAllOps)) o.ops.assign(std::begin(kClassicOps), std::end(kClassicOps));  // --op all
     comm::InitResult init = comm::init_env();
     const auto timeout = comm::timeout_from_env();
     auto ctx = make_raw_context(init.store, init.rank, init.size, "gloo-peer/", timeout);
