@@ -54,7 +54,7 @@ comm-run -n N comm-bench [OPTIONS] (torchrun, srun work too; --backend mpi: mpir
 constexpr std::string_view kFooter =
     R"(
 Baselines (--baseline raw, same processes, calls alternating with comm's): gloo: raw Gloo on its own
-context (the five classic collectives; --algo picks its algorithm); nccl: the raw NCCL call on the same
+context (every op; --algo picks all_reduce's and reduce_scatter's algorithm); nccl: the raw NCCL call on the same
 ncclComm_t and stream; mpi: the blocking MPI call on an MPI_Comm_dup (raw-nb: the non-blocking call +
 MPI_Test). An op the baseline lacks runs comm alone.
 --backend nccl needs a build with COMM_HAS_NCCL, one GPU per rank; each timed call includes
@@ -89,16 +89,18 @@ template <class T>
     case Op::all_gather: g.all_gather(v.in, v.out, l.block); break;
     case Op::broadcast: g.broadcast(v.out, l.count, root); break;
     case Op::gather: g.gather(v.in, v.out, l.block, root); break;
-    default: break;  // raw_has() keeps the other ops away
+    case Op::reduce: g.reduce(v.in, v.out, l.count, redop, root); break;
+    case Op::scatter: g.scatter(v.in, v.out, l.block, root); break;
+    case Op::all_to_all: g.all_to_all(v.in, v.out, l.block); break;
+    case Op::all_to_all_v: g.all_to_all_v(v.in, v.in_counts, v.out, v.out_counts); break;
+    case Op::send_recv: g.ping_pong(v.in, v.out, l.count, v.peer); break;
+    case Op::barrier: g.barrier(); break;
   }
 }
 
-/// The ops the raw Gloo baseline times (the others run comm alone).
-[[nodiscard]] constexpr bool raw_has(Op op) noexcept {
-  for (Op k : kClassicOps)
-    if (k == op) return true;
-  return false;
-}
+/// The ops the raw Gloo baseline times: all of them (gloo::reduce, scatter, alltoall(v), an
+/// unbound-buffer ping-pong, barrier), except a scatter in place, which gloo cannot express.
+[[nodiscard]] constexpr bool raw_has(Op op, bool inplace) noexcept { return !(op == Op::scatter && inplace); }
 
 template <class C>
 struct Context {
@@ -129,7 +131,7 @@ void run_dtype(Context<C>& ctx) {
   for (Op op : o.ops) {
     const auto sizes = sizes_for(o, op);
     const bool inplace = in_place(o, op);
-    const bool with_raw = raw.has_value() && raw_has(op);
+    const bool with_raw = raw.has_value() && raw_has(op, inplace);
     if (op == Op::send_recv && ctx.size < 2)
       throw std::invalid_argument("--op send_recv needs at least 2 ranks (the world is " + std::to_string(ctx.size) + ")");
     if (is_rooted(op) && o.root >= ctx.size)

@@ -46,9 +46,6 @@ enum class Op {
 inline constexpr Op kAllOps[] = {Op::all_reduce, Op::reduce_scatter, Op::all_gather, Op::broadcast,
                                  Op::gather,     Op::reduce,         Op::scatter,    Op::all_to_all,
                                  Op::all_to_all_v, Op::send_recv,    Op::barrier};
-/// The five collectives the peers (raw Gloo, MPI, torch) measured before comm-bench had every op:
-/// their `--op all`.
-inline constexpr Op kClassicOps[] = {Op::all_reduce, Op::reduce_scatter, Op::all_gather, Op::broadcast, Op::gather};
 
 [[nodiscard]] constexpr std::string_view to_string(Op op) noexcept {
   switch (op) {

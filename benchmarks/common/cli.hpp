@@ -68,7 +68,10 @@ struct Options {
     auto op = parse_op(item);
     if (!op) {
       std::string known;
-      for (Op k : kAllOps) known += (known.empty() ? "" : "|") + std::string(to_string(k));
+      for (Op k : kAllOps) {
+        if (!known.empty()) known += '|';
+        known += to_string(k);
+      }
       throw std::invalid_argument("unknown op '" + std::string(item) + "' (" + known + ", a comma list, or all)");
     }
     out.push_back(*op);
@@ -158,7 +161,9 @@ template <class Extra>
   app.add_option("-r,--root", o.root, "root of broadcast, gather, reduce and scatter")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_option("-b,--minbytes", minb, "smallest size; K, M, G are binary")->capture_default_str()->check(detail::bytes_check);
+  app.add_option("-b,--minbytes", minb, "smallest size; K, M, G are binary")
+      ->capture_default_str()
+      ->check(detail::bytes_check);
   app.add_option("-e,--maxbytes", maxb, "largest size")->capture_default_str()->check(detail::bytes_check);
   auto* f = app.add_option("-f,--stepfactor", o.factor, "multiply the size by this")
                 ->capture_default_str()
@@ -166,14 +171,15 @@ template <class Extra>
   app.add_option("-i,--stepbytes", stepb, "add this to the size instead of multiplying (nccl-tests' -i)")
       ->check(detail::bytes_check)
       ->excludes(f);
-  app.add_option("--sizes", o.sizes, "explicit sizes, e.g. 8,1K,1M,64M (overrides -b/-e/-f/-i)")->check([](const std::string& v) {
-    try {
-      (void)size_list(0, 0, 2, v);
-      return std::string();
-    } catch (const std::exception& e) {
-      return std::string(e.what());
-    }
-  });
+  app.add_option("--sizes", o.sizes, "explicit sizes, e.g. 8,1K,1M,64M (overrides -b/-e/-f/-i)")
+      ->check([](const std::string& v) {
+        try {
+          (void)size_list(0, 0, 2, v);
+          return std::string();
+        } catch (const std::exception& e) {
+          return std::string(e.what());
+        }
+      });
   app.add_option("-n,--iters", o.iters, "timed iterations per size")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("-w,--warmup", o.warmup, "untimed warm-up iterations per size")
       ->capture_default_str()
@@ -197,7 +203,8 @@ template <class Extra>
                  "the communicator's deadline for every operation (sets COMM_TIMEOUT; a duration: 30, 500ms, 2m)")
       ->check(detail::duration_check);
   app.add_flag("--json", o.json, "JSON lines (schema comm-bench/1) instead of the table");
-  auto* in = app.add_flag_callback("--inplace", [&] { o.placement = 1; }, "in place (reduce, scatter, and the classic five)");
+  auto* in = app.add_flag_callback("--inplace", [&] { o.placement = 1; },
+                                   "in place (all but all_to_all(_v), send_recv and barrier)");
   auto* out = app.add_flag_callback("--out-of-place", [&] { o.placement = 0; },
                                     "out of place (default: all_reduce in place, the others out of place)");
   in->excludes(out);

@@ -155,8 +155,10 @@ bool with_dtype(std::string_view dtype, F&& f) {
   if (dtype == "double" || dtype == "float64") return f(double{}), true;
   if (dtype == "half" || dtype == "float16") return f(comm::half{}), true;
   if (dtype == "bfloat16" || dtype == "bf16") return f(comm::bfloat16{}), true;
-  if (dtype == "float8_e4m3" || dtype == "fp8_e4m3" || dtype == "f8e4m3" || dtype == "e4m3") return f(comm::float8_e4m3{}), true;
-  if (dtype == "float8_e5m2" || dtype == "fp8_e5m2" || dtype == "f8e5m2" || dtype == "e5m2") return f(comm::float8_e5m2{}), true;
+  if (dtype == "float8_e4m3" || dtype == "fp8_e4m3" || dtype == "f8e4m3" || dtype == "e4m3")
+    return f(comm::float8_e4m3{}), true;
+  if (dtype == "float8_e5m2" || dtype == "fp8_e5m2" || dtype == "f8e5m2" || dtype == "e5m2")
+    return f(comm::float8_e5m2{}), true;
   if (dtype == "int8") return f(std::int8_t{}), true;
   if (dtype == "uint8") return f(std::uint8_t{}), true;
   if (dtype == "int32" || dtype == "int") return f(std::int32_t{}), true;

@@ -37,7 +37,8 @@ void run_peer(const Options& o, int rank, int n, const CrossRank& x, const PeerS
   if (!redop) throw std::invalid_argument("unknown --redop '" + o.redop + "'");
   for (Op op : o.ops) {
     if (s.supports && !s.supports(op))
-      throw std::invalid_argument(s.name + " has no " + std::string(to_string(op)) + " (comm-bench has every op)");
+      throw std::invalid_argument(s.name + " has no " + std::string(to_string(op)) +
+                                  (in_place(o, op) ? " in place" : "") + " (comm-bench has)");
   }
   for (Op op : o.ops) {
     const auto sizes = sizes_for(o, op);
