@@ -331,8 +331,9 @@ class RawGloo {
 
   /// One ping-pong with `peer` (comm-bench's send_recv): the lower rank sends first.
   void ping_pong(const T* in, T* out, std::size_t n, int peer) {
-    if (peer < 0) return;
+    // The idle rank of an odd world takes its tag too: every rank's RawTags must stay in step.
     const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(0x32, RawTags::next++));
+    if (peer < 0) return;
     auto src = ctx_->createUnboundBuffer(const_cast<T*>(in), n * sizeof(T));
     auto dst = ctx_->createUnboundBuffer(out, n * sizeof(T));
     auto send = [&] {
