@@ -179,6 +179,7 @@ int main(int argc, char** argv) {
             case Op::all_gather: c.all_gather(in, out); break;
             case Op::broadcast: c.broadcast(out, 0); break;
             case Op::gather: c.gather(in, out, 0); break;
+            default: break;  // the cases above: the five ops raw Gloo has
           }
         };
         auto raw_op = [&] {
@@ -188,6 +189,7 @@ int main(int argc, char** argv) {
             case Op::all_gather: raw.all_gather(v.in, v.out, l.block); break;
             case Op::broadcast: raw.broadcast(v.out, l.count, 0); break;
             case Op::gather: raw.gather(v.in, v.out, l.block, 0); break;
+            default: break;
           }
         };
         // First calls at this size: what each keeps (comm: its reusable scratch; raw hd: its object).

@@ -1,6 +1,6 @@
-// comm-bench: nccl-tests-style benchmark of comm's collectives.
+// comm-bench: nccl-tests-style benchmark of every comm operation.
 //
-//   comm-run -n 4 comm-bench --op all_reduce -b 8 -e 64M -f 4 [--check] [--json] [--baseline raw]
+//   comm-run -n 4 comm-bench --op all -b 8 -e 64M -f 4 -c 1 [--json] [--baseline raw]
 //
 // One row per size: size, count, type, redop, root, time (us, median over iterations of the max
 // over ranks), algbw, busbw (nccl-tests factors, see common/bench.hpp), #wrong. With
@@ -45,52 +45,39 @@ using GlooComm = comm::Communicator<comm::backends::Gloo>;
 using ShmComm = comm::Communicator<comm::backends::Shm>;
 using HierComm = comm::Communicator<comm::backends::Hierarchical<comm::backends::Shm, comm::backends::Gloo>>;
 
-constexpr std::string_view kHelp =
-    R"(Usage: comm-run -n N comm-bench [options]
+constexpr std::string_view kAbout =
+    R"(nccl-tests-style benchmark of every comm operation (rank 0 prints): all_reduce, reduce_scatter,
+all_gather, broadcast, gather, reduce, scatter, all_to_all, all_to_all_v, send_recv (ping-pong) and
+barrier, on the Gloo, Shm, Hierarchical, Mpi and NCCL backends. Start it under a launcher:
+comm-run -n N comm-bench [OPTIONS] (torchrun, srun work too; --backend mpi: mpirun -np N comm-bench ...).)";
 
-nccl-tests-style benchmark of comm's collectives (rank 0 prints).
+constexpr std::string_view kFooter =
+    R"(
+Baselines (--baseline raw, same processes, calls alternating with comm's): gloo: raw Gloo on its own
+context (every op; --algo picks all_reduce's and reduce_scatter's algorithm); nccl: the raw NCCL call on the same
+ncclComm_t and stream; mpi: the blocking MPI call on an MPI_Comm_dup (raw-nb: the non-blocking call +
+MPI_Test). An op the baseline lacks runs comm alone.
+--backend nccl needs a build with COMM_HAS_NCCL, one GPU per rank; each timed call includes
+cudaStreamSynchronize. --backend mpi needs COMM_HAS_MPI and mpirun (comm-bench adopts MPI_COMM_WORLD).
+Environment: COMM_BENCH_LOOP_NICE=N runs the gloo event-loop threads at nice N (see RESULTS.md).
 
-  --backend B       gloo (default) | shm (ranks on this host, shared memory) | nccl (only in builds
-                    with COMM_HAS_NCCL; one GPU per rank; each timed call includes
-                    cudaStreamSynchronize of the communicator's stream) | hierarchical (Shm within
-                    each host, Gloo across hosts; COMM_NODE_ID overrides what a host is)
-  --baseline raw    also time the raw engine call in the same processes, alternating with comm's,
-                    and print the raw time and the comm/raw ratio (gloo: its own context; nccl: the
-                    same ncclComm_t and stream)
-  --algo A          raw baseline's algorithm: all_reduce ring|bcube|hd|oldring|direct|rd,
-                    reduce_scatter hd|allreduce (see benchmarks/common/raw_gloo.hpp)
-  --async           time comm's async form (op(..., comm::async).wait()) instead of the blocking one
-
-MPI (builds with COMM_HAS_MPI): start with mpirun, not comm-run (comm-bench initializes MPI and
-adopts MPI_COMM_WORLD), e.g. mpirun -np 2 --mca btl self,vader comm-bench --backend mpi --baseline raw
-  --backend mpi     comm's MPI backend
-  --baseline raw    the blocking MPI call (MPI_Allreduce...) on its own MPI_Comm_dup
-  --baseline raw-nb the non-blocking call comm issues (MPI_Iallreduce...) + an MPI_Test spin on its
-                    own MPI_Comm_dup: the ratio is comm's own layer over the same MPI work
-
-Environment: COMM_BENCH_LOOP_NICE=N creates the gloo devices (comm's and the raw baseline's) so that
-their event-loop threads run at nice N (a prototype of a backend mitigation; see RESULTS.md).
+Examples:
+  comm-run -n 4 comm-bench --op all -b 8 -e 1M -f 4 -c 1          every op, verified
+  comm-run -n 2 comm-bench --op all_reduce -o max -d int32 -n 50    max of int32, 50 iterations
+  comm-run -n 2 comm-bench --op send_recv -b 8 -e 64M -f 8         ping-pong latency and bandwidth
+  comm-run -n 4 comm-bench --backend shm --op all_to_all,barrier -z 0 --json
+  comm-run -n 2 comm-bench --baseline raw --budget 2s --sizes 8,1M,64M
+  mpirun -np 2 --mca btl self,vader comm-bench --backend mpi --baseline raw-nb -c 1
 )";
 
 /// The comm call of `op` on view `v`: the blocking form, or the async form followed by wait().
 // noinline: benchmarks/profile-overhead counts instructions inside these two functions.
 template <class T, class C>
 [[gnu::noinline]] void comm_call(C& c, Op op, const View<T>& v, comm::ReduceOp redop, int root, bool async) {
-  const std::span<const T> in(v.in, v.in_n);
-  const std::span<T> out(v.out, v.out_n);
-  if (async) {
-    switch (op) {
-      case Op::all_reduce:
-        (v.in == v.out ? c.all_reduce(out, redop, comm::async) : c.all_reduce(in, out, redop, comm::async)).wait();
-        break;
-      case Op::reduce_scatter: c.reduce_scatter(in, out, redop, comm::async).wait(); break;
-      case Op::all_gather: c.all_gather(in, out, comm::async).wait(); break;
-      case Op::broadcast: c.broadcast(out, root, comm::async).wait(); break;
-      case Op::gather: c.gather(in, out, root, comm::async).wait(); break;
-    }
-    return;
-  }
-  blocking_call(c, op, v, redop, root);
+  if (async)
+    async_call(c, op, v, redop, root);
+  else
+    blocking_call(c, op, v, redop, root);
 }
 
 template <class T>
@@ -102,8 +89,18 @@ template <class T>
     case Op::all_gather: g.all_gather(v.in, v.out, l.block); break;
     case Op::broadcast: g.broadcast(v.out, l.count, root); break;
     case Op::gather: g.gather(v.in, v.out, l.block, root); break;
+    case Op::reduce: g.reduce(v.in, v.out, l.count, redop, root); break;
+    case Op::scatter: g.scatter(v.in, v.out, l.block, root); break;
+    case Op::all_to_all: g.all_to_all(v.in, v.out, l.block); break;
+    case Op::all_to_all_v: g.all_to_all_v(v.in, v.in_counts, v.out, v.out_counts); break;
+    case Op::send_recv: g.ping_pong(v.in, v.out, l.count, v.peer); break;
+    case Op::barrier: g.barrier(); break;
   }
 }
+
+/// The ops the raw Gloo baseline times: all of them (gloo::reduce, scatter, alltoall(v), an
+/// unbound-buffer ping-pong, barrier), except a scatter in place, which gloo cannot express.
+[[nodiscard]] constexpr bool raw_has(Op op, bool inplace) noexcept { return !(op == Op::scatter && inplace); }
 
 template <class C>
 struct Context {
@@ -121,7 +118,6 @@ void run_dtype(Context<C>& ctx) {
   const auto redop_opt = parse_redop(o.redop);
   if (!redop_opt) throw std::invalid_argument("unknown --redop '" + o.redop + "'");
   const comm::ReduceOp redop = *redop_opt;
-  const auto sizes = size_list(o.min_bytes, o.max_bytes, o.factor, o.sizes);
   std::optional<RawGloo<T>> raw;
   if (ctx.raw_ctx) {
     if constexpr (raw_supported_v<T>)
@@ -133,7 +129,11 @@ void run_dtype(Context<C>& ctx) {
   const std::string system = "comm-" + backend + (o.async ? "-async" : "");
 
   for (Op op : o.ops) {
+    const auto sizes = sizes_for(o, op);
     const bool inplace = in_place(o, op);
+    const bool with_raw = raw.has_value() && raw_has(op, inplace);
+    if (op == Op::send_recv && ctx.size < 2)
+      throw std::invalid_argument("--op send_recv needs at least 2 ranks (the world is " + std::to_string(ctx.size) + ")");
     if (is_rooted(op) && o.root >= ctx.size)
       throw std::invalid_argument("--root " + std::to_string(o.root) + " is not below the world size " +
                                   std::to_string(ctx.size));
@@ -145,11 +145,13 @@ void run_dtype(Context<C>& ctx) {
                     "warmup %d%s%s\n",
                     std::string(to_string(op)).c_str(), backend.c_str(), ctx.size, std::string(dtype_name<T>()).c_str(),
                     is_reduction(op) ? o.redop.c_str() : "none", inplace ? "in place" : "out of place", o.iters,
-                    o.min_iters, o.budget_s, o.warmup, raw ? ", baseline raw gloo" : "",
+                    o.min_iters, o.budget_s, o.warmup, with_raw ? ", baseline raw gloo" : "",
                     o.async ? ", async form" : "");
-        if (raw)
+        if (with_raw)
           std::printf("# raw algorithm: %s\n", (o.algo.empty() ? raw_default_algo(op) : o.algo).c_str());
-        print_table_header(o.check, raw.has_value());
+        else if (raw)
+          std::printf("# raw gloo has no %s: comm alone\n", std::string(to_string(op)).c_str());
+        print_table_header(o.check, with_raw);
       }
     }
     for (std::size_t bytes : sizes) {
@@ -159,7 +161,7 @@ void run_dtype(Context<C>& ctx) {
       cands.push_back({[&] { comm_call<T>(ctx.c, op, v, redop, o.root, o.async); },
                        [&] { fill_view(v, op, ctx.rank); },
                        [&] { return verify_view(v, op, redop, l, ctx.rank, ctx.size, o.root); }});
-      if (raw) {
+      if (with_raw) {
         if constexpr (raw_supported_v<T>) {
           cands.push_back({[&] { raw_call<T>(*raw, op, v, l, redop, o.root, o.algo); },
                            [&] { fill_view(v, op, ctx.rank); },
@@ -170,7 +172,7 @@ void run_dtype(Context<C>& ctx) {
       if (raw) raw->clear_persistent();
 
       ctx.wrong += report(o, ctx.rank, ctx.size, op, std::string(dtype_name<T>()), inplace, l, m,
-                          {system, "", raw ? "gloo-raw" : "", o.algo.empty() ? raw_default_algo(op) : o.algo});
+                          {system, "", with_raw ? "gloo-raw" : "", o.algo.empty() ? raw_default_algo(op) : o.algo});
     }
   }
 }
@@ -217,7 +219,7 @@ int run(const Options& o) {
     return run_world(o, init, c, nullptr);
   }
   if (o.backend != "gloo") {
-    std::fprintf(stderr, "comm-bench: unknown --backend '%s' (gloo|shm|hierarchical|nccl)\n", o.backend.c_str());
+    std::fprintf(stderr, "comm-bench: unknown --backend '%s' (gloo|shm|hierarchical|nccl|mpi)\n", o.backend.c_str());
     return 2;
   }
 
@@ -283,12 +285,8 @@ int run_world(const Options& o, const comm::InitResult& init, C& c, std::shared_
 
 int main(int argc, char** argv) {
   Options o;
-  try {
-    parse_args(argc, argv, o, kHelp, [](std::string_view, std::string_view) { return 0; });
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "comm-bench: %s\n", e.what());
-    return 2;
-  }
+  const Program p{"comm-bench", std::string(kAbout), std::string(kCommonFooter) + std::string(kFooter)};
+  if (const auto rc = parse_args(argc, argv, o, p, [](CLI::App&) {})) return *rc;
   try {
     return run(o);
   } catch (const std::invalid_argument& e) {

@@ -29,8 +29,23 @@ namespace comm::bench {
 
 inline constexpr std::string_view kSchema = "comm-bench/1";
 
-enum class Op { all_reduce, reduce_scatter, all_gather, broadcast, gather };
-inline constexpr Op kAllOps[] = {Op::all_reduce, Op::reduce_scatter, Op::all_gather, Op::broadcast, Op::gather};
+enum class Op {
+  all_reduce,
+  reduce_scatter,
+  all_gather,
+  broadcast,
+  gather,
+  reduce,
+  scatter,
+  all_to_all,
+  all_to_all_v,
+  send_recv,  ///< ping-pong between rank pairs (0,1), (2,3)...; time is one way (half the round trip)
+  barrier,
+};
+/// Every op, in the order `--op all` runs them.
+inline constexpr Op kAllOps[] = {Op::all_reduce, Op::reduce_scatter, Op::all_gather, Op::broadcast,
+                                 Op::gather,     Op::reduce,         Op::scatter,    Op::all_to_all,
+                                 Op::all_to_all_v, Op::send_recv,    Op::barrier};
 
 [[nodiscard]] constexpr std::string_view to_string(Op op) noexcept {
   switch (op) {
@@ -39,10 +54,17 @@ inline constexpr Op kAllOps[] = {Op::all_reduce, Op::reduce_scatter, Op::all_gat
     case Op::all_gather: return "all_gather";
     case Op::broadcast: return "broadcast";
     case Op::gather: return "gather";
+    case Op::reduce: return "reduce";
+    case Op::scatter: return "scatter";
+    case Op::all_to_all: return "all_to_all";
+    case Op::all_to_all_v: return "all_to_all_v";
+    case Op::send_recv: return "send_recv";
+    case Op::barrier: return "barrier";
   }
   return "?";
 }
 
+/// comm's names, and nccl-tests' binary names without "_perf" (allreduce, alltoall, sendrecv...).
 [[nodiscard]] inline std::optional<Op> parse_op(std::string_view s) {
   for (Op op : kAllOps)
     if (s == to_string(op)) return op;
@@ -50,48 +72,74 @@ inline constexpr Op kAllOps[] = {Op::all_reduce, Op::reduce_scatter, Op::all_gat
   if (s == "reducescatter") return Op::reduce_scatter;
   if (s == "allgather") return Op::all_gather;
   if (s == "bcast") return Op::broadcast;
+  if (s == "alltoall") return Op::all_to_all;
+  if (s == "alltoallv") return Op::all_to_all_v;
+  if (s == "sendrecv" || s == "pingpong" || s == "ping_pong") return Op::send_recv;
   return std::nullopt;
 }
 
-[[nodiscard]] constexpr bool is_reduction(Op op) noexcept { return op == Op::all_reduce || op == Op::reduce_scatter; }
-[[nodiscard]] constexpr bool is_rooted(Op op) noexcept { return op == Op::broadcast || op == Op::gather; }
+[[nodiscard]] constexpr bool is_reduction(Op op) noexcept {
+  return op == Op::all_reduce || op == Op::reduce_scatter || op == Op::reduce;
+}
+[[nodiscard]] constexpr bool is_rooted(Op op) noexcept {
+  return op == Op::broadcast || op == Op::gather || op == Op::reduce || op == Op::scatter;
+}
+/// Ops whose output may alias the input (--inplace); all_to_all(_v) and send_recv may not.
+[[nodiscard]] constexpr bool can_be_in_place(Op op) noexcept {
+  return op != Op::all_to_all && op != Op::all_to_all_v && op != Op::send_recv && op != Op::barrier;
+}
 
-/// busbw = algbw * factor: the share of `bytes` that must cross the busiest rank's link in an
-/// optimal algorithm, so that busbw is comparable with the link's bandwidth whatever n is.
+/// busbw = algbw * factor (nccl-tests' factors): the share of `bytes` that must cross the busiest
+/// rank's link in an optimal algorithm, so that busbw is comparable with the link's bandwidth
+/// whatever n is.
 ///   all_reduce       2(n-1)/n  a reduce-scatter then an all-gather, each moving (n-1)/n of the buffer
 ///   reduce_scatter   (n-1)/n   each rank must receive the other n-1 ranks' copies of its 1/n block
 ///   all_gather       (n-1)/n   each rank must receive the n-1 blocks it does not own
 ///   broadcast        1         every non-root must receive the whole buffer; pipelined, each link
 ///                              carries it once
-///   gather           (n-1)/n   the root's link must carry the n-1 blocks it does not own
+///   reduce           1         the root must receive a whole buffer's worth (pipelined, as broadcast)
+///   gather, scatter  (n-1)/n   the root's link must carry the n-1 blocks it does not own
+///   all_to_all(_v)   (n-1)/n   each rank sends n-1 of its n blocks away (_v: the nominal blocks)
+///   send_recv        1         the message crosses the link once per direction
+///   barrier          0         no payload
 [[nodiscard]] inline double bus_factor(Op op, int n) noexcept {
-  if (n <= 1) return op == Op::broadcast ? 1.0 : 0.0;
+  if (op == Op::barrier) return 0.0;
+  if (op == Op::broadcast || op == Op::reduce || op == Op::send_recv) return 1.0;
+  if (n <= 1) return 0.0;
   const double f = static_cast<double>(n - 1) / n;
-  switch (op) {
-    case Op::all_reduce: return 2.0 * f;
-    case Op::broadcast: return 1.0;
-    default: return f;
-  }
+  return op == Op::all_reduce ? 2.0 * f : f;
 }
 
 /// Element counts of one message of (nominal) `bytes`, following nccl-tests: `bytes` is the whole
-/// buffer — the all_reduce/broadcast buffer, the all_gather/gather output, the reduce_scatter
-/// input. For the split ops, each rank's block is floor(bytes / (n * elem)) elements, at least 1,
+/// buffer — the all_reduce/broadcast/reduce buffer, the all_gather/gather output, the
+/// reduce_scatter/scatter input, one rank's all_to_all input, one send_recv message (barrier: 0).
+/// For the split ops, each rank's block is floor(bytes / (n * elem)) elements, at least 1,
 /// so tiny sizes round up (8 B of float on 4 ranks becomes 16 B: one float per rank).
 struct Layout {
-  std::size_t block = 0;      ///< elements of one rank's block (= count for all_reduce/broadcast)
+  std::size_t block = 0;      ///< elements of one rank's block (= count for all_reduce/broadcast/reduce/send_recv)
   std::size_t in_count = 0;   ///< elements this rank sends
   std::size_t out_count = 0;  ///< elements this rank receives (gather: on the root)
   std::size_t count = 0;      ///< elements of the whole buffer (the table's "count")
   std::size_t bytes = 0;      ///< bytes of the whole buffer (the table's "size")
+  int world = 1;              ///< ranks
 };
+
+/// Elements rank `from` sends to rank `to` in all_to_all_v at nominal block `block`: block +- block/2
+/// by the parity of from + to, so the counts differ per pair (and never reach 0) while a row of an
+/// even world still sums to n * block.
+[[nodiscard]] constexpr std::size_t a2av_count(int from, int to, std::size_t block) noexcept {
+  return (from + to) % 2 ? block + block / 2 : block - block / 2;
+}
 
 [[nodiscard]] inline Layout layout(Op op, std::size_t bytes, std::size_t elem, int n) {
   Layout l;
+  l.world = n;
   const auto un = static_cast<std::size_t>(n);
   switch (op) {
     case Op::all_reduce:
     case Op::broadcast:
+    case Op::reduce:
+    case Op::send_recv:
       l.block = std::max<std::size_t>(1, bytes / elem);
       l.in_count = l.out_count = l.count = l.block;
       break;
@@ -102,10 +150,22 @@ struct Layout {
       l.out_count = l.count = l.block * un;
       break;
     case Op::reduce_scatter:
+    case Op::scatter:
       l.block = std::max<std::size_t>(1, bytes / (elem * un));
       l.in_count = l.count = l.block * un;
       l.out_count = l.block;
       break;
+    case Op::all_to_all:
+      l.block = std::max<std::size_t>(1, bytes / (elem * un));
+      l.in_count = l.out_count = l.count = l.block * un;
+      break;
+    case Op::all_to_all_v:
+      // count: the nominal n blocks; in/out_count: room for the largest row or column of counts.
+      l.block = std::max<std::size_t>(1, bytes / (elem * un));
+      l.count = l.block * un;
+      l.in_count = l.out_count = (l.block + l.block / 2) * un;
+      break;
+    case Op::barrier: break;
   }
   l.bytes = l.count * elem;
   return l;
@@ -138,9 +198,10 @@ struct Layout {
   return std::to_string(b) + " B";
 }
 
-/// Sizes from -b to -e multiplying by -f (nccl-tests), or an explicit comma-separated list.
+/// Sizes from -b to -e multiplying by -f, or adding -i when `step` is not 0 (nccl-tests), or an
+/// explicit comma-separated list.
 [[nodiscard]] inline std::vector<std::size_t> size_list(std::size_t b, std::size_t e, std::size_t f,
-                                                        std::string_view list) {
+                                                        std::string_view list, std::size_t step = 0) {
   std::vector<std::size_t> out;
   if (!list.empty()) {
     while (!list.empty()) {
@@ -151,8 +212,18 @@ struct Layout {
     }
     return out;
   }
+  if (b > e) throw std::invalid_argument("-b " + std::to_string(b) + " is above -e " + std::to_string(e));
+  if (step > 0) {
+    // A bound on the row count, so that a typo (-i 1 -e 64G) fails now instead of running for days.
+    if ((e - b) / step >= 100000) throw std::invalid_argument("-i " + std::to_string(step) + " gives over 100000 sizes");
+    for (std::size_t s = b; s <= e; s += step) out.push_back(s);
+    return out;
+  }
   if (f < 2) throw std::invalid_argument("-f must be at least 2");
-  for (std::size_t s = b; s <= e && s != 0; s *= f) out.push_back(s);
+  for (std::size_t s = b; s <= e && s != 0; s *= f) {
+    out.push_back(s);
+    if (s > e / f) break;  // s * f would pass e (or wrap)
+  }
   return out;
 }
 

@@ -1,14 +1,27 @@
 #pragma once
-// The command line shared by comm-bench and the C++ peers (nccl-tests spelling where one exists).
+// The command line shared by comm-bench and the C++ peers, parsed with CLI11. Short flags mean what
+// nccl-tests' mean (-b -e -f -i -n -w -c -o -d -r -z -T); the collective is the long --op.
+// Durations (--budget, --timeout) go through comm's own parser (comm/detail/init/duration.hpp), so
+// they read like COMM_TIMEOUT: "1.5" (seconds), "500ms", "2s", "1m".
 
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
+#include <comm/detail/init/duration.hpp>
+
 #include "bench.hpp"
+#include "data.hpp"
+
+#ifndef COMM_BENCH_VERSION
+#define COMM_BENCH_VERSION "unknown"
+#endif
 
 namespace comm::bench {
 
@@ -19,7 +32,8 @@ struct Options {
   std::string redop = "sum";
   int root = 0;
   std::size_t min_bytes = 8, max_bytes = std::size_t{64} << 20, factor = 4;
-  std::string sizes;  ///< explicit list, overrides -b/-e/-f
+  std::size_t step_bytes = 0;  ///< -i: add this instead of multiplying by -f (0: multiply)
+  std::string sizes;           ///< explicit list, overrides -b/-e/-f/-i
   int iters = 20, warmup = 5, min_iters = 5;
   double budget_s = 0;  ///< per size and system; 0: always `iters`
   bool check = false;
@@ -27,37 +41,23 @@ struct Options {
   int placement = -1;  ///< -1: per-op default (all_reduce in place, others out of place), 0 out, 1 in
   std::string baseline;  ///< "", "raw" or "raw-nb" (mpi: the non-blocking call)
   std::string algo;      ///< algorithm variant (raw gloo prototypes, see --help)
-  bool async = false;    ///< comm: time the comm::async form (+ Work::wait)
+  bool async = false;    ///< comm: time the comm::async form (+ Work::wait); -z 0
   int gap_us = 0;        ///< sleep between timed calls (not timed)
 };
 
-/// In place by default for all_reduce only, like torch.distributed's API.
+/// In place by default for all_reduce only, like torch.distributed's API; never for the ops whose
+/// buffers may not alias (all_to_all(_v), send_recv, barrier).
 [[nodiscard]] inline bool in_place(const Options& o, Op op) {
+  if (!can_be_in_place(op)) return false;
   if (o.placement >= 0) return o.placement == 1;
   return op == Op::all_reduce;
 }
 
-inline constexpr std::string_view kCommonHelp =
-    R"(  --op OPS          all_reduce|reduce_scatter|all_gather|broadcast|gather, a comma list, or all
-                    (default all_reduce)
-  --dtype T         float|double|half|bfloat16|float8_e4m3|float8_e5m2|int8|uint8|int32|uint32|int64|uint64
-                    (default float; fp8 also as fp8_e4m3/e4m3, fp8_e5m2/e5m2)
-  --redop R         sum|prod|min|max|avg|band|bor|bxor (default sum)
-  --root R          root of broadcast and gather (default 0)
-  -b, --minbytes N  smallest size (default 8); K, M, G suffixes are binary
-  -e, --maxbytes N  largest size (default 64M)
-  -f, --stepfactor F  multiply the size by F (default 4)
-  --sizes LIST      explicit sizes, e.g. 8,1K,1M,64M (overrides -b/-e/-f)
-  -n, --iters N     timed iterations per size (default 20)
-  -w, --warmup N    untimed warm-up iterations per size (default 5)
-  --budget S        cut the iterations of a size so that one system spends about S seconds on it,
-                    from the warm-up's time (default 0: no cut); never below --min-iters
-  --min-iters N     (default 5)
-  -c, --check       verify the results once per size and report #wrong (elements, all ranks)
-  --json            print JSON lines (schema comm-bench/1) instead of the table
-  --inplace / --out-of-place   placement (default: all_reduce in place, the others out of place)
-  --gap-us N        sleep N us between calls, outside the timed region (default 0: back to back)
-)";
+/// The sizes one op runs at: barrier moves no data and runs once (size 0).
+[[nodiscard]] inline std::vector<std::size_t> sizes_for(const Options& o, Op op) {
+  if (op == Op::barrier) return {0};
+  return size_list(o.min_bytes, o.max_bytes, o.factor, o.sizes, o.step_bytes);
+}
 
 [[nodiscard]] inline std::vector<Op> parse_ops(std::string_view s) {
   std::vector<Op> out;
@@ -66,7 +66,14 @@ inline constexpr std::string_view kCommonHelp =
     const auto comma = s.find(',');
     const auto item = s.substr(0, comma);
     auto op = parse_op(item);
-    if (!op) throw std::invalid_argument("unknown op '" + std::string(item) + "'");
+    if (!op) {
+      std::string known;
+      for (Op k : kAllOps) {
+        if (!known.empty()) known += '|';
+        known += to_string(k);
+      }
+      throw std::invalid_argument("unknown op '" + std::string(item) + "' (" + known + ", a comma list, or all)");
+    }
     out.push_back(*op);
     if (comma == std::string_view::npos) break;
     s.remove_prefix(comma + 1);
@@ -74,95 +81,182 @@ inline constexpr std::string_view kCommonHelp =
   return out;
 }
 
-[[nodiscard]] inline int parse_int(std::string_view flag, std::string_view v, int lo) {
+/// What a program says about itself in --help.
+struct Program {
+  std::string name;   ///< "comm-bench"
+  std::string about;  ///< the paragraph under the usage line
+  std::string footer; ///< notes and examples after the options
+};
+
+namespace detail {
+
+/// "" (the flag alone), "1" or "0" -> bool, for nccl-tests' -c and -z, which take 0/1.
+inline bool zero_one(const std::string& flag, const std::string& v) {
+  if (v.empty() || v == "1") return true;
+  if (v == "0") return false;
+  throw CLI::ValidationError(flag, "takes 0 or 1, got '" + v + "'");
+}
+
+inline std::string bytes_check(const std::string& v) {
   try {
-    std::size_t pos = 0;
-    const int x = std::stoi(std::string(v), &pos);
-    if (pos != v.size() || x < lo) throw std::invalid_argument("");
-    return x;
-  } catch (...) {
-    throw std::invalid_argument(std::string(flag) + " needs an integer >= " + std::to_string(lo) + ", got '" +
-                                std::string(v) + "'");
+    (void)parse_bytes(v);
+    return {};
+  } catch (const std::exception& e) {
+    return e.what() + std::string(" (a byte count: 8, 64K, 1M, 2G)");
   }
 }
 
-/// Parses argv into `o`. `extra(flag, next)` handles program-specific flags: it returns how many
-/// arguments it consumed (0: unknown flag). Throws std::invalid_argument with a message.
-template <class Extra>
-void parse_args(int argc, char** argv, Options& o, std::string_view help, Extra&& extra) {
-  std::vector<std::string_view> a(argv + 1, argv + argc);
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    std::string_view f = a[i];
-    std::string inline_value;
-    bool has_inline = false;
-    if (f.starts_with("--")) {
-      if (auto eq = f.find('='); eq != std::string_view::npos) {
-        inline_value = std::string(f.substr(eq + 1));
-        f = f.substr(0, eq);
-        has_inline = true;
-      }
-    }
-    auto value = [&]() -> std::string_view {
-      if (has_inline) return inline_value;
-      if (i + 1 >= a.size()) throw std::invalid_argument(std::string(f) + " needs a value");
-      return a[++i];
-    };
-    if (f == "-h" || f == "--help") {
-      std::fputs(help.data(), stdout);
-      std::fputs(kCommonHelp.data(), stdout);
-      std::exit(0);
-    } else if (f == "--op" || f == "-o") {
-      o.ops = parse_ops(value());
-    } else if (f == "--backend") {
-      o.backend = value();
-    } else if (f == "--dtype" || f == "-d") {
-      o.dtype = value();
-    } else if (f == "--redop") {
-      o.redop = value();
-    } else if (f == "--root" || f == "-r") {
-      o.root = parse_int(f, value(), 0);
-    } else if (f == "-b" || f == "--minbytes") {
-      o.min_bytes = parse_bytes(value());
-    } else if (f == "-e" || f == "--maxbytes") {
-      o.max_bytes = parse_bytes(value());
-    } else if (f == "-f" || f == "--stepfactor") {
-      o.factor = static_cast<std::size_t>(parse_int(f, value(), 2));
-    } else if (f == "--sizes") {
-      o.sizes = value();
-    } else if (f == "-n" || f == "--iters") {
-      o.iters = parse_int(f, value(), 1);
-    } else if (f == "-w" || f == "--warmup") {
-      o.warmup = parse_int(f, value(), 0);
-    } else if (f == "--min-iters") {
-      o.min_iters = parse_int(f, value(), 1);
-    } else if (f == "--budget") {
-      o.budget_s = std::stod(std::string(value()));
-    } else if (f == "-c" || f == "--check") {
-      o.check = true;
-    } else if (f == "--json") {
-      o.json = true;
-    } else if (f == "--inplace") {
-      o.placement = 1;
-    } else if (f == "--out-of-place") {
-      o.placement = 0;
-    } else if (f == "--baseline") {
-      o.baseline = value();
-      if (o.baseline != "raw" && o.baseline != "raw-nb")
-        throw std::invalid_argument("--baseline takes 'raw' (or, for --backend mpi, 'raw-nb')");
-    } else if (f == "--algo") {
-      o.algo = value();
-    } else if (f == "--gap-us") {
-      o.gap_us = parse_int(f, value(), 0);
-    } else if (f == "--async") {
-      o.async = true;
-    } else {
-      const std::string_view next = i + 1 < a.size() ? a[i + 1] : std::string_view{};
-      const int used = extra(f, next);
-      if (used == 0) throw std::invalid_argument("unknown option '" + std::string(f) + "' (see --help)");
-      i += static_cast<std::size_t>(used - 1);
-    }
-  }
-  (void)size_list(o.min_bytes, o.max_bytes, o.factor, o.sizes);  // validate now
+inline std::string duration_check(const std::string& v) {
+  return comm::detail::parse_duration(v) ? std::string()
+                                         : "'" + v + "' is not a duration (seconds, or a number with ms, s or m)";
 }
+
+}  // namespace detail
+
+/// Parses argv into `o` with CLI11. `extra(app)` adds program-specific options. Returns nullopt to
+/// go on, or the exit code to return now: 0 after --help or --version (printed), 2 after a bad
+/// command line (the message on stderr names the option and the value).
+template <class Extra>
+[[nodiscard]] std::optional<int> parse_args(int argc, char** argv, Options& o, const Program& p, Extra&& extra) {
+  CLI::App app{p.about, p.name};
+  app.set_version_flag("--version", p.name + " " COMM_BENCH_VERSION " (comm's project version)");
+  app.footer(p.footer);
+  app.get_formatter()->column_width(30);
+
+  std::string ops = "all_reduce", check, blocking, budget, timeout;
+  std::string minb = "8", maxb = "64M", stepb;
+  std::vector<std::string> redops;
+  for (auto r : {comm::ReduceOp::sum, comm::ReduceOp::prod, comm::ReduceOp::min, comm::ReduceOp::max,
+                 comm::ReduceOp::avg, comm::ReduceOp::band, comm::ReduceOp::bor, comm::ReduceOp::bxor})
+    redops.emplace_back(comm::to_string(r));
+
+  app.add_option("--op", ops,
+                 "collective(s): all_reduce|reduce_scatter|all_gather|broadcast|gather|reduce|scatter|all_to_all|"
+                 "all_to_all_v|send_recv|barrier, a comma list, or all (nccl-tests' names too: allreduce, "
+                 "alltoall, sendrecv...)")
+      ->default_str("all_reduce")
+      ->check([](const std::string& v) {
+        try {
+          (void)parse_ops(v);
+          return std::string();
+        } catch (const std::exception& e) {
+          return std::string(e.what());
+        }
+      });
+  app.add_option("--backend", o.backend,
+                 "gloo | shm (this host's ranks, shared memory) | hierarchical (Shm within a host, Gloo across) | "
+                 "nccl (one GPU per rank) | mpi (under mpirun)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"gloo", "shm", "hierarchical", "nccl", "mpi"}));
+  app.add_option("-o,--redop", o.redop, "reduction of all_reduce, reduce_scatter and reduce")
+      ->capture_default_str()
+      ->check(CLI::IsMember(redops));
+  app.add_option("-d,--dtype", o.dtype,
+                 "float|double|half|bfloat16|float8_e4m3|float8_e5m2|int8|uint8|int32|uint32|int64|uint64 "
+                 "(also float32, float16, bf16, f8e4m3/e4m3, f8e5m2/e5m2, int)")
+      ->capture_default_str()
+      ->check([](const std::string& v) {
+        return with_dtype(v, [](auto) {}) ? std::string() : "unknown data type '" + v + "'";
+      });
+  app.add_option("-r,--root", o.root, "root of broadcast, gather, reduce and scatter")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("-b,--minbytes", minb, "smallest size; K, M, G are binary")
+      ->capture_default_str()
+      ->check(detail::bytes_check);
+  app.add_option("-e,--maxbytes", maxb, "largest size")->capture_default_str()->check(detail::bytes_check);
+  auto* f = app.add_option("-f,--stepfactor", o.factor, "multiply the size by this")
+                ->capture_default_str()
+                ->check(CLI::Range(std::size_t{2}, std::size_t{1} << 20));
+  app.add_option("-i,--stepbytes", stepb, "add this to the size instead of multiplying (nccl-tests' -i)")
+      ->check(detail::bytes_check)
+      ->excludes(f);
+  app.add_option("--sizes", o.sizes, "explicit sizes, e.g. 8,1K,1M,64M (overrides -b/-e/-f/-i)")
+      ->check([](const std::string& v) {
+        try {
+          (void)size_list(0, 0, 2, v);
+          return std::string();
+        } catch (const std::exception& e) {
+          return std::string(e.what());
+        }
+      });
+  app.add_option("-n,--iters", o.iters, "timed iterations per size")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("-w,--warmup", o.warmup, "untimed warm-up iterations per size")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--min-iters", o.min_iters, "never fewer iterations than this under --budget")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--budget", budget,
+                 "cut a size's iterations so that one system spends about this long on it, from the warm-up's "
+                 "time (a duration: 1.5, 500ms, 2s; default: no cut)")
+      ->check(detail::duration_check);
+  app.add_option("-c,--check", check, "verify every size once and report #wrong (elements, all ranks); exit 1 if any")
+      ->expected(0, 1)
+      ->check(CLI::IsMember({"", "0", "1"}));
+  app.add_option("-z,--blocking", blocking,
+                 "1 (default): comm's blocking form; 0: the async form, op(..., comm::async).wait()")
+      ->expected(0, 1)
+      ->check(CLI::IsMember({"", "0", "1"}));
+  app.add_flag("--async", o.async, "the same as -z 0");
+  app.add_option("-T,--timeout", timeout,
+                 "the communicator's deadline for every operation (sets COMM_TIMEOUT; a duration: 30, 500ms, 2m)")
+      ->check(detail::duration_check);
+  app.add_flag("--json", o.json, "JSON lines (schema comm-bench/1) instead of the table");
+  auto* in = app.add_flag_callback("--inplace", [&] { o.placement = 1; },
+                                   "in place (all but all_to_all(_v), send_recv and barrier)");
+  auto* out = app.add_flag_callback("--out-of-place", [&] { o.placement = 0; },
+                                    "out of place (default: all_reduce in place, the others out of place)");
+  in->excludes(out);
+  app.add_option("--baseline", o.baseline,
+                 "raw: also time the raw engine call in the same processes, alternating with comm's (gloo, nccl, "
+                 "mpi); raw-nb: the non-blocking MPI call + MPI_Test (mpi)")
+      ->check(CLI::IsMember({"raw", "raw-nb"}));
+  app.add_option("--algo", o.algo,
+                 "raw Gloo's algorithm: all_reduce ring|bcube|hd|oldring|direct|rd, reduce_scatter hd|allreduce");
+  app.add_option("--gap-us", o.gap_us, "sleep this many microseconds between calls, outside the timed region")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  extra(app);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "%s: %s\nRun with --help for the options.\n", p.name.c_str(), e.what());
+    return 2;
+  }
+  try {
+    o.ops = parse_ops(ops);
+    o.min_bytes = parse_bytes(minb);
+    o.max_bytes = parse_bytes(maxb);
+    if (!stepb.empty()) {
+      o.step_bytes = parse_bytes(stepb);
+      if (o.step_bytes == 0) throw std::invalid_argument("-i/--stepbytes must be above 0");
+    }
+    if (app.count("--check") > 0) o.check = detail::zero_one("--check", check);
+    if (app.count("--blocking") > 0 && !detail::zero_one("--blocking", blocking)) o.async = true;
+    if (!budget.empty())
+      o.budget_s = static_cast<double>(comm::detail::parse_duration(budget)->count()) / 1000.0;
+    if (!timeout.empty()) ::setenv("COMM_TIMEOUT", timeout.c_str(), 1);
+    (void)size_list(o.min_bytes, o.max_bytes, o.factor, o.sizes, o.step_bytes);  // validate now
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\nRun with --help for the options.\n", p.name.c_str(), e.what());
+    return 2;
+  }
+  return std::nullopt;
+}
+
+/// Examples and notes every program's --help ends with.
+inline constexpr std::string_view kCommonFooter =
+    R"(Sizes are the whole buffer (nccl-tests): the all_reduce/broadcast/reduce buffer, the all_gather/gather
+output, the reduce_scatter/scatter input, one rank's all_to_all(_v) input, one send_recv message.
+send_recv is a ping-pong between ranks (0,1), (2,3)...: time is one way (half the round trip).
+busbw uses nccl-tests' factors (benchmarks/common/bench.hpp).)";
 
 }  // namespace comm::bench

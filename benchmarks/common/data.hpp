@@ -91,6 +91,8 @@ template <class T>
 /// Wrong elements in this rank's result of `op`.
 ///   all_reduce: out[i] = R_r in_r[i]          reduce_scatter: out[i] = R_r in_r[rank*block + i]
 ///   all_gather/gather (root): out[q*block + i] = in_q[i]     broadcast: data[i] = in_root[i]
+///   reduce (root): out[i] = R_r in_r[i]       scatter: out[i] = in_root[rank*block + i]
+///   all_to_all: out[q*block + i] = in_q[rank*block + i]
 template <class T>
 [[nodiscard]] long count_wrong(Op op, comm::ReduceOp redop, std::span<const T> out, const Layout& l, int rank, int n,
                                int root) {
@@ -116,6 +118,25 @@ template <class T>
     case Op::broadcast:
       for (std::size_t i = 0; i < l.count; ++i) wrong += !same(out[i], input_value(false, root, i), false);
       break;
+    case Op::reduce:
+      if (rank != root) break;
+      for (std::size_t i = 0; i < l.count; ++i) wrong += !same(out[i], expected_reduction<T>(redop, n, i), approx);
+      break;
+    case Op::scatter: {
+      const std::size_t base = static_cast<std::size_t>(rank) * l.block;
+      for (std::size_t i = 0; i < l.block; ++i) wrong += !same(out[i], input_value(false, root, base + i), false);
+      break;
+    }
+    case Op::all_to_all: {
+      const std::size_t base = static_cast<std::size_t>(rank) * l.block;
+      for (int q = 0; q < n; ++q)
+        for (std::size_t i = 0; i < l.block; ++i)
+          wrong += !same(out[static_cast<std::size_t>(q) * l.block + i], input_value(false, q, base + i), false);
+      break;
+    }
+    case Op::all_to_all_v:  // per-peer counts: verify_view (views.hpp)
+    case Op::send_recv:     // the partner: verify_view
+    case Op::barrier: break;
   }
   return wrong;
 }
@@ -134,8 +155,10 @@ bool with_dtype(std::string_view dtype, F&& f) {
   if (dtype == "double" || dtype == "float64") return f(double{}), true;
   if (dtype == "half" || dtype == "float16") return f(comm::half{}), true;
   if (dtype == "bfloat16" || dtype == "bf16") return f(comm::bfloat16{}), true;
-  if (dtype == "float8_e4m3" || dtype == "fp8_e4m3" || dtype == "e4m3") return f(comm::float8_e4m3{}), true;
-  if (dtype == "float8_e5m2" || dtype == "fp8_e5m2" || dtype == "e5m2") return f(comm::float8_e5m2{}), true;
+  if (dtype == "float8_e4m3" || dtype == "fp8_e4m3" || dtype == "f8e4m3" || dtype == "e4m3")
+    return f(comm::float8_e4m3{}), true;
+  if (dtype == "float8_e5m2" || dtype == "fp8_e5m2" || dtype == "f8e5m2" || dtype == "e5m2")
+    return f(comm::float8_e5m2{}), true;
   if (dtype == "int8") return f(std::int8_t{}), true;
   if (dtype == "uint8") return f(std::uint8_t{}), true;
   if (dtype == "int32" || dtype == "int") return f(std::int32_t{}), true;

@@ -116,16 +116,26 @@ inline long report(const Options& o, int rank, int world, Op op, std::string dty
   r.placement = inplace ? "in" : "out";
   r.l = l;
   r.iters = m.iters;
-  r.t = m.t[0];
-  r.wrong = m.wrong[0];
+  // send_recv times a round trip: its row is one way (half), as osu_latency reports.
+  auto one_way = [op](Stats t) {
+    if (op == Op::send_recv) {
+      t.median_us /= 2;
+      t.mean_us /= 2;
+      t.min_us /= 2;
+      t.max_us /= 2;
+    }
+    return t;
+  };
+  r.t = one_way(m.t[0]);
+  r.wrong = op == Op::barrier ? -1 : m.wrong[0];  // a barrier has no result to check
   long wrong = std::max(0L, r.wrong);
   const bool baseline = !names.baseline.empty() && m.t.size() > 1;
   Row rr = r;
   if (baseline) {
     rr.system = names.baseline;
     rr.algo = names.baseline_algo;
-    rr.t = m.t[1];
-    rr.wrong = m.wrong[1];
+    rr.t = one_way(m.t[1]);
+    rr.wrong = op == Op::barrier ? -1 : m.wrong[1];
     wrong += std::max(0L, rr.wrong);
     r.baseline = names.baseline;
     r.ratio = rr.t.median_us > 0 ? r.t.median_us / rr.t.median_us : 0;

@@ -3,7 +3,8 @@
 // on a communicator of its own (MPI_Comm_dup of MPI_COMM_WORLD) in the same processes, alternating
 // call by call:
 //   --baseline raw      the blocking call (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather,
-//                       MPI_Bcast, MPI_Gather): what an MPI program calls today;
+//                       MPI_Bcast, MPI_Gather, MPI_Reduce, MPI_Scatter, MPI_Alltoall(v),
+//                       MPI_Send/MPI_Recv, MPI_Barrier): what an MPI program calls today;
 //   --baseline raw-nb   the non-blocking call comm issues (MPI_Iallreduce...) completed by spinning on
 //                       MPI_Test: the same MPI work as comm's, so the ratio is comm's own layer.
 // comm-bench initializes MPI itself (MPI_THREAD_MULTIPLE) and adopts MPI_COMM_WORLD.
@@ -96,6 +97,68 @@ struct RawMpi {
         if (!nonblocking) return mpi_check(MPI_Gather(v.in, block, dt, v.out, block, dt, root, comm), "MPI_Gather");
         mpi_check(MPI_Igather(v.in, block, dt, v.out, block, dt, root, comm, &r), "MPI_Igather");
         break;
+      case Op::reduce: {
+        const void* in = v.in == v.out && rank == root ? MPI_IN_PLACE : v.in;
+        if (!nonblocking) return mpi_check(MPI_Reduce(in, v.out, count, dt, mop, root, comm), "MPI_Reduce");
+        mpi_check(MPI_Ireduce(in, v.out, count, dt, mop, root, comm, &r), "MPI_Ireduce");
+        break;
+      }
+      case Op::scatter: {
+        void* out = rank == root && v.out == v.in + static_cast<std::size_t>(rank) * l.block ? MPI_IN_PLACE : v.out;
+        if (!nonblocking) return mpi_check(MPI_Scatter(v.in, block, dt, out, block, dt, root, comm), "MPI_Scatter");
+        mpi_check(MPI_Iscatter(v.in, block, dt, out, block, dt, root, comm, &r), "MPI_Iscatter");
+        break;
+      }
+      case Op::all_to_all:
+        if (!nonblocking) return mpi_check(MPI_Alltoall(v.in, block, dt, v.out, block, dt, comm), "MPI_Alltoall");
+        mpi_check(MPI_Ialltoall(v.in, block, dt, v.out, block, dt, comm, &r), "MPI_Ialltoall");
+        break;
+      case Op::all_to_all_v: {
+        // int counts and packed displacements, rebuilt per call (outside MPI's time, inside ours:
+        // comm converts its size_t counts per call too).
+        const std::size_t n = v.in_counts.size();
+        std::vector<int> cd(4 * n);
+        for (std::size_t p = 0, so = 0, ro = 0; p < n; ++p) {
+          cd[p] = static_cast<int>(v.in_counts[p]);
+          cd[2 * n + p] = static_cast<int>(v.out_counts[p]);
+          cd[n + p] = static_cast<int>(so);
+          cd[3 * n + p] = static_cast<int>(ro);
+          so += v.in_counts[p];
+          ro += v.out_counts[p];
+        }
+        const int *sc = cd.data(), *sd = sc + n, *rc = sd + n, *rd = rc + n;
+        if (!nonblocking)
+          return mpi_check(MPI_Alltoallv(v.in, sc, sd, dt, v.out, rc, rd, dt, comm), "MPI_Alltoallv");
+        mpi_check(MPI_Ialltoallv(v.in, sc, sd, dt, v.out, rc, rd, dt, comm, &r), "MPI_Ialltoallv");
+        wait(r);
+        return;
+      }
+      case Op::send_recv: {
+        if (v.peer < 0) return;
+        MPI_Request q = MPI_REQUEST_NULL;
+        auto send = [&] {
+          if (!nonblocking) return mpi_check(MPI_Send(v.in, count, dt, v.peer, 0, comm), "MPI_Send");
+          mpi_check(MPI_Isend(v.in, count, dt, v.peer, 0, comm, &q), "MPI_Isend");
+          wait(q);
+        };
+        auto recv = [&] {
+          if (!nonblocking) return mpi_check(MPI_Recv(v.out, count, dt, v.peer, 0, comm, MPI_STATUS_IGNORE), "MPI_Recv");
+          mpi_check(MPI_Irecv(v.out, count, dt, v.peer, 0, comm, &q), "MPI_Irecv");
+          wait(q);
+        };
+        if (rank < v.peer) {
+          send();
+          recv();
+        } else {
+          recv();
+          send();
+        }
+        return;
+      }
+      case Op::barrier:
+        if (!nonblocking) return mpi_check(MPI_Barrier(comm), "MPI_Barrier");
+        mpi_check(MPI_Ibarrier(comm, &r), "MPI_Ibarrier");
+        break;
     }
     wait(r);
   }
@@ -116,7 +179,6 @@ void run_mpi_dtype(const Options& o, MpiComm& c, MPI_Comm raw_comm, const CrossR
   const auto redop_opt = parse_redop(o.redop);
   if (!redop_opt) throw std::invalid_argument("unknown --redop '" + o.redop + "'");
   const comm::ReduceOp redop = *redop_opt;
-  const auto sizes = size_list(o.min_bytes, o.max_bytes, o.factor, o.sizes);
   const int rank = c.rank(), n = c.size();
   const bool baseline = !o.baseline.empty();
   const RawMpi<T> raw{raw_comm, o.baseline == "raw-nb", rank};
@@ -130,7 +192,9 @@ void run_mpi_dtype(const Options& o, MpiComm& c, MPI_Comm raw_comm, const CrossR
   const std::string raw_name = o.baseline == "raw-nb" ? "mpi-raw-nb" : "mpi-raw";
 
   for (Op op : o.ops) {
+    const auto sizes = sizes_for(o, op);
     const bool inplace = in_place(o, op);
+    if (op == Op::send_recv && n < 2) throw std::invalid_argument("--op send_recv needs at least 2 ranks");
     if (is_rooted(op) && o.root >= n)
       throw std::invalid_argument("--root " + std::to_string(o.root) + " is not below the world size " +
                                   std::to_string(n));
@@ -155,20 +219,10 @@ void run_mpi_dtype(const Options& o, MpiComm& c, MPI_Comm raw_comm, const CrossR
       auto verify = [&] { return verify_view(v, op, redop, l, rank, n, o.root); };
       std::vector<Candidate> cands;
       cands.push_back({[&] {
-                         if (!o.async) return blocking_call(c, op, v, redop, o.root);
-                         const std::span<const T> in(v.in, v.in_n);
-                         const std::span<T> out(v.out, v.out_n);
-                         switch (op) {
-                           case Op::all_reduce:
-                             (v.in == v.out ? c.all_reduce(out, redop, comm::async)
-                                            : c.all_reduce(in, out, redop, comm::async))
-                                 .wait();
-                             break;
-                           case Op::reduce_scatter: c.reduce_scatter(in, out, redop, comm::async).wait(); break;
-                           case Op::all_gather: c.all_gather(in, out, comm::async).wait(); break;
-                           case Op::broadcast: c.broadcast(out, o.root, comm::async).wait(); break;
-                           case Op::gather: c.gather(in, out, o.root, comm::async).wait(); break;
-                         }
+                         if (o.async)
+                           async_call(c, op, v, redop, o.root);
+                         else
+                           blocking_call(c, op, v, redop, o.root);
                        },
                        fill, verify});
       if (baseline) {

@@ -94,14 +94,18 @@ void run_nccl_dtype(const Options& o, NcclComm& c, const CrossRank& x, long& wro
   const auto redop_opt = parse_redop(o.redop);
   if (!redop_opt) throw std::invalid_argument("unknown --redop '" + o.redop + "'");
   const comm::ReduceOp redop = *redop_opt;
-  const auto sizes = size_list(o.min_bytes, o.max_bytes, o.factor, o.sizes);
   const int rank = c.rank(), n = c.size();
   const cudaStream_t stream = c.backend().stream();
   const ncclComm_t raw = c.backend().native_handle();
   const bool baseline = o.baseline == "raw";
 
   for (Op op : o.ops) {
+    const auto sizes = sizes_for(o, op);
     const bool inplace = in_place(o, op);
+    if (op == Op::send_recv && n < 2)
+      throw std::invalid_argument("--op send_recv needs at least 2 ranks (NCCL: one GPU per rank)");
+    // NCCL has no barrier call: comm's barrier runs alone.
+    const bool with_raw = baseline && op != Op::barrier;
     Buffers<T> host;  // host mirror: fill and check happen here, then copy
     host.reserve(op, sizes, n, inplace);
     DeviceBuffers<T> dev(host.in.size(), host.out.size());
@@ -110,8 +114,8 @@ void run_nccl_dtype(const Options& o, NcclComm& c, const CrossRank& x, long& wro
                   std::string(to_string(op)).c_str(), c.backend().device(),
                   comm::nccl::version_string(comm::nccl::runtime_version()).c_str(), n,
                   std::string(dtype_name<T>()).c_str(), is_reduction(op) ? o.redop.c_str() : "none",
-                  inplace ? "in place" : "out of place", baseline ? ", baseline raw NCCL" : "");
-      print_table_header(o.check, baseline);
+                  inplace ? "in place" : "out of place", with_raw ? ", baseline raw NCCL" : "");
+      print_table_header(o.check, with_raw);
     }
     for (std::size_t bytes : sizes) {
       const Layout l = layout(op, bytes, sizeof(T), n);
@@ -123,7 +127,9 @@ void run_nccl_dtype(const Options& o, NcclComm& c, const CrossRank& x, long& wro
           return dev.in + (p - host.in.data());
         return dev.out + (p - host.out.data());
       };
-      View<T> dv{dptr(hv.in), dptr(hv.out), hv.in_n, hv.out_n};
+      View<T> dv = hv;
+      dv.in = dptr(hv.in);
+      dv.out = dptr(hv.out);
       auto fill = [&] {
         fill_view(hv, op, rank);
         if (!host.in.empty()) cuda_check(cudaMemcpy(dev.in, host.in.data(), host.in.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy");
@@ -136,11 +142,14 @@ void run_nccl_dtype(const Options& o, NcclComm& c, const CrossRank& x, long& wro
       auto sync = [&] { cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize"); };
       std::vector<Candidate> cands;
       cands.push_back({[&] {
-                         blocking_call(c, op, dv, redop, o.root);
+                         if (o.async)
+                           async_call(c, op, dv, redop, o.root);
+                         else
+                           blocking_call(c, op, dv, redop, o.root);
                          sync();
                        },
                        fill, verify});
-      if (baseline) {
+      if (with_raw) {
         const ncclDataType_t dt = nccl_type<T>();
         cands.push_back({[&] {
                            switch (op) {
@@ -169,6 +178,44 @@ void run_nccl_dtype(const Options& o, NcclComm& c, const CrossRank& x, long& wro
                                nccl_check(ncclGroupEnd(), "ncclGroupEnd");
 #endif
                                break;
+                             case Op::reduce:
+                               nccl_check(ncclReduce(dv.in, dv.out, l.count, dt, nccl_op(redop), o.root, raw, stream),
+                                          "ncclReduce");
+                               break;
+                             case Op::scatter:
+                               nccl_check(ncclGroupStart(), "ncclGroupStart");
+                               if (rank == o.root)
+                                 for (int q = 0; q < n; ++q)
+                                   nccl_check(ncclSend(dv.in + static_cast<std::size_t>(q) * l.block, l.block, dt, q, raw, stream), "ncclSend");
+                               nccl_check(ncclRecv(dv.out, l.block, dt, o.root, raw, stream), "ncclRecv");
+                               nccl_check(ncclGroupEnd(), "ncclGroupEnd");
+                               break;
+                             case Op::all_to_all:
+                             case Op::all_to_all_v: {
+                               nccl_check(ncclGroupStart(), "ncclGroupStart");
+                               std::size_t so = 0, ro = 0;
+                               for (int q = 0; q < n; ++q) {
+                                 const std::size_t sc = op == Op::all_to_all ? l.block : dv.in_counts[static_cast<std::size_t>(q)];
+                                 const std::size_t rc = op == Op::all_to_all ? l.block : dv.out_counts[static_cast<std::size_t>(q)];
+                                 nccl_check(ncclSend(dv.in + so, sc, dt, q, raw, stream), "ncclSend");
+                                 nccl_check(ncclRecv(dv.out + ro, rc, dt, q, raw, stream), "ncclRecv");
+                                 so += sc;
+                                 ro += rc;
+                               }
+                               nccl_check(ncclGroupEnd(), "ncclGroupEnd");
+                               break;
+                             }
+                             case Op::send_recv:
+                               if (dv.peer < 0) break;
+                               if (rank < dv.peer) {
+                                 nccl_check(ncclSend(dv.in, l.count, dt, dv.peer, raw, stream), "ncclSend");
+                                 nccl_check(ncclRecv(dv.out, l.count, dt, dv.peer, raw, stream), "ncclRecv");
+                               } else {
+                                 nccl_check(ncclRecv(dv.out, l.count, dt, dv.peer, raw, stream), "ncclRecv");
+                                 nccl_check(ncclSend(dv.in, l.count, dt, dv.peer, raw, stream), "ncclSend");
+                               }
+                               break;
+                             case Op::barrier: break;  // with_raw is false
                            }
                            sync();
                          },
@@ -176,7 +223,7 @@ void run_nccl_dtype(const Options& o, NcclComm& c, const CrossRank& x, long& wro
       }
       const Measured m = measure(o, cands, x);
       wrong_total += report(o, rank, n, op, std::string(dtype_name<T>()), inplace, l, m,
-                            {"comm-nccl", "", baseline ? "nccl-raw" : "", ""});
+                            {o.async ? "comm-nccl-async" : "comm-nccl", "", with_raw ? "nccl-raw" : "", ""});
     }
   }
 }

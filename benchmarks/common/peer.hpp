@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdio>
 #include <functional>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -25,14 +27,21 @@ struct PeerSystem {
   std::function<std::string(Op)> algo;
   /// Runs after each size is measured (optional), e.g. to release per-size engine state.
   std::function<void()> after_size;
+  /// Whether the system has `op` (optional: every op).
+  std::function<bool(Op)> supports;
 };
 
 template <class T>
 void run_peer(const Options& o, int rank, int n, const CrossRank& x, const PeerSystem<T>& s) {
   const auto redop = parse_redop(o.redop);
   if (!redop) throw std::invalid_argument("unknown --redop '" + o.redop + "'");
-  const auto sizes = size_list(o.min_bytes, o.max_bytes, o.factor, o.sizes);
   for (Op op : o.ops) {
+    if (s.supports && !s.supports(op))
+      throw std::invalid_argument(s.name + " has no " + std::string(to_string(op)) +
+                                  (in_place(o, op) ? " in place" : "") + " (comm-bench has)");
+  }
+  for (Op op : o.ops) {
+    const auto sizes = sizes_for(o, op);
     const bool inplace = in_place(o, op);
     const std::string algo = s.algo ? s.algo(op) : std::string();
     Buffers<T> bufs;
@@ -56,14 +65,12 @@ void run_peer(const Options& o, int rank, int n, const CrossRank& x, const PeerS
   }
 }
 
-/// A peer's command line: comm-bench's options plus `--system NAME` (the rows' "system").
-inline void parse_peer_args(int argc, char** argv, Options& o, std::string_view help, std::string& system) {
-  parse_args(argc, argv, o, help, [&](std::string_view f, std::string_view next) {
-    if (f == "--system" && !next.empty()) {
-      system = next;
-      return 2;
-    }
-    return 0;
+/// A peer's command line: comm-bench's options plus `--system NAME` (the rows' "system"). Returns
+/// nullopt to go on, or the exit code to return now (see parse_args).
+[[nodiscard]] inline std::optional<int> parse_peer_args(int argc, char** argv, Options& o, const Program& p,
+                                                        std::string& system) {
+  return parse_args(argc, argv, o, p, [&](CLI::App& app) {
+    app.add_option("--system", system, "the \"system\" field of the rows and JSON lines")->capture_default_str();
   });
 }
 

@@ -41,15 +41,19 @@
 #include <gloo/algorithm.h>
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
+#include <gloo/alltoallv.h>
 #include <gloo/allreduce_halving_doubling.h>
 #include <gloo/allreduce_ring.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/gather.h>
 #include <gloo/math.h>
+#include <gloo/reduce.h>
 #include <gloo/reduce_scatter.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
+#include <gloo/scatter.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/types.h>
 
@@ -270,6 +274,83 @@ class RawGloo {
     o.setTag(RawTags::next++);
     o.setTimeout(timeout_);
     ::gloo::gather(o);
+  }
+
+  /// `in == out` is in place (gloo reduces into the output on every rank).
+  void reduce(const T* in, T* out, std::size_t n, comm::ReduceOp op, int root) {
+    ::gloo::ReduceOptions o(ctx_);
+    if (in != out) o.setInput(g(const_cast<T*>(in)), n);
+    if (rank() == root || in == out) {
+      o.setOutput(g(out), n);
+    } else {
+      // Off the root comm's output may be empty, but gloo accumulates in every rank's output.
+      scratch_.resize(n * sizeof(T));
+      o.setOutput(reinterpret_cast<G*>(scratch_.data()), n);
+    }
+    o.setRoot(root);
+    o.setReduceFunction(fn(op));
+    o.setTag(RawTags::next++);
+    o.setTimeout(timeout_);
+    ::gloo::reduce(o);
+  }
+
+  /// `in` (root only) holds size()*block elements.
+  void scatter(const T* in, T* out, std::size_t block, int root) {
+    ::gloo::ScatterOptions o(ctx_);
+    if (rank() == root) {
+      std::vector<G*> ptrs;
+      for (int q = 0; q < size(); ++q) ptrs.push_back(g(const_cast<T*>(in)) + static_cast<std::size_t>(q) * block);
+      o.setInputs(ptrs, block);
+    }
+    o.setOutput(g(out), block);
+    o.setRoot(root);
+    o.setTag(RawTags::next++);
+    o.setTimeout(timeout_);
+    ::gloo::scatter(o);
+  }
+
+  void all_to_all(const T* in, T* out, std::size_t block) {
+    ::gloo::AlltoallOptions o(ctx_);
+    const std::size_t total = block * static_cast<std::size_t>(size());
+    o.setInput(g(const_cast<T*>(in)), total);
+    o.setOutput(g(out), total);
+    o.setTag(RawTags::next++);
+    o.setTimeout(timeout_);
+    ::gloo::alltoall(o);
+  }
+
+  void all_to_all_v(const T* in, const std::vector<std::size_t>& in_counts, T* out,
+                    const std::vector<std::size_t>& out_counts) {
+    ::gloo::AlltoallvOptions o(ctx_);
+    o.setInput(g(const_cast<T*>(in)), std::vector<std::int64_t>(in_counts.begin(), in_counts.end()));
+    o.setOutput(g(out), std::vector<std::int64_t>(out_counts.begin(), out_counts.end()));
+    o.setTag(RawTags::next++);
+    o.setTimeout(timeout_);
+    ::gloo::alltoallv(o);
+  }
+
+  /// One ping-pong with `peer` (comm-bench's send_recv): the lower rank sends first.
+  void ping_pong(const T* in, T* out, std::size_t n, int peer) {
+    // The idle rank of an odd world takes its tag too: every rank's RawTags must stay in step.
+    const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(0x32, RawTags::next++));
+    if (peer < 0) return;
+    auto src = ctx_->createUnboundBuffer(const_cast<T*>(in), n * sizeof(T));
+    auto dst = ctx_->createUnboundBuffer(out, n * sizeof(T));
+    auto send = [&] {
+      src->send(peer, slot);
+      if (!src->waitSend(timeout_)) throw std::runtime_error("raw gloo ping-pong: send timed out");
+    };
+    auto recv = [&] {
+      dst->recv(peer, slot);
+      if (!dst->waitRecv(timeout_)) throw std::runtime_error("raw gloo ping-pong: recv timed out");
+    };
+    if (rank() < peer) {
+      send();
+      recv();
+    } else {
+      recv();
+      send();
+    }
   }
 
   void barrier() {

@@ -25,12 +25,15 @@ namespace {
 
 using namespace comm::bench;
 
-constexpr std::string_view kHelp =
-    R"(Usage: comm-run -n N comm-bench-gloo-peer [options]
+constexpr std::string_view kAbout =
+    R"(Raw Gloo for every op of comm-bench (gloo::allreduce, ReduceScatterHalvingDoubling, allgather,
+broadcast, gather, reduce, scatter, alltoall, alltoallv, an unbound-buffer ping-pong, barrier), timed
+like comm-bench (same buffers, checks and rows); start it with comm-run -n N.)";
 
-Raw Gloo collectives (gloo::allreduce, allgather, broadcast, gather, ReduceScatterHalvingDoubling).
-  --algo A   all_reduce ring|bcube|hd|oldring|direct|rd, reduce_scatter hd|allreduce
-  --system NAME   the "system" field of the JSON lines (default gloo-raw)
+constexpr std::string_view kFooter = R"(
+Examples:
+  comm-run -n 2 comm-bench-gloo-peer --op all_reduce --sizes 8,1M --json --algo bcube
+  comm-run -n 4 comm-bench-gloo-peer --op all -c 1
 )";
 
 template <class T>
@@ -47,10 +50,17 @@ void run_dtype(const Options& o, RawGloo<T>& g, const CrossRank& x, const std::s
       case Op::all_gather: return [&g, v, l] { g.all_gather(v.in, v.out, l.block); };
       case Op::broadcast: return [&g, v, l, root = o.root] { g.broadcast(v.out, l.count, root); };
       case Op::gather: return [&g, v, l, root = o.root] { g.gather(v.in, v.out, l.block, root); };
+      case Op::reduce: return [&g, v, l, redop, root = o.root] { g.reduce(v.in, v.out, l.count, redop, root); };
+      case Op::scatter: return [&g, v, l, root = o.root] { g.scatter(v.in, v.out, l.block, root); };
+      case Op::all_to_all: return [&g, v, l] { g.all_to_all(v.in, v.out, l.block); };
+      case Op::all_to_all_v: return [&g, v] { g.all_to_all_v(v.in, v.in_counts, v.out, v.out_counts); };
+      case Op::send_recv: return [&g, v, l] { g.ping_pong(v.in, v.out, l.count, v.peer); };
+      case Op::barrier: return [&g] { g.barrier(); };
     }
     return {};
   };
   s.after_size = [&g] { g.clear_persistent(); };
+  s.supports = [&o](Op op) { return !(op == Op::scatter && in_place(o, op)); };  // gloo: no scatter in place
   run_peer(o, g.rank(), g.size(), x, s);
 }
 
@@ -60,7 +70,8 @@ int main(int argc, char** argv) {
   Options o;
   std::string system = "gloo-raw";
   try {
-    parse_peer_args(argc, argv, o, kHelp, system);
+    const Program p{"comm-bench-gloo-peer", std::string(kAbout), std::string(kCommonFooter) + std::string(kFooter)};
+    if (const auto code = parse_peer_args(argc, argv, o, p, system)) return *code;
     comm::InitResult init = comm::init_env();
     const auto timeout = comm::timeout_from_env();
     auto ctx = make_raw_context(init.store, init.rank, init.size, "gloo-peer/", timeout);

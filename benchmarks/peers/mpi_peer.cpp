@@ -1,5 +1,6 @@
-// OpenMPI peer of benchmarks/compare: MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather,
-// MPI_Bcast, MPI_Gather with the same command line, methodology and JSON lines as comm-bench.
+// MPI peer of benchmarks/compare (OpenMPI or MPICH): MPI's own call for every op of comm-bench
+// (MPI_Allreduce ... MPI_Alltoallv, a MPI_Send/MPI_Recv ping-pong, MPI_Barrier) with the same
+// command line, methodology and JSON lines as comm-bench.
 //
 //   mpirun -n 2 --mca btl self,vader comm-bench-mpi-peer --system mpi-shm --op all_reduce --json
 //   mpirun -n 2 --mca btl self,tcp --mca btl_tcp_if_include lo comm-bench-mpi-peer --system mpi-tcp ...
@@ -9,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <exception>
 #include <stdexcept>
 #include <string>
@@ -27,11 +29,15 @@ namespace {
 
 using namespace comm::bench;
 
-constexpr std::string_view kHelp =
-    R"(Usage: mpirun -n N comm-bench-mpi-peer [options]
+constexpr std::string_view kAbout =
+    R"(MPI's own calls, timed like comm-bench (same buffers, checks and rows): MPI_Allreduce,
+MPI_Reduce_scatter_block, MPI_Allgather, MPI_Bcast, MPI_Gather, MPI_Reduce, MPI_Scatter, MPI_Alltoall,
+MPI_Alltoallv, MPI_Send/MPI_Recv ping-pong and MPI_Barrier. Start it with mpirun -n N.)";
 
-OpenMPI collectives, timed like comm-bench.
-  --system NAME   the "system" field of the JSON lines (default mpi)
+constexpr std::string_view kFooter = R"(
+Examples:
+  mpirun -n 2 --mca btl self,vader comm-bench-mpi-peer --system mpi-shm --op all -c 1
+  mpirun -n 2 --mca btl self,tcp comm-bench-mpi-peer --system mpi-tcp --op send_recv -b 8 -e 16M -f 8
 )";
 
 template <class T>
@@ -107,6 +113,48 @@ void run_dtype(const Options& o, int rank, int n, const CrossRank& x, const std:
       case Op::broadcast: return [=] { check(MPI_Bcast(v.out, count, dt, root, MPI_COMM_WORLD), "MPI_Bcast"); };
       case Op::gather:
         return [=] { check(MPI_Gather(v.in, block, dt, v.out, block, dt, root, MPI_COMM_WORLD), "MPI_Gather"); };
+      case Op::reduce:
+        return [=] {
+          const void* in = v.in == v.out ? (rank == root ? MPI_IN_PLACE : v.in) : v.in;
+          check(MPI_Reduce(in, v.out, count, dt, mop, root, MPI_COMM_WORLD), "MPI_Reduce");
+        };
+      case Op::scatter:
+        return [=] {
+          void* out = rank == root && v.out == v.in + static_cast<std::size_t>(rank) * l.block ? MPI_IN_PLACE : v.out;
+          check(MPI_Scatter(v.in, block, dt, out, block, dt, root, MPI_COMM_WORLD), "MPI_Scatter");
+        };
+      case Op::all_to_all:
+        return [=] { check(MPI_Alltoall(v.in, block, dt, v.out, block, dt, MPI_COMM_WORLD), "MPI_Alltoall"); };
+      case Op::all_to_all_v: {
+        // MPI takes int counts and displacements (packed in rank order, as comm's).
+        auto c = std::make_shared<std::vector<int>>(4 * static_cast<std::size_t>(n));
+        int* sc = c->data();
+        int *sd = sc + n, *rc = sd + n, *rd = rc + n;
+        for (int p = 0, so = 0, ro = 0; p < n; ++p) {
+          sc[p] = static_cast<int>(v.in_counts[static_cast<std::size_t>(p)]);
+          rc[p] = static_cast<int>(v.out_counts[static_cast<std::size_t>(p)]);
+          sd[p] = so;
+          rd[p] = ro;
+          so += sc[p];
+          ro += rc[p];
+        }
+        return [=] {
+          check(MPI_Alltoallv(v.in, sc, sd, dt, v.out, rc, rd, dt, MPI_COMM_WORLD), "MPI_Alltoallv");
+          (void)c;
+        };
+      }
+      case Op::send_recv:
+        return [=] {
+          if (v.peer < 0) return;
+          if (rank < v.peer) {
+            check(MPI_Send(v.in, count, dt, v.peer, 0, MPI_COMM_WORLD), "MPI_Send");
+            check(MPI_Recv(v.out, count, dt, v.peer, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE), "MPI_Recv");
+          } else {
+            check(MPI_Recv(v.out, count, dt, v.peer, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE), "MPI_Recv");
+            check(MPI_Send(v.in, count, dt, v.peer, 0, MPI_COMM_WORLD), "MPI_Send");
+          }
+        };
+      case Op::barrier: return [] { check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); };
     }
     return {};
   };
@@ -125,7 +173,11 @@ int main(int argc, char** argv) {
   std::string system = "mpi";
   int rc = 0;
   try {
-    parse_peer_args(argc, argv, o, kHelp, system);
+    const Program p{"comm-bench-mpi-peer", std::string(kAbout), std::string(kCommonFooter) + std::string(kFooter)};
+    if (const auto code = parse_peer_args(argc, argv, o, p, system)) {
+      MPI_Finalize();
+      return *code;
+    }
     CrossRank x;
     x.max = [](std::span<double> v) {
       check(MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD),

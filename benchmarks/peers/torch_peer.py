@@ -221,10 +221,11 @@ def measure(a, case):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--op", default="all_reduce")
-    p.add_argument("--dtype", default="float")
-    p.add_argument("--redop", default="sum")
-    p.add_argument("--root", type=int, default=0)
+    # Short flags as comm-bench's and nccl-tests' (-o is the reduction, -d the type, -r the root).
+    p.add_argument("--op", default="all_reduce", help=f"{'|'.join(OPS)}, a comma list, or all")
+    p.add_argument("-d", "--dtype", default="float")
+    p.add_argument("-o", "--redop", default="sum")
+    p.add_argument("-r", "--root", type=int, default=0)
     p.add_argument("-b", "--minbytes", type=parse_bytes, default=8)
     p.add_argument("-e", "--maxbytes", type=parse_bytes, default=64 << 20)
     p.add_argument("-f", "--stepfactor", type=int, default=4)
@@ -233,7 +234,8 @@ def main():
     p.add_argument("-w", "--warmup", type=int, default=5)
     p.add_argument("--min-iters", type=int, default=5)
     p.add_argument("--budget", type=float, default=0.0)
-    p.add_argument("-c", "--check", action="store_true")
+    p.add_argument("-c", "--check", nargs="?", type=int, choices=(0, 1), const=1, default=0,
+                   help="verify every size (-c, --check or -c 1)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--inplace", dest="placement", action="store_const", const="in")
     p.add_argument("--out-of-place", dest="placement", action="store_const", const="out")
@@ -244,7 +246,7 @@ def main():
     ops = OPS if a.op == "all" else a.op.split(",")
     for op in ops:
         if op not in OPS:
-            sys.exit(f"torch_peer: unknown op '{op}'")
+            sys.exit(f"torch_peer: unknown op '{op}' ({'|'.join(OPS)}; comm-bench has the other ops)")
     if a.dtype not in DTYPES:
         sys.exit(f"torch_peer: dtype '{a.dtype}' is not available in torch {torch.__version__}")
     if a.redop not in REDOPS:
