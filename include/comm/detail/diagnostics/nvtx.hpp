@@ -1,6 +1,6 @@
 #pragma once
 // NVTX ranges around comm's operations on GPU buffers, for Nsight Systems and other NVTX tools
-// (issue 15). Each range is named
+// Each range is named
 //
 //   comm.<op> count=<n> type=<dtype> seq=<s>        e.g. "comm.all_reduce count=1024 type=float seq=7"
 //
@@ -19,7 +19,7 @@
 // to nothing and enabled() is a constant false.
 //
 // Cost when off: one relaxed load of a cached flag and one predictable branch per operation; no
-// formatting and no NVTX call (benchmarks/RESULTS.md, "NVTX ranges (issue 15)", has the figures).
+// formatting and no NVTX call (benchmarks/RESULTS.md, "NVTX ranges", has the figures).
 //
 // Who uses it: the NCCL engine (detail/nccl/engine.hpp) pushes a range on the issuing thread around
 // every operation's host side (desync check, stream ordering, the NCCL enqueue, and the host wait
