@@ -26,8 +26,6 @@
 // for when it took part or is dead; the first member to see every member accounted for seals the
 // outcome, and every member reads the same seal, so members never get different memberships.
 
-#include <sys/random.h>
-
 #include <algorithm>
 #include <charconv>
 #include <chrono>
@@ -40,6 +38,7 @@
 #include <utility>
 #include <vector>
 
+#include <comm/detail/base/random.hpp>
 #include <comm/detail/engine/comm_core.hpp>
 #include <comm/detail/engine/liveness.hpp>
 #include <comm/error.hpp>
@@ -258,11 +257,8 @@ class Elastic {
       const auto m = elastic::number(elastic::text(store->get(room + "gmark")));
       if (m > 0) g = static_cast<std::uint64_t>(m);
     }
-    // A nonce, so that two newcomers' claims never look alike (the clock where getrandom fails).
-    std::uint64_t r = 0;
-    if (::getrandom(&r, sizeof r, 0) != static_cast<ssize_t>(sizeof r))
-      r = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-    const std::string nonce = std::to_string(r);
+    // A nonce, so that two newcomers' claims never look alike.
+    const std::string nonce = std::to_string(random_u64());
     std::int64_t index = 0;
     std::string key;
     for (;; ++g) {

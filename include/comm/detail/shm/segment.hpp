@@ -35,11 +35,11 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
-#include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include <comm/detail/base/random.hpp>
 #include <comm/detail/init/host.hpp>
 #include <comm/error.hpp>
 #include <comm/store.hpp>
@@ -184,8 +184,7 @@ class NameGuard {
   std::string name;
   int fd = -1;
   if (rank == 0) {
-    std::random_device rd;
-    name = "/comm-shm-" + std::to_string(::getpid()) + "-" + std::to_string(rd()) + "-" +
+    name = "/comm-shm-" + std::to_string(::getpid()) + "-" + std::to_string(random_u64()) + "-" +
            std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
     fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) throw BackendError(op, rank, "shm_open(" + name + ") failed: " + errno_text(errno));
