@@ -1,7 +1,7 @@
 #pragma once
 // The command line shared by comm-bench and the C++ peers, parsed with CLI11. Short flags mean what
 // nccl-tests' mean (-b -e -f -i -n -w -c -o -d -r -z -T); the collective is the long --op.
-// Durations (--budget, --timeout) go through comm's own parser (comm/detail/init/duration.hpp), so
+// Durations (--budget, --timeout) go through comm's own parser (comm/detail/base/duration.hpp), so
 // they read like COMM_TIMEOUT: "1.5" (seconds), "500ms", "2s", "1m".
 
 #include <cstdio>
@@ -14,7 +14,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include <comm/detail/init/duration.hpp>
+#include <comm/detail/base/duration.hpp>
 
 #include "bench.hpp"
 #include "data.hpp"
