@@ -236,17 +236,22 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
       }
       if (left == 0) break;
       if (moved) {
+        // The spin adapts as wait_published's does: a wait that ended while spinning doubles
+        // the next spin. A fixed spin_ cost 2000 pauses (~80 us) per message whenever the peer
+        // was off its core (a loaded host), since a spinner holds the core the peer needs.
+        if (idle > 0 && idle <= spin_now_) spin_now_ = std::min(spin_, std::max(spin_now_ * 2, 16));
         idle = 0;
         yield_until = yield_until_reset();
         continue;
       }
       // Nothing could move: spin, then yield, then sleep on the bell of a peer this rank waits
       // for (bounded slices), checking that the peers are alive and the deadline.
-      if (idle < spin_) {
+      if (idle < spin_now_) {
         ++idle;
         cpu_relax();
         continue;
       }
+      if (idle == spin_now_) spin_now_ = std::max(spin_now_ / 2, std::min(spin_, 16));  // spun in vain
       int peer = -1;
       for (std::size_t i = 0; i < n; ++i)
         if (!finished[i] && first_of(i)) peer = items[i].peer;
