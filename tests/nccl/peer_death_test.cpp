@@ -1,9 +1,11 @@
 // A peer that exits mid-loop on NCCL: NCCL itself reports nothing when a peer on the same host dies
 // (the kernels wait), so the watchdog must end the survivors' operations by the deadline (here
-// 5 s) with comm::Timeout (or RemoteError where NCCL notices), abort the communicator, and later
-// operations must fail at once. Standalone (no doctest harness: its end-of-run rendezvous would
-// wait for the dead rank). Run under `comm-run -n N` (N >= 2); prints SKIPPED and exits 0 where the
-// GPUs here cannot hold N ranks.
+// 5 s) with comm::Timeout (or RemoteError where NCCL notices), stop the communicator, and later
+// operations must fail at once. Then the survivors shrink: the new communicator has the N-1 of
+// them in their old order, made by ncclCommShrink where NCCL has ncclCommRevoke (the watchdog
+// revoked the failed communicator and kept it), and its all_reduce gives N-1. Standalone (no
+// doctest harness: its end-of-run rendezvous would wait for the dead rank). Run under
+// `comm-run -n N` (N >= 2); prints SKIPPED and exits 0 where the GPUs here cannot hold N ranks.
 #include <unistd.h>
 
 #include <chrono>
@@ -90,6 +92,34 @@ int main() {
       } catch (const comm::Error&) {
       }
       if (std::chrono::steady_clock::now() - t0 > 1s) return 1;
+      // The survivors go on without the dead rank.
+      const auto s0 = std::chrono::steady_clock::now();
+      auto s = c.shrink();
+      const double shrink_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count();
+      std::printf("rank %d: shrink: rank %d of %d, made by %s, in %.0f ms\n", rank, s.rank(), s.size(),
+                  std::string(s.backend().made_by()).c_str(), shrink_ms);
+      if (s.size() != n - 1 || s.rank() != rank) {
+        std::printf("rank %d: wrong membership after the shrink\n", rank);
+        return 1;
+      }
+#if COMM_NCCL_HAS_REVOKE
+      if (comm::nccl::runtime_version() >= comm::detail::nccl::revoke_version &&
+          comm::nccl::runtime_version() >= comm::detail::nccl::compiled_version &&
+          s.backend().made_by() != "ncclCommShrink") {
+        std::printf("rank %d: NCCL %s has ncclCommRevoke and ncclCommShrink, but the shrink made the communicator "
+                    "afresh\n",
+                    rank, comm::nccl::version_string(comm::nccl::runtime_version()).c_str());
+        return 1;
+      }
+#endif
+      if (cudaMemcpy(d, host.data(), kCount * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) return 2;
+      s.all_reduce(std::span<float>(d, kCount));
+      float last = 0;
+      if (cudaMemcpy(&last, d + kCount - 1, sizeof(float), cudaMemcpyDeviceToHost) != cudaSuccess) return 2;
+      if (last != static_cast<float>(n - 1)) {
+        std::printf("rank %d: wrong result %f after the shrink\n", rank, static_cast<double>(last));
+        return 1;
+      }
       std::fflush(stdout);
       // Leave without the harness: the dead peer will never join a final rendezvous.
       ::_exit(0);

@@ -327,7 +327,7 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
                                              settings(options, gather, options.abort_adopted),
                                              core_config(options, rank, "adopted"),
                                              comm::detail::adopted_place(rank, "adopted")),
-                std::move(kept));
+                std::move(kept), "adopted");
   }
 
   /// Moves; the moved-from object may only be destroyed or assigned.
@@ -350,6 +350,26 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
   [[nodiscard]] ncclComm_t native_handle() const { return engine_->comm(); }
   /// The communicator's first failure, or null.
   [[nodiscard]] std::exception_ptr failure() const { return engine_->failure(); }
+  /// The NCCL call that made this communicator: "ncclCommInitRankConfig" (create, from_env,
+  /// new_group, and shrink or grow where they make it afresh), "ncclCommSplit", "ncclCommShrink",
+  /// or "adopted".
+  [[nodiscard]] std::string_view made_by() const noexcept { return made_by_; }
+
+  /// The live members' new communicator (see "Fault tolerance" above; the agreement and its
+  /// errors are detail/engine/elastic.hpp's). This communicator stays failed: its pending
+  /// operations end with their error before this returns.
+  [[nodiscard]] Nccl shrink() {
+    // The old communicator is held intact through the agreement, for ncclCommShrink; whatever
+    // happens, the hold ends when this returns (the watchdog then aborts it).
+    if (engine_) engine_->hold_next_retire();
+    struct EndRetire {
+      comm::detail::nccl::Engine* e;
+      ~EndRetire() {
+        if (e != nullptr) e->end_retire();
+      }
+    } end{engine_.get()};
+    return comm::detail::Elastic<Nccl>::shrink();
+  }
 
   /// Blocks the host until every operation issued so far completed on the device (bounded by the
   /// timeout); throws the communicator's failure if it has one.
@@ -413,7 +433,7 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
     auto s = settings(o, gather_algorithm(), /*may_abort=*/true);
     return Nccl(std::make_unique<dn::Engine>(child, true, rank, size, device(), std::nullopt, std::move(s), core,
                                              std::move(place)),
-                std::move(o));
+                std::move(o), "ncclCommSplit");
   }
 
   /// A communicator of `ranks` (validated by the facade: in range, no duplicates), ranked in that
@@ -438,8 +458,89 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
   friend class comm::detail::BackendDiagnostics<Nccl>;  // monitored_barrier, flight_record, options
   friend class comm::detail::Elastic<Nccl>;             // shrink, grow: create(), options_
 
-  Nccl(std::unique_ptr<comm::detail::nccl::Engine> e, Options o) noexcept
-      : engine_(std::move(e)), options_(std::move(o)) {}
+  Nccl(std::unique_ptr<comm::detail::nccl::Engine> e, Options o,
+       const char* made_by = "ncclCommInitRankConfig") noexcept
+      : engine_(std::move(e)), options_(std::move(o)), made_by_(made_by) {}
+
+  /// Elastic<Nccl>::shrink's last step, once the members agreed on `members` (old ranks, in
+  /// order; this rank is `rank` of `size` among them) with `store` for the new communicator's keys:
+  /// ncclCommShrink of this communicator where every member can (NCCL >= 2.27 compiled and
+  /// loaded, its communicator intact, at least one rank left out), else create() afresh. The
+  /// members choose together through `store`, so they never take different paths. This
+  /// communicator's pending operations have failed when it returns.
+  [[nodiscard]] Nccl shrink_from_members(const std::vector<int>& members, std::shared_ptr<Store> store, int rank,
+                                         int size, std::chrono::steady_clock::time_point retired_by) {
+    namespace dn = comm::detail::nccl;
+    constexpr const char* op = "shrink";
+    auto& e = *engine_;
+    std::vector<int> exclude;
+    for (int r = 0, i = 0; r < e.size(); ++r) {
+      if (i < static_cast<int>(members.size()) && members[static_cast<std::size_t>(i)] == r)
+        ++i;
+      else
+        exclude.push_back(r);
+    }
+    const bool mine = !exclude.empty() && e.can_shrink_natively();
+    bool all = mine;
+    try {
+      // Each member's "can": one set, then one multi_get of every member's (bounded by the timeout).
+      store->set("nccl_shrink/" + std::to_string(rank), std::string_view(mine ? "1" : "0"));
+      std::vector<std::string> keys;
+      for (int r = 0; r < size; ++r) keys.push_back("nccl_shrink/" + std::to_string(r));
+      for (const auto& v : store->multi_get(keys, options_.timeout)) all = all && v.size() == 1 && v[0] == '1';
+    } catch (const Error& err) {
+      throw Timeout(op, rank,
+                    std::string("the members did not all say how to make the new communicator within ") +
+                        std::to_string(options_.timeout.count()) + " ms (a member died during the shrink?): " +
+                        err.what());
+    }
+    if (!all) {
+      e.end_retire();  // the watchdog aborts the old communicator and fails its operations
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(retired_by - std::chrono::steady_clock::now());
+      if (!e.wait_retired(std::max(left, std::chrono::milliseconds(0))))
+        comm::detail::log(comm::detail::LogLevel::warn,
+                          "nccl: shrink on rank " + std::to_string(e.rank()) +
+                              ": an operation of the old communicator still runs (it ends by its own deadline)");
+      return create(std::move(store), rank, size, options_);
+    }
+    // Its store place first (the membership check, its key prefix), as create() does.
+    const auto core = core_config(options_, options_.record_file_rank, options_.record_name);
+    comm::detail::CommPlace place = comm::detail::join_store(std::move(store), rank, size, core, "nccl");
+    int flag = 0;
+    ncclComm_t child = nullptr;
+    try {
+      child = e.shrink_comm(exclude, init_config(options_), flag);
+    } catch (...) {
+      e.end_retire();
+      throw;
+    }
+    // NCCL stopped the old communicator's kernels: its operations may now report their failure.
+    e.end_retire();
+    (void)e.wait_retired(std::chrono::milliseconds(2000));
+    int new_rank = -1, new_size = 0;
+    try {
+      COMM_NCCL_CHECK(ncclCommUserRank(child, &new_rank), op, rank, child);
+      COMM_NCCL_CHECK(ncclCommCount(child, &new_size), op, rank, child);
+      if (new_rank != rank || new_size != size)
+        throw BackendError(op, rank,
+                           "ncclCommShrink made rank " + std::to_string(new_rank) + " of " + std::to_string(new_size) +
+                               ", the members agreed on rank " + std::to_string(rank) + " of " + std::to_string(size));
+      if (options_.stream) dn::check_stream_device(*options_.stream, device(), op, rank);
+    } catch (...) {
+      dn::abort_comm(child, device());
+      throw;
+    }
+    auto s = settings(options_, gather_algorithm(), /*may_abort=*/true);
+    s.may_keep = true;
+    auto engine = std::make_unique<dn::Engine>(child, true, rank, size, device(), options_.stream, std::move(s), core,
+                                               std::move(place));
+    comm::detail::log(comm::detail::LogLevel::info,
+                      "nccl: shrink through ncclCommShrink (" +
+                          std::string(flag == 0 ? "NCCL_SHRINK_DEFAULT" : "NCCL_SHRINK_ABORT") + "): rank " +
+                          std::to_string(rank) + " of " + std::to_string(size) + ", without " +
+                          comm::detail::elastic::named(exclude) + " of the old communicator");
+    return Nccl(std::move(engine), options_, "ncclCommShrink");
+  }
 
   /// What a new_group inherits from its parent communicator.
   struct Parent {
@@ -476,8 +577,10 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
       throw;
     }
     const std::string what = place.name.empty() ? std::string() : " (" + place.name + ")";
-    auto engine = std::make_unique<dn::Engine>(comm, true, rank, size, device, options.stream,
-                                               settings(options, gather, /*may_abort=*/true), core, std::move(place));
+    auto s = settings(options, gather, /*may_abort=*/true);
+    s.may_keep = parent == nullptr;  // a root: kept (revoked) after a failure, for ncclCommShrink
+    auto engine = std::make_unique<dn::Engine>(comm, true, rank, size, device, options.stream, std::move(s), core,
+                                               std::move(place));
     comm::detail::log(comm::detail::LogLevel::info,
                       "nccl: rank " + std::to_string(rank) + " of " + std::to_string(size) + what + " on device " +
                           std::to_string(device) + ", NCCL " + dn::version_string(dn::runtime_version()) +
@@ -524,6 +627,7 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
 
   std::unique_ptr<comm::detail::nccl::Engine> engine_;
   Options options_;
+  const char* made_by_ = "ncclCommInitRankConfig";  // see made_by()
 };
 
 static_assert(comm::backend<Nccl>);
