@@ -30,6 +30,14 @@ struct CoreProbe : comm::detail::CommCore {
 // Fault tolerance is the shared layer's (detail/engine/elastic.hpp) on NCCL too.
 static_assert(comm::supports_shrink<comm::backends::Nccl> && comm::supports_grow<comm::backends::Nccl> &&
               comm::supports_revoke<comm::backends::Nccl> && comm::supports_close_joins<comm::backends::Nccl>);
+// shrink() goes through ncclCommShrink exactly where nccl.h has it (2.27+), and the watchdog can keep
+// a failed communicator for it where nccl.h has ncclCommRevoke (the NCCL here: 2.28.9, both).
+static_assert(COMM_NCCL_HAS_SHRINK == (NCCL_VERSION_CODE >= 22700 ? 1 : 0));
+#if defined(NCCL_REVOKE_DEFAULT)
+static_assert(COMM_NCCL_HAS_REVOKE == COMM_NCCL_HAS_SHRINK);
+#else
+static_assert(COMM_NCCL_HAS_REVOKE == 0);
+#endif
 
 TEST_CASE("create(): ranks started with different world sizes fail the membership check, before NCCL") {
   const auto& w = comm::test::world();

@@ -16,7 +16,8 @@
 ///    the head of the stream, not that a thread began it.
 /// 2. A watchdog thread, not the calling thread, sees completion, NCCL's asynchronous errors and the
 ///    deadline. The first failure aborts the NCCL communicator (ncclCommAbort; an adopted one only
-///    with `abort_adopted`) where a host engine closes its transport, then every pending Work fails.
+///    with `abort_adopted`; a root one is revoked and kept where NCCL can, see "Fault tolerance")
+///    where a host engine closes its transport, then every pending Work fails.
 ///    The error keeps NCCL's or CUDA's native code (`nccl_result_of`, `cuda_error_of`).
 /// 3. The liveness watch starts with the communicator (host engines: at the first operation). A
 ///    peer's death it reports is this communicator's failure (RemoteError naming the peer) and
@@ -134,7 +135,8 @@
 /// ncclCommGetAsyncError, and fails any operation still running `options.timeout` after it was
 /// issued (NCCL reports nothing when a peer on the same host dies; on a TcpStore, the liveness
 /// watch reports a dead peer within COMM_LIVENESS_SILENCE and fails the communicator at once). On the first failure it
-/// aborts the communicator (ncclCommAbort) and fails every pending Work — comm::Timeout,
+/// aborts the communicator (ncclCommAbort; a root one is revoked and kept where NCCL can, for a
+/// later shrink) and fails every pending Work — comm::Timeout,
 /// comm::RemoteError (ncclRemoteError) or comm::BackendError, naming the operation and the rank;
 /// later operations fail at once with the first cause. NCCL and CUDA failures keep their native
 /// code (`comm::nccl::nccl_result_of(e)`, `comm::nccl::cuda_error_of(e)`) and NCCL's text.
@@ -142,11 +144,38 @@
 /// destroys an owned communicator.
 ///
 /// ### Fault tolerance (shrink, grow, revoke; detail/engine/elastic.hpp)
-/// The members agree through the store as on the host backends, then make the new communicator
-/// afresh among themselves with `create()` (ncclCommInitRankConfig over the shrink's keys), not
-/// with ncclCommShrink: after a failure the watchdog has aborted the NCCL communicator, which
-/// ncclCommShrink could no longer read. `revoke()` fails the watchdog's pending operations on every
-/// member through the liveness watch. Built and type-checked here; it has not run on a GPU yet.
+/// The members agree on who is alive through the store, as on the host backends; then:
+/// - **shrink() through ncclCommShrink** (compiled and loaded NCCL >= 2.27): when the agreement
+///   leaves at least one rank out (NCCL refuses an empty exclude list) and every member still has
+///   its old NCCL communicator intact, each member calls ncclCommShrink on it with the same exclude
+///   list (the ranks the agreement left out), non-blocking and polled to the timeout like split()
+///   (past it, or on NCCL's error, both the old and the half-made communicator are aborted and the
+///   error thrown; calling shrink() again then makes it afresh). The flag is NCCL_SHRINK_ABORT when
+///   operations may still run on the old communicator (pending ones when shrink() was called: NCCL
+///   stops its kernels first), NCCL_SHRINK_DEFAULT when it is quiet (none pending, or revoked, see
+///   below). The members decide together through the store (one key each), so either all call
+///   ncclCommShrink or all make the communicator afresh. `backend().made_by()` says which.
+/// - **Otherwise afresh**: `create()` over the shrink's keys (ncclCommInitRankConfig), as before:
+///   NCCL < 2.27, nobody left out, or some member's old communicator was aborted.
+/// - **Keeping the old communicator for ncclCommShrink.** The watchdog must stop a failed
+///   communicator's kernels before it fails the pending Work (the caller may free their buffers
+///   then), and ncclCommAbort frees the communicator. So: (a) shrink() holds its own failure of the
+///   old communicator (later operations fail at once; the pending ones wait) until ncclCommShrink
+///   has stopped its kernels (NCCL_SHRINK_ABORT), or until it chose create(); then the watchdog
+///   aborts it (ncclCommAbort: it is never used again) and fails the pending operations, before
+///   shrink() returns. (b) A failure seen before shrink() (a deadline, NCCL's error, a peer's death,
+///   revoke()) on a root communicator where NCCL has ncclCommRevoke (2.28+): the watchdog revokes
+///   it (kernels stopped, the handle kept, `native_handle()` stays non-null) and waits up to 5 s
+///   for NCCL to report it quiescent, then fails the pending operations; if revoking fails or does
+///   not settle, or on NCCL 2.27, it aborts as before and the shrink makes the communicator
+///   afresh. Destruction aborts a kept communicator. A grace period before the abort was not
+///   chosen: the Work must not report failure while kernels may still write its buffers.
+/// - **grow()** makes the grown communicator afresh with `create()` on every NCCL (ncclCommGrow,
+///   NCCL 2.29+, is not used: the NCCL here is 2.28, so that path could not even be compiled).
+/// - `revoke()` fails the watchdog's pending operations on every member through the liveness watch.
+/// Built and type-checked against NCCL 2.28.9, and the CPU parts tested (the watchdog's hold);
+/// neither ncclCommShrink nor ncclCommRevoke has run on a GPU yet (tests/nccl/peer_death_test.cpp
+/// and the shrink cases of groups_test.cpp check them where a GPU is lent).
 ///
 /// ### Subgroups
 /// - `split(color, key)`: ncclCommSplit, a collective over every rank of this communicator (an
@@ -346,7 +375,8 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
   /// The gather path in use (native or p2p).
   [[nodiscard]] comm::nccl::GatherAlgorithm gather_algorithm() const noexcept { return engine_->gather_algorithm(); }
   /// The NCCL communicator, for direct NCCL calls on `stream()` (null once aborted after a
-  /// failure). Do not call NCCL on it concurrently with this communicator's operations.
+  /// failure; a failed root communicator may instead stay revoked, see "Fault tolerance"). Do not
+  /// call NCCL on it concurrently with this communicator's operations.
   [[nodiscard]] ncclComm_t native_handle() const { return engine_->comm(); }
   /// The communicator's first failure, or null.
   [[nodiscard]] std::exception_ptr failure() const { return engine_->failure(); }
