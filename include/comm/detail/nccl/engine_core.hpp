@@ -143,6 +143,7 @@ class NcclCore : public WatchTarget, public CommCore {
   /// watch ends them sooner), stops the watch and the watchdog, then finalizes and destroys an
   /// owned communicator (aborting it if that does not finish in time).
   ~NcclCore() override {
+    retiring_.store(true, std::memory_order_release);  // never used again: a failure now aborts, never revokes
     (void)watchdog_.wait_idle(Clock::now() + timeout() + std::chrono::seconds(5));
     stop_liveness();  // before the watchdog: the watch calls into it
     watchdog_.stop();
