@@ -178,9 +178,8 @@ class Elastic {
                         "part, or took it for dead)");
     Lineage next{lin.base, lin.room, lin.epoch + 1, static_cast<std::uint64_t>(grows), 0};
     // A policy that makes the new communicator from the old one (NCCL: ncclCommShrink) does it here.
-    if constexpr (requires(Policy& p, std::shared_ptr<Store> s) {
-                    p.shrink_from_members(members, s, 0, 1, retired_by);
-                  }) {
+    if constexpr (requires(Policy& p, const std::vector<int>& m, std::shared_ptr<Store> s,
+                           std::chrono::steady_clock::time_point t) { p.shrink_from_members(m, s, 0, 1, t); }) {
       Policy p = self().shrink_from_members(members, std::make_shared<PrefixStore>(k + "comm", lin.base),
                                             static_cast<int>(pos - members.begin()), static_cast<int>(members.size()),
                                             retired_by);
