@@ -511,19 +511,7 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
         exclude.push_back(r);
     }
     const bool mine = !exclude.empty() && e.can_shrink_natively();
-    bool all = mine;
-    try {
-      // Each member's "can": one set, then one multi_get of every member's (bounded by the timeout).
-      store->set("nccl_shrink/" + std::to_string(rank), std::string_view(mine ? "1" : "0"));
-      std::vector<std::string> keys;
-      for (int r = 0; r < size; ++r) keys.push_back("nccl_shrink/" + std::to_string(r));
-      for (const auto& v : store->multi_get(keys, options_.timeout)) all = all && v.size() == 1 && v[0] == '1';
-    } catch (const Error& err) {
-      throw Timeout(op, rank,
-                    std::string("the members did not all say how to make the new communicator within ") +
-                        std::to_string(options_.timeout.count()) + " ms (a member died during the shrink?): " +
-                        err.what());
-    }
+    const bool all = dn::agree_all(*store, rank, size, mine, options_.timeout);
     if (!all) {
       e.end_retire();  // the watchdog aborts the old communicator and fails its operations
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(retired_by - std::chrono::steady_clock::now());
