@@ -168,8 +168,16 @@ int main(int argc, char** argv) {
       }
       if (std::chrono::steady_clock::now() - t0 > 1s) return 1;
       // The survivors go on without the dead rank (the watchdog revoked the failed communicator
-      // and kept it where NCCL can: ncclCommShrink with NCCL_SHRINK_DEFAULT).
-      if (const int r = shrink_and_check(c, n, rank, d, host, kRevokeNeeds); r != 0) return r;
+      // and kept it where NCCL can: ncclCommShrink with NCCL_SHRINK_DEFAULT). Where NCCL itself
+      // reported the death (an asynchronous error), the revoked communicator does not become
+      // quiescent, the watchdog aborts it, and the shrink makes the new one afresh.
+      int needs = kRevokeNeeds;
+      try {
+        if (const auto first = c.backend().failure()) std::rethrow_exception(first);
+      } catch (const comm::Error& f) {
+        if (comm::nccl::nccl_result_of(f)) needs = 0;
+      }
+      if (const int r = shrink_and_check(c, n, rank, d, host, needs); r != 0) return r;
       std::fflush(stdout);
       // Leave without the harness: the dead peer will never join a final rendezvous.
       ::_exit(0);

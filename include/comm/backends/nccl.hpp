@@ -150,7 +150,10 @@
 ///   its old NCCL communicator intact, each member calls ncclCommShrink on it with the same exclude
 ///   list (the ranks the agreement left out), non-blocking and polled to the timeout like split()
 ///   (past it, or on NCCL's error, both the old and the half-made communicator are aborted and the
-///   error thrown; calling shrink() again then makes it afresh). The flag is NCCL_SHRINK_ABORT when
+///   error thrown; calling shrink() again then makes it afresh). Known gap: the progress is read
+///   from the old communicator's ncclCommGetAsyncError, as for split(), so an old communicator on
+///   which NCCL had already reported an asynchronous error while shrink() held it fails the
+///   shrink this way (and the second shrink() makes it afresh). The flag is NCCL_SHRINK_ABORT when
 ///   operations may still run on the old communicator (pending ones when shrink() was called: NCCL
 ///   stops its kernels first), NCCL_SHRINK_DEFAULT when it is quiet (none pending, or revoked, see
 ///   below). The members decide together through the store (one key each), so either all call
