@@ -372,6 +372,82 @@ TEST_CASE("desync check: matched operations pass; a mismatch throws DesyncError 
   CHECK(sum_and_count(*g, 1.0f)[0] == static_cast<float>(n));
 }
 
+// ---- shrink (backends/nccl.hpp, "Fault tolerance"). A rank is left out only when it died, which
+// a doctest case cannot survive: tests/nccl/peer_death_test.cpp runs ncclCommShrink itself. Here
+// every rank is alive, so the members keep everyone and make the new communicator afresh
+// (ncclCommShrink needs at least one rank to leave out), through each way the old one can end.
+
+namespace {
+
+/// The new communicator after a shrink that kept everyone: same ranks, working collectives.
+void check_everyone_kept(Comm& s, int rank, int size) {
+  CHECK(s.size() == size);
+  CHECK(s.rank() == rank);
+  CHECK(s.backend().made_by() == "ncclCommInitRankConfig");
+  use_device(s);
+  const auto got = sum_and_count(s, static_cast<float>(rank + 1));
+  CHECK(got[0] == static_cast<float>(size * (size + 1) / 2));
+  CHECK(got[1] == static_cast<float>(size));
+}
+
+/// Sleeps on the host for 300 ms, queued on a stream: what comes after it on the device waits.
+void CUDART_CB slow_host_step(void*) { std::this_thread::sleep_for(300ms); }
+
+}  // namespace
+
+TEST_CASE("shrink: everyone alive keeps everyone; the old communicator stays failed") {
+  NCCL_REQUIRE_GPU();
+  auto c = make_comm();
+  use_device(c);
+  const int r = c.rank(), n = c.size();
+  CHECK(c.backend().made_by() == "ncclCommInitRankConfig");
+  CHECK(sum_and_count(c, 1.0f)[0] == static_cast<float>(n));
+  auto s = c.shrink();
+  check_everyone_kept(s, r, n);
+  DeviceBuffer<float> d(std::vector<float>{1.0f});
+  CHECK_THROWS_AS(c.all_reduce(d.span()), comm::RemoteError);
+  // The shrunk communicator shrinks again (its lineage goes on).
+  auto s2 = s.shrink();
+  check_everyone_kept(s2, r, n);
+}
+
+TEST_CASE("shrink after revoke: the watchdog ended the old communicator first; the new one works") {
+  NCCL_REQUIRE_GPU();
+  auto c = make_comm();
+  use_device(c);
+  const int r = c.rank(), n = c.size();
+  CHECK(sum_and_count(c, 1.0f)[0] == static_cast<float>(n));
+  comm::test::barrier();  // every rank is done with the all_reduce before anyone revokes
+  c.revoke("test");
+  DeviceBuffer<float> d(std::vector<float>{1.0f});
+  CHECK_THROWS_AS(c.all_reduce(d.span()), comm::RemoteError);
+  auto s = c.shrink();
+  check_everyone_kept(s, r, n);
+}
+
+TEST_CASE("shrink with an operation still queued: it fails with the shrink's error before shrink returns") {
+  NCCL_REQUIRE_GPU();
+  auto c = make_comm();
+  use_device(c);
+  const int r = c.rank(), n = c.size();
+  cudaStream_t st = nullptr;
+  NCCL_TEST_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  DeviceBuffer<float> d(std::vector<float>{1.0f});
+  comm::Work w;
+  {
+    comm::nccl::StreamGuard g(st);
+    NCCL_TEST_CUDA(cudaLaunchHostFunc(st, slow_host_step, nullptr));
+    w = c.all_reduce(d.span(), comm::async);  // ordered after the host step: still queued
+  }
+  CHECK_FALSE(w.is_completed());
+  auto s = c.shrink();
+  CHECK(w.is_completed());  // failed by the watchdog once the old communicator's kernels were stopped
+  CHECK_THROWS_AS(w.synchronize(), comm::RemoteError);
+  check_everyone_kept(s, r, n);
+  NCCL_TEST_CUDA(cudaStreamSynchronize(st));
+  NCCL_TEST_CUDA(cudaStreamDestroy(st));
+}
+
 // Last: it aborts communicators on purpose.
 TEST_CASE("flight record: dumped automatically when the watchdog ends a stuck operation") {
   NCCL_REQUIRE_GPU();

@@ -1,9 +1,14 @@
 // A peer that exits mid-loop on NCCL: NCCL itself reports nothing when a peer on the same host dies
 // (the kernels wait), so the watchdog must end the survivors' operations by the deadline (here
-// 5 s) with comm::Timeout (or RemoteError where NCCL notices), abort the communicator, and later
-// operations must fail at once. Standalone (no doctest harness: its end-of-run rendezvous would
-// wait for the dead rank). Run under `comm-run -n N` (N >= 2); prints SKIPPED and exits 0 where the
-// GPUs here cannot hold N ranks.
+// 5 s) with comm::Timeout (or RemoteError where NCCL notices), stop the communicator, and later
+// operations must fail at once. Then the survivors shrink: the new communicator has the N-1 of
+// them in their old order, made by ncclCommShrink where NCCL has ncclCommRevoke (the watchdog
+// revoked the failed communicator and kept it), and its all_reduce gives N-1. Standalone (no
+// doctest harness: its end-of-run rendezvous would wait for the dead rank). Run under
+// `comm-run -n N` (N >= 2); prints SKIPPED and exits 0 where the GPUs here cannot hold N ranks.
+// With --shrink-pending the survivors do not wait for the error: right after the death they issue
+// an all_reduce (which cannot complete) and call shrink() at once, so the old communicator still
+// runs it: ncclCommShrink with NCCL_SHRINK_ABORT stops it, and its Work fails with RemoteError.
 #include <unistd.h>
 
 #include <chrono>
@@ -20,7 +25,49 @@
 using Comm = comm::Communicator<comm::backends::Nccl>;
 using namespace std::chrono_literals;
 
-int main() {
+namespace {
+
+/// What ncclCommShrink needs after a failure the watchdog saw first: ncclCommRevoke (else the
+/// communicator was aborted and the shrink makes it afresh); 0: nothing to require.
+constexpr int kRevokeNeeds = COMM_NCCL_HAS_REVOKE ? comm::detail::nccl::revoke_version : 0;
+
+/// The survivors' shrink after the death: the N-1 survivors in their old order, made by
+/// ncclCommShrink where the NCCL loaded has what this path needs (`needs`), and an all_reduce of
+/// ones on the new communicator gives N-1. 0 when all holds.
+int shrink_and_check(Comm& c, int n, int rank, float* d, const std::vector<float>& host, int needs) {
+  const auto s0 = std::chrono::steady_clock::now();
+  auto s = c.shrink();
+  const double shrink_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count();
+  std::printf("rank %d: shrink: rank %d of %d, made by %s, in %.0f ms\n", rank, s.rank(), s.size(),
+              std::string(s.backend().made_by()).c_str(), shrink_ms);
+  if (s.size() != n - 1 || s.rank() != rank) {
+    std::printf("rank %d: wrong membership after the shrink\n", rank);
+    return 1;
+  }
+  const int v = comm::nccl::runtime_version();
+  if (COMM_NCCL_HAS_SHRINK && needs > 0 && v >= needs && v >= comm::detail::nccl::compiled_version &&
+      s.backend().made_by() != "ncclCommShrink") {
+    std::printf("rank %d: NCCL %s has what ncclCommShrink needs here, but the shrink made the communicator afresh\n",
+                rank, comm::nccl::version_string(v).c_str());
+    return 1;
+  }
+  const std::size_t count = host.size();
+  if (cudaMemcpy(d, host.data(), count * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) return 2;
+  s.all_reduce(std::span<float>(d, count));
+  float last = 0;
+  if (cudaMemcpy(&last, d + count - 1, sizeof(float), cudaMemcpyDeviceToHost) != cudaSuccess) return 2;
+  if (last != static_cast<float>(n - 1)) {
+    std::printf("rank %d: wrong result %f after the shrink\n", rank, static_cast<double>(last));
+    return 1;
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool shrink_pending = argc > 1 && std::string(argv[1]) == "--shrink-pending";
   const char* ws = std::getenv("WORLD_SIZE");
   const int n = ws ? std::atoi(ws) : 1;
   const int rank = std::getenv("RANK") ? std::atoi(std::getenv("RANK")) : 0;
@@ -60,6 +107,36 @@ int main() {
         std::fflush(stdout);
         ::_exit(0);
       }
+      if (shrink_pending) {
+        // Issued before anyone knows of the death (the liveness watch takes longer): still
+        // running when shrink() starts, which must stop it (NCCL_SHRINK_ABORT) and fail it.
+        comm::Work w;
+        int needs = comm::detail::nccl::shrink_version;
+        try {
+          w = c.all_reduce(std::span<float>(d, kCount), comm::async);
+        } catch (const comm::Error& e) {
+          std::printf("rank %d: the death was known before the all_reduce was issued (%s); the shrink takes the "
+                      "revoked communicator\n",
+                      rank, e.what());
+          needs = kRevokeNeeds;
+        }
+        if (const int r = shrink_and_check(c, n, rank, d, host, needs); r != 0) return r;
+        if (needs == comm::detail::nccl::shrink_version) {
+          if (!w.is_completed()) {
+            std::printf("rank %d: the pending all_reduce had not ended when shrink() returned\n", rank);
+            return 1;
+          }
+          try {
+            w.synchronize();
+            std::printf("rank %d: the pending all_reduce completed without its dead peer\n", rank);
+            return 1;
+          } catch (const comm::RemoteError& e) {
+            std::printf("rank %d: the pending all_reduce failed: %s\n", rank, e.what());
+          }
+        }
+        std::fflush(stdout);
+        ::_exit(0);
+      }
     }
     try {
       if (cudaMemcpy(d, host.data(), kCount * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) return 2;
@@ -90,6 +167,17 @@ int main() {
       } catch (const comm::Error&) {
       }
       if (std::chrono::steady_clock::now() - t0 > 1s) return 1;
+      // The survivors go on without the dead rank (the watchdog revoked the failed communicator
+      // and kept it where NCCL can: ncclCommShrink with NCCL_SHRINK_DEFAULT). Where NCCL itself
+      // reported the death (an asynchronous error), the revoked communicator does not become
+      // quiescent, the watchdog aborts it, and the shrink makes the new one afresh.
+      int needs = kRevokeNeeds;
+      try {
+        if (const auto first = c.backend().failure()) std::rethrow_exception(first);
+      } catch (const comm::Error& f) {
+        if (comm::nccl::nccl_result_of(f)) needs = 0;
+      }
+      if (const int r = shrink_and_check(c, n, rank, d, host, needs); r != 0) return r;
       std::fflush(stdout);
       // Leave without the harness: the dead peer will never join a final rendezvous.
       ::_exit(0);

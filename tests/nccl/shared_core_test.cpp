@@ -1,12 +1,15 @@
 // The NCCL backend on the shared communicator core (detail/engine/comm_core.hpp), what of it runs
 // without a GPU: the membership check at create() (before any device is touched, so it behaves the
 // same with and without a GPU), the core's key prefix on the store, and the core's flight-record
-// naming, failure record and peer-failure text as the NCCL engine uses them.
+// naming, failure record and peer-failure text as the NCCL engine uses them; shrink()'s path choice.
 #include "nccl_test_util.hpp"
 
 #include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include <comm/detail/engine/comm_core.hpp>
 
@@ -30,6 +33,14 @@ struct CoreProbe : comm::detail::CommCore {
 // Fault tolerance is the shared layer's (detail/engine/elastic.hpp) on NCCL too.
 static_assert(comm::supports_shrink<comm::backends::Nccl> && comm::supports_grow<comm::backends::Nccl> &&
               comm::supports_revoke<comm::backends::Nccl> && comm::supports_close_joins<comm::backends::Nccl>);
+// shrink() goes through ncclCommShrink exactly where nccl.h has it (2.27+), and the watchdog can keep
+// a failed communicator for it where nccl.h has ncclCommRevoke (the NCCL here: 2.28.9, both).
+static_assert(COMM_NCCL_HAS_SHRINK == (NCCL_VERSION_CODE >= 22700 ? 1 : 0));
+#if defined(NCCL_REVOKE_DEFAULT)
+static_assert(COMM_NCCL_HAS_REVOKE == COMM_NCCL_HAS_SHRINK);
+#else
+static_assert(COMM_NCCL_HAS_REVOKE == 0);
+#endif
 
 TEST_CASE("create(): ranks started with different world sizes fail the membership check, before NCCL") {
   const auto& w = comm::test::world();
@@ -113,4 +124,48 @@ TEST_CASE("the core under NCCL: place, dump naming, flight record, first failure
     CHECK(contains(e.what(), "unusable after an earlier failure"));
   }
   CHECK(contains(core.failure_text(), "rank 1 is dead"));
+}
+
+// shrink()'s path choice (bootstrap.hpp, agree_all): ncclCommShrink only where every member can,
+// the same answer on every member, and a member that never answers named by the deadline. Three
+// members are threads on one HashStore (no GPU needed).
+TEST_CASE("shrink's path choice: all members get the same answer; a silent member is named") {
+  namespace dn = comm::detail::nccl;
+  const auto run = [](std::vector<int> says, std::chrono::milliseconds timeout) {
+    comm::HashStore store(timeout);
+    const int n = static_cast<int>(says.size());
+    std::vector<int> got(says.size(), -1);
+    std::vector<std::string> errors(says.size());
+    std::vector<std::thread> members;
+    for (int r = 0; r < n; ++r) {
+      if (says[static_cast<std::size_t>(r)] < 0) continue;  // silent: never answers
+      members.emplace_back([&, r] {
+        try {
+          got[static_cast<std::size_t>(r)] = dn::agree_all(store, r, n, says[static_cast<std::size_t>(r)] == 1, timeout);
+        } catch (const comm::Timeout& e) {
+          errors[static_cast<std::size_t>(r)] = e.what();
+        }
+      });
+    }
+    for (auto& t : members) t.join();
+    return std::make_pair(got, errors);
+  };
+  {
+    const auto [got, errors] = run({1, 1, 1}, 5s);
+    CHECK(got == std::vector<int>{1, 1, 1});
+  }
+  {
+    const auto [got, errors] = run({1, 0, 1}, 5s);  // one member's communicator was aborted
+    CHECK(got == std::vector<int>{0, 0, 0});
+  }
+  {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto [got, errors] = run({1, 1, -1}, 300ms);
+    CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+    for (int r : {0, 1}) {
+      CHECK(got[static_cast<std::size_t>(r)] == -1);
+      CHECK(contains(errors[static_cast<std::size_t>(r)], "comm: shrink on rank " + std::to_string(r)));
+      CHECK(contains(errors[static_cast<std::size_t>(r)], "new rank(s) 2 did not say within 300 ms"));
+    }
+  }
 }

@@ -235,6 +235,52 @@ TEST_CASE("watchdog: a failure reported by the issuing thread is handled on the 
   CHECK(t.abort_thread != std::this_thread::get_id());
 }
 
+TEST_CASE("watchdog: a held failure (shrink's) fails new operations at once, the pending ones only after release") {
+  FakeTarget t;
+  dn::Watchdog wd(t, 2, fast());
+  wd.start();
+  auto a = op("all_reduce", 1);
+  comm::Work wa(a);
+  wd.track(a, dn::Clock::now() + 10s);
+  CHECK(wd.fail(std::make_exception_ptr(comm::RemoteError("shrink", 2, "the communicator was shrunk")), true));
+  CHECK_FALSE(wd.fail(std::make_exception_ptr(comm::Timeout("x", 2, "second"))));  // the first cause wins
+  CHECK(wd.failed());
+  CHECK(wd.held());
+  // A later operation fails at once; the pending one, whose kernels ncclCommShrink has not stopped
+  // yet, neither fails nor completes, and nothing is aborted.
+  auto b = op("broadcast", 2);
+  comm::Work wb(b);
+  wd.track(b, dn::Clock::now() + 10s);
+  CHECK(contains(wait_error<comm::RemoteError>(wb), "the communicator was shrunk"));
+  CHECK_FALSE(wa.wait_for(100ms));
+  CHECK_FALSE(wd.wait_idle(dn::Clock::now() + 20ms));
+  CHECK(t.aborts == 0);
+  wd.release();
+  CHECK_FALSE(wd.held());
+  CHECK(contains(wait_error<comm::RemoteError>(wa), "aborted after a failure of the communicator"));
+  CHECK(wd.wait_idle(dn::Clock::now() + 1s));
+  wd.release();  // idempotent
+  wd.stop();
+  CHECK(t.aborts == 1);
+}
+
+TEST_CASE("watchdog: stop() ends a hold: the engine is aborted and the pending operations fail") {
+  FakeTarget t;
+  auto a = op("all_gather", 1);
+  comm::Work wa(a);
+  {
+    dn::Watchdog wd(t, 0, fast());
+    wd.start();
+    wd.track(a, dn::Clock::now() + 10s);
+    CHECK(wd.fail(std::make_exception_ptr(comm::RemoteError("shrink", 0, "shrunk")), true));
+    std::this_thread::sleep_for(20ms);
+    CHECK(t.aborts == 0);
+  }
+  CHECK(t.aborts == 1);
+  CHECK(wa.is_completed());
+  CHECK_THROWS_AS(wa.wait(), comm::RemoteError);
+}
+
 TEST_CASE("watchdog: stop() without a thread still aborts after a recorded failure") {
   FakeTarget t;
   dn::Watchdog wd(t, 0, fast());

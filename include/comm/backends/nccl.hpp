@@ -16,7 +16,8 @@
 ///    the head of the stream, not that a thread began it.
 /// 2. A watchdog thread, not the calling thread, sees completion, NCCL's asynchronous errors and the
 ///    deadline. The first failure aborts the NCCL communicator (ncclCommAbort; an adopted one only
-///    with `abort_adopted`) where a host engine closes its transport, then every pending Work fails.
+///    with `abort_adopted`; a root one is revoked and kept where NCCL can, see "Fault tolerance")
+///    where a host engine closes its transport, then every pending Work fails.
 ///    The error keeps NCCL's or CUDA's native code (`nccl_result_of`, `cuda_error_of`).
 /// 3. The liveness watch starts with the communicator (host engines: at the first operation). A
 ///    peer's death it reports is this communicator's failure (RemoteError naming the peer) and
@@ -134,7 +135,8 @@
 /// ncclCommGetAsyncError, and fails any operation still running `options.timeout` after it was
 /// issued (NCCL reports nothing when a peer on the same host dies; on a TcpStore, the liveness
 /// watch reports a dead peer within COMM_LIVENESS_SILENCE and fails the communicator at once). On the first failure it
-/// aborts the communicator (ncclCommAbort) and fails every pending Work — comm::Timeout,
+/// aborts the communicator (ncclCommAbort; a root one is revoked and kept where NCCL can, for a
+/// later shrink) and fails every pending Work — comm::Timeout,
 /// comm::RemoteError (ncclRemoteError) or comm::BackendError, naming the operation and the rank;
 /// later operations fail at once with the first cause. NCCL and CUDA failures keep their native
 /// code (`comm::nccl::nccl_result_of(e)`, `comm::nccl::cuda_error_of(e)`) and NCCL's text.
@@ -142,11 +144,41 @@
 /// destroys an owned communicator.
 ///
 /// ### Fault tolerance (shrink, grow, revoke; detail/engine/elastic.hpp)
-/// The members agree through the store as on the host backends, then make the new communicator
-/// afresh among themselves with `create()` (ncclCommInitRankConfig over the shrink's keys), not
-/// with ncclCommShrink: after a failure the watchdog has aborted the NCCL communicator, which
-/// ncclCommShrink could no longer read. `revoke()` fails the watchdog's pending operations on every
-/// member through the liveness watch. Built and type-checked here; it has not run on a GPU yet.
+/// The members agree on who is alive through the store, as on the host backends; then:
+/// - **shrink() through ncclCommShrink** (compiled and loaded NCCL >= 2.27): when the agreement
+///   leaves at least one rank out (NCCL refuses an empty exclude list) and every member still has
+///   its old NCCL communicator intact, each member calls ncclCommShrink on it with the same exclude
+///   list (the ranks the agreement left out), non-blocking and polled to the timeout like split()
+///   (past it, or on NCCL's error, both the old and the half-made communicator are aborted and the
+///   error thrown; calling shrink() again then makes it afresh). Known gap: the progress is read
+///   from the old communicator's ncclCommGetAsyncError, as for split(), so an old communicator on
+///   which NCCL had already reported an asynchronous error while shrink() held it fails the
+///   shrink this way (and the second shrink() makes it afresh). The flag is NCCL_SHRINK_ABORT when
+///   operations may still run on the old communicator (pending ones when shrink() was called: NCCL
+///   stops its kernels first), NCCL_SHRINK_DEFAULT when it is quiet (none pending, or revoked, see
+///   below). The members decide together through the store (one key each), so either all call
+///   ncclCommShrink or all make the communicator afresh. `backend().made_by()` says which.
+/// - **Otherwise afresh**: `create()` over the shrink's keys (ncclCommInitRankConfig), as before:
+///   NCCL < 2.27, nobody left out, or some member's old communicator was aborted.
+/// - **Keeping the old communicator for ncclCommShrink.** The watchdog must stop a failed
+///   communicator's kernels before it fails the pending Work (the caller may free their buffers
+///   then), and ncclCommAbort frees the communicator. So: (a) shrink() holds its own failure of the
+///   old communicator (later operations fail at once; the pending ones wait) until ncclCommShrink
+///   has stopped its kernels (NCCL_SHRINK_ABORT), or until it chose create(); then the watchdog
+///   aborts it (ncclCommAbort: it is never used again) and fails the pending operations, before
+///   shrink() returns. (b) A failure seen before shrink() (a deadline, NCCL's error, a peer's death,
+///   revoke()) on a root communicator where NCCL has ncclCommRevoke (2.28+): the watchdog revokes
+///   it (kernels stopped, the handle kept, `native_handle()` stays non-null) and waits up to 5 s
+///   for NCCL to report it quiescent, then fails the pending operations; if revoking fails or does
+///   not settle, or on NCCL 2.27, it aborts as before and the shrink makes the communicator
+///   afresh. Destruction aborts a kept communicator. A grace period before the abort was not
+///   chosen: the Work must not report failure while kernels may still write its buffers.
+/// - **grow()** makes the grown communicator afresh with `create()` on every NCCL (ncclCommGrow,
+///   NCCL 2.29+, is not used: the NCCL here is 2.28, so that path could not even be compiled).
+/// - `revoke()` fails the watchdog's pending operations on every member through the liveness watch.
+/// Built and type-checked against NCCL 2.28.9, and the CPU parts tested (the watchdog's hold);
+/// neither ncclCommShrink nor ncclCommRevoke has run on a GPU yet (tests/nccl/peer_death_test.cpp
+/// and the shrink cases of groups_test.cpp check them where a GPU is lent).
 ///
 /// ### Subgroups
 /// - `split(color, key)`: ncclCommSplit, a collective over every rank of this communicator (an
@@ -327,7 +359,7 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
                                              settings(options, gather, options.abort_adopted),
                                              core_config(options, rank, "adopted"),
                                              comm::detail::adopted_place(rank, "adopted")),
-                std::move(kept));
+                std::move(kept), "adopted");
   }
 
   /// Moves; the moved-from object may only be destroyed or assigned.
@@ -346,10 +378,31 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
   /// The gather path in use (native or p2p).
   [[nodiscard]] comm::nccl::GatherAlgorithm gather_algorithm() const noexcept { return engine_->gather_algorithm(); }
   /// The NCCL communicator, for direct NCCL calls on `stream()` (null once aborted after a
-  /// failure). Do not call NCCL on it concurrently with this communicator's operations.
+  /// failure; a failed root communicator may instead stay revoked, see "Fault tolerance"). Do not
+  /// call NCCL on it concurrently with this communicator's operations.
   [[nodiscard]] ncclComm_t native_handle() const { return engine_->comm(); }
   /// The communicator's first failure, or null.
   [[nodiscard]] std::exception_ptr failure() const { return engine_->failure(); }
+  /// The NCCL call that made this communicator: "ncclCommInitRankConfig" (create, from_env,
+  /// new_group, and shrink or grow where they make it afresh), "ncclCommSplit", "ncclCommShrink",
+  /// or "adopted".
+  [[nodiscard]] std::string_view made_by() const noexcept { return made_by_; }
+
+  /// The live members' new communicator (see "Fault tolerance" above; the agreement and its
+  /// errors are detail/engine/elastic.hpp's). This communicator stays failed: its pending
+  /// operations end with their error before this returns.
+  [[nodiscard]] Nccl shrink() {
+    // The old communicator is held intact through the agreement, for ncclCommShrink; whatever
+    // happens, the hold ends when this returns (the watchdog then aborts it).
+    if (engine_) engine_->hold_next_retire();
+    struct EndRetire {
+      comm::detail::nccl::Engine* e;
+      ~EndRetire() {
+        if (e != nullptr) e->end_retire();
+      }
+    } end{engine_.get()};
+    return comm::detail::Elastic<Nccl>::shrink();
+  }
 
   /// Blocks the host until every operation issued so far completed on the device (bounded by the
   /// timeout); throws the communicator's failure if it has one.
@@ -413,7 +466,7 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
     auto s = settings(o, gather_algorithm(), /*may_abort=*/true);
     return Nccl(std::make_unique<dn::Engine>(child, true, rank, size, device(), std::nullopt, std::move(s), core,
                                              std::move(place)),
-                std::move(o));
+                std::move(o), "ncclCommSplit");
   }
 
   /// A communicator of `ranks` (validated by the facade: in range, no duplicates), ranked in that
@@ -438,8 +491,77 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
   friend class comm::detail::BackendDiagnostics<Nccl>;  // monitored_barrier, flight_record, options
   friend class comm::detail::Elastic<Nccl>;             // shrink, grow: create(), options_
 
-  Nccl(std::unique_ptr<comm::detail::nccl::Engine> e, Options o) noexcept
-      : engine_(std::move(e)), options_(std::move(o)) {}
+  Nccl(std::unique_ptr<comm::detail::nccl::Engine> e, Options o,
+       const char* made_by = "ncclCommInitRankConfig") noexcept
+      : engine_(std::move(e)), options_(std::move(o)), made_by_(made_by) {}
+
+  /// Elastic<Nccl>::shrink's last step, once the members agreed on `members` (old ranks, in
+  /// order; this rank is `rank` of `size` among them) with `store` for the new communicator's keys:
+  /// ncclCommShrink of this communicator where every member can (NCCL >= 2.27 compiled and
+  /// loaded, its communicator intact, at least one rank left out), else create() afresh. The
+  /// members choose together through `store`, so they never take different paths. This
+  /// communicator's pending operations have failed when it returns.
+  [[nodiscard]] Nccl shrink_from_members(const std::vector<int>& members, std::shared_ptr<Store> store, int rank,
+                                         int size, std::chrono::steady_clock::time_point retired_by) {
+    namespace dn = comm::detail::nccl;
+    constexpr const char* op = "shrink";
+    auto& e = *engine_;
+    std::vector<int> exclude;
+    for (int r = 0, i = 0; r < e.size(); ++r) {
+      if (i < static_cast<int>(members.size()) && members[static_cast<std::size_t>(i)] == r)
+        ++i;
+      else
+        exclude.push_back(r);
+    }
+    const bool mine = !exclude.empty() && e.can_shrink_natively();
+    const bool all = dn::agree_all(*store, rank, size, mine, options_.timeout);
+    if (!all) {
+      e.end_retire();  // the watchdog aborts the old communicator and fails its operations
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(retired_by - std::chrono::steady_clock::now());
+      if (!e.wait_retired(std::max(left, std::chrono::milliseconds(0))))
+        comm::detail::log(comm::detail::LogLevel::warn,
+                          "nccl: shrink on rank " + std::to_string(e.rank()) +
+                              ": an operation of the old communicator still runs (it ends by its own deadline)");
+      return create(std::move(store), rank, size, options_);
+    }
+    // Its store place first (the membership check, its key prefix), as create() does.
+    const auto core = core_config(options_, options_.record_file_rank, options_.record_name);
+    comm::detail::CommPlace place = comm::detail::join_store(std::move(store), rank, size, core, "nccl");
+    int flag = 0;
+    ncclComm_t child = nullptr;
+    try {
+      child = e.shrink_comm(exclude, init_config(options_), flag);
+    } catch (...) {
+      e.end_retire();
+      throw;
+    }
+    // NCCL stopped the old communicator's kernels: its operations may now report their failure.
+    e.end_retire();
+    (void)e.wait_retired(std::chrono::milliseconds(2000));
+    int new_rank = -1, new_size = 0;
+    try {
+      COMM_NCCL_CHECK(ncclCommUserRank(child, &new_rank), op, rank, child);
+      COMM_NCCL_CHECK(ncclCommCount(child, &new_size), op, rank, child);
+      if (new_rank != rank || new_size != size)
+        throw BackendError(op, rank,
+                           "ncclCommShrink made rank " + std::to_string(new_rank) + " of " + std::to_string(new_size) +
+                               ", the members agreed on rank " + std::to_string(rank) + " of " + std::to_string(size));
+      if (options_.stream) dn::check_stream_device(*options_.stream, device(), op, rank);
+    } catch (...) {
+      dn::abort_comm(child, device());
+      throw;
+    }
+    auto s = settings(options_, gather_algorithm(), /*may_abort=*/true);
+    s.may_keep = true;
+    auto engine = std::make_unique<dn::Engine>(child, true, rank, size, device(), options_.stream, std::move(s), core,
+                                               std::move(place));
+    comm::detail::log(comm::detail::LogLevel::info,
+                      "nccl: shrink through ncclCommShrink (" +
+                          std::string(flag == 0 ? "NCCL_SHRINK_DEFAULT" : "NCCL_SHRINK_ABORT") + "): rank " +
+                          std::to_string(rank) + " of " + std::to_string(size) + ", without " +
+                          comm::detail::elastic::named(exclude) + " of the old communicator");
+    return Nccl(std::move(engine), options_, "ncclCommShrink");
+  }
 
   /// What a new_group inherits from its parent communicator.
   struct Parent {
@@ -476,8 +598,10 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
       throw;
     }
     const std::string what = place.name.empty() ? std::string() : " (" + place.name + ")";
-    auto engine = std::make_unique<dn::Engine>(comm, true, rank, size, device, options.stream,
-                                               settings(options, gather, /*may_abort=*/true), core, std::move(place));
+    auto s = settings(options, gather, /*may_abort=*/true);
+    s.may_keep = parent == nullptr;  // a root: kept (revoked) after a failure, for ncclCommShrink
+    auto engine = std::make_unique<dn::Engine>(comm, true, rank, size, device, options.stream, std::move(s), core,
+                                               std::move(place));
     comm::detail::log(comm::detail::LogLevel::info,
                       "nccl: rank " + std::to_string(rank) + " of " + std::to_string(size) + what + " on device " +
                           std::to_string(device) + ", NCCL " + dn::version_string(dn::runtime_version()) +
@@ -524,6 +648,7 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
 
   std::unique_ptr<comm::detail::nccl::Engine> engine_;
   Options options_;
+  const char* made_by_ = "ncclCommInitRankConfig";  // see made_by()
 };
 
 static_assert(comm::backend<Nccl>);

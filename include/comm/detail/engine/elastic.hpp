@@ -176,13 +176,23 @@ class Elastic {
       throw RemoteError("shrink", me,
                         "the other members formed the new communicator without this rank (they agreed before it took "
                         "part, or took it for dead)");
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(retired_by - std::chrono::steady_clock::now());
-    if (!e.wait_retired(std::max(left, std::chrono::milliseconds(0))))
-      log(LogLevel::warn, "comm: shrink on rank " + std::to_string(me) +
-                              ": an operation of the old communicator still runs (it ends by its own deadline)");
     Lineage next{lin.base, lin.room, lin.epoch + 1, static_cast<std::uint64_t>(grows), 0};
-    return connect(std::make_shared<PrefixStore>(k + "comm", lin.base), static_cast<int>(pos - members.begin()),
-                   static_cast<int>(members.size()), self().options_, std::move(next));
+    // A policy that makes the new communicator from the old one (NCCL: ncclCommShrink) does it here.
+    if constexpr (requires(Policy& p, const std::vector<int>& m, std::shared_ptr<Store> s,
+                           std::chrono::steady_clock::time_point t) { p.shrink_from_members(m, s, 0, 1, t); }) {
+      Policy p = self().shrink_from_members(members, std::make_shared<PrefixStore>(k + "comm", lin.base),
+                                            static_cast<int>(pos - members.begin()), static_cast<int>(members.size()),
+                                            retired_by);
+      p.engine_->continue_lineage(std::move(next));
+      return p;
+    } else {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(retired_by - std::chrono::steady_clock::now());
+      if (!e.wait_retired(std::max(left, std::chrono::milliseconds(0))))
+        log(LogLevel::warn, "comm: shrink on rank " + std::to_string(me) +
+                                ": an operation of the old communicator still runs (it ends by its own deadline)");
+      return connect(std::make_shared<PrefixStore>(k + "comm", lin.base), static_cast<int>(pos - members.begin()),
+                     static_cast<int>(members.size()), self().options_, std::move(next));
+    }
   }
 
   /// The members and every process waiting to join (see the file comment). With nobody waiting

@@ -25,11 +25,14 @@
 // goes into the flight recorder: queued when issued, started when it reaches the head of the
 // stream (the watchdog saw its predecessors complete), completed or failed as the watchdog sees it.
 // A failure (the watchdog's verdict, or a peer's death seen by the liveness watch) is recorded in
-// the core, aborts the NCCL communicator (when the engine may) and fails every pending operation.
+// the core, stops the NCCL communicator's kernels (ncclCommAbort when the engine may; a root
+// communicator where NCCL has ncclCommRevoke is revoked and kept for ncclCommShrink instead) and
+// then fails every pending operation.
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -42,6 +45,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/comm_core.hpp>
@@ -69,6 +73,10 @@ struct Settings {
   GatherAlgorithm gather = GatherAlgorithm::p2p;  ///< native or p2p (never automatic)
   bool check_pointers = true;
   bool may_abort = true;  ///< the watchdog may ncclCommAbort the communicator after a failure
+  /// After a failure the watchdog stops the kernels with ncclCommRevoke and keeps the communicator
+  /// (where NCCL has it), as the parent of a later ncclCommShrink; root communicators only (they
+  /// alone can shrink). Off, or where revoking fails or does not settle: ncclCommAbort.
+  bool may_keep = false;
   WatchdogTiming timing{};
 };
 
@@ -135,6 +143,7 @@ class NcclCore : public WatchTarget, public CommCore {
   /// watch ends them sooner), stops the watch and the watchdog, then finalizes and destroys an
   /// owned communicator (aborting it if that does not finish in time).
   ~NcclCore() override {
+    retiring_.store(true, std::memory_order_release);  // never used again: a failure now aborts, never revokes
     (void)watchdog_.wait_idle(Clock::now() + timeout() + std::chrono::seconds(5));
     stop_liveness();  // before the watchdog: the watch calls into it
     watchdog_.stop();
@@ -147,7 +156,8 @@ class NcclCore : public WatchTarget, public CommCore {
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
   [[nodiscard]] GatherAlgorithm gather_algorithm() const noexcept { return settings_.gather; }
   [[nodiscard]] bool owns_comm() const noexcept { return owns_comm_; }
-  /// The NCCL communicator (null once the watchdog aborted it).
+  /// The NCCL communicator (null once aborted; after a failure a revoked one may stay, see
+  /// Settings::may_keep).
   [[nodiscard]] ncclComm_t comm() const {
     std::lock_guard lock(nccl_mu_);
     return comm_;
@@ -167,13 +177,106 @@ class NcclCore : public WatchTarget, public CommCore {
 
   // ---- shrink, grow, revoke (detail/engine/elastic.hpp), as EngineCore has them ----
 
-  /// Ends this communicator for a reconfiguration: the watchdog fails its pending operations and
-  /// aborts the NCCL communicator (the new one is made afresh among the members, see Nccl).
+  /// The next retire() holds the failure (Nccl::shrink): see retire().
+  void hold_next_retire() noexcept { hold_retire_.store(true, std::memory_order_release); }
+
+  /// Ends this communicator for a reconfiguration: later operations fail at once, the watchdog
+  /// fails the pending ones and ends the NCCL communicator (ncclCommAbort: it is not used again).
+  /// After hold_next_retire() the watchdog holds (Watchdog::fail): the communicator stays intact
+  /// for ncclCommShrink, which stops its kernels (NCCL_SHRINK_ABORT); end_retire() then lets the
+  /// watchdog abort it and fail the pending operations.
   void retire(const std::string& why) {
+    retiring_.store(true, std::memory_order_release);
+    const bool hold = hold_retire_.exchange(false, std::memory_order_acq_rel);
     if (record_failure(FailureKind::remote, why, {}))
-      watchdog_.fail(std::make_exception_ptr(RemoteError("shrink", rank(), why, {})));
+      (void)watchdog_.fail(std::make_exception_ptr(RemoteError("shrink", rank(), why, {})), hold);
+  }
+  /// Ends retire()'s hold, if any (idempotent).
+  void end_retire() {
+    hold_retire_.store(false, std::memory_order_release);
+    watchdog_.release();
   }
   [[nodiscard]] bool wait_retired(std::chrono::milliseconds grace) { return watchdog_.wait_idle(Clock::now() + grace); }
+
+  /// Whether ncclCommShrink can make a communicator from this one now: compiled and loaded NCCL
+  /// >= 2.27, an owned communicator not aborted (healthy, held by retire(), or revoked by the
+  /// watchdog after a failure).
+  [[nodiscard]] bool can_shrink_natively() const {
+#if COMM_NCCL_HAS_SHRINK
+    std::lock_guard lock(nccl_mu_);
+    return comm_ != nullptr && owns_comm_ && runtime_version() >= shrink_version &&
+           (revoked_ || !watchdog_.failed() || watchdog_.held());
+#else
+    return false;
+#endif
+  }
+
+  /// ncclCommShrink of this (retired) communicator without the ranks `exclude` (old ranks, at least
+  /// one; every remaining member passes the same list): the new communicator, which the caller
+  /// owns. NCCL_SHRINK_ABORT while operations may still run on it (pending, held by retire()): NCCL
+  /// stops its kernels first; NCCL_SHRINK_DEFAULT when it is quiet (none pending, or revoked by the
+  /// watchdog). Non-blocking, polled until the timeout; on a failure or past it this communicator
+  /// and the half-made one are aborted and the error thrown (comm::Timeout, or NCCL's). `flag`:
+  /// the flag used, for the log.
+  [[nodiscard]] ncclComm_t shrink_comm(std::vector<int> exclude, const InitConfig& config, int& flag) {
+    constexpr const char* op = "shrink";
+#if COMM_NCCL_HAS_SHRINK
+    std::lock_guard lock(nccl_mu_);
+    if (comm_ == nullptr)
+      throw BackendError(op, rank(), "the NCCL communicator was aborted before ncclCommShrink could use it");
+    if (exclude.empty())
+      throw InvalidArgument(op, rank(), "ncclCommShrink needs at least one rank to leave out");
+    DeviceGuard guard(device_, op, rank());
+    flag = !revoked_ && watchdog_.pending() > 0 ? NCCL_SHRINK_ABORT : NCCL_SHRINK_DEFAULT;
+    ncclConfig_t cfg = make_config(config);
+    op_deadline_ = Clock::now() + timeout();
+    // As in split_comm: NCCL's own thread writes the new communicator here when it ends.
+    auto* slot = new ncclComm_t(nullptr);
+    bool job_done = false;  // NCCL no longer writes *slot
+    try {
+      const ncclResult_t r =
+          ncclCommShrink(comm_, exclude.data(), static_cast<int>(exclude.size()), slot, &cfg, flag);
+      if (r != ncclSuccess && r != ncclInProgress) {
+        job_done = true;
+        throw_nccl(r, "ncclCommShrink", op, rank(), comm_);
+      }
+      wait_ready(comm_, op, "ncclCommShrink", std::chrono::microseconds(200), std::chrono::milliseconds(20),
+                 "ncclCommShrink did not complete",
+                 " (a member that did not call it, or failed); both communicators were aborted", &job_done,
+                 /*watch_failure=*/false);
+      const ncclComm_t child = *slot;
+      delete slot;
+      slot = nullptr;
+      if (child == nullptr) throw BackendError(op, rank(), "ncclCommShrink succeeded but returned no communicator");
+      try {
+        wait_ready(child, op, "ncclCommShrink", std::chrono::microseconds(100), std::chrono::milliseconds(20),
+                   "the communicator made by ncclCommShrink was not ready", "; both communicators were aborted",
+                   nullptr, /*watch_failure=*/false);
+      } catch (...) {
+        abort_comm(child, device_);
+        throw;
+      }
+      return child;
+    } catch (...) {
+      // Also stops NCCL's shrink thread and joins it (the parent's abort reaches the child).
+      (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+      job_done = true;
+      if (slot != nullptr) {
+        abort_comm(*slot, device_);
+        delete slot;
+      }
+      throw;
+    }
+#else
+    (void)exclude;
+    (void)config;
+    (void)flag;
+    throw InvalidArgument(op, rank(),
+                          "ncclCommShrink needs NCCL >= 2.27; comm was compiled against NCCL " +
+                              version_string(compiled_version));
+#endif
+  }
   void revoke(const std::string& reason) {
     const std::string why = publish_revoke(reason);
     if (record_failure(FailureKind::remote, why, "rank " + std::to_string(rank())))
@@ -271,8 +374,14 @@ class NcclCore : public WatchTarget, public CommCore {
     int prev = -1;
     const bool restore = cudaGetDevice(&prev) == cudaSuccess && prev != device_;
     if (restore) (void)cudaSetDevice(device_);
-    (void)ncclCommAbort(comm_);
-    comm_ = nullptr;
+    // A root communicator that failed (not one retired by shrink: that one is not used again) is
+    // revoked and kept, so that the shrink that usually follows can give it to ncclCommShrink.
+    if (settings_.may_keep && owns_comm_ && !retiring_.load(std::memory_order_acquire) && revoke_quietly()) {
+      revoked_ = true;
+    } else {
+      (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
     if (restore) (void)cudaSetDevice(prev);
   }
 
@@ -532,8 +641,11 @@ class NcclCore : public WatchTarget, public CommCore {
   /// NCCL finishes on its own thread): returns at ncclSuccess; throws NCCL's error (as a failure of
   /// `call`), the communicator's failure, or past op_deadline_ comm::Timeout "<late> within <t> ms
   /// <why>". `settled`, when given, becomes true once NCCL reported anything but ncclInProgress.
+  /// `watch_failure` false: the communicator's own failure does not end the wait (shrink_comm runs
+  /// on a communicator that retire() failed on purpose).
   void wait_ready(ncclComm_t comm, const char* op, const char* call, std::chrono::microseconds first,
-                  std::chrono::microseconds max, const char* late, const char* why, bool* settled = nullptr) {
+                  std::chrono::microseconds max, const char* late, const char* why, bool* settled = nullptr,
+                  bool watch_failure = true) {
     Backoff backoff(first, max);
     for (;;) {
       ncclResult_t state = ncclInProgress;
@@ -541,7 +653,7 @@ class NcclCore : public WatchTarget, public CommCore {
       if (state != ncclInProgress && settled != nullptr) *settled = true;
       if (state == ncclSuccess) return;
       if (state != ncclInProgress) throw_nccl(state, call, op, rank(), comm);
-      throw_if_failed(op);
+      if (watch_failure) throw_if_failed(op);
       if (Clock::now() >= op_deadline_)
         throw Timeout(op, rank(),
                       std::string(late) + " within " + std::to_string(timeout().count()) + " ms" + why);
@@ -571,6 +683,36 @@ class NcclCore : public WatchTarget, public CommCore {
   }
 
  private:
+  /// ncclCommRevoke (under nccl_mu_, device set): stops the communicator's kernels and keeps it;
+  /// true once NCCL reports it quiescent (ncclSuccess) within kRevokeSettle. False where NCCL has
+  /// no revoke, it fails, or it does not settle (a communicator that had an asynchronous error
+  /// keeps reporting it): the caller aborts then.
+  bool revoke_quietly() noexcept {
+#if COMM_NCCL_HAS_REVOKE
+    if (runtime_version() < revoke_version || runtime_version() < compiled_version) return false;
+    const ncclResult_t r = ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT);
+    if (r != ncclSuccess && r != ncclInProgress) return false;
+    const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout(), kRevokeSettle);
+    try {
+      Backoff backoff(std::chrono::microseconds(20), std::chrono::milliseconds(5));
+      for (;;) {
+        ncclResult_t state = ncclInProgress;
+        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) return false;
+        if (state == ncclSuccess) return true;
+        if (state != ncclInProgress || Clock::now() >= deadline) return false;
+        backoff.pause();
+      }
+    } catch (...) {
+      return false;
+    }
+#else
+    return false;
+#endif
+  }
+
+  /// How long the watchdog waits for a revoked communicator to become quiescent before it aborts it.
+  static constexpr std::chrono::milliseconds kRevokeSettle{5000};
+
   /// Frees what the engine owns. `healthy`: the communicator may be finalized (else aborted).
   void release(bool healthy) noexcept {
     int prev = -1;
@@ -604,6 +746,9 @@ class NcclCore : public WatchTarget, public CommCore {
 
   mutable std::mutex nccl_mu_;  // one thread at a time on the communicator (NCCL's rule)
   ncclComm_t comm_;
+  bool revoked_ = false;  // the watchdog revoked comm_ after a failure and kept it; under nccl_mu_
+  std::atomic<bool> retiring_{false};     // retire() ran: a failure aborts, never revokes
+  std::atomic<bool> hold_retire_{false};  // hold_next_retire()
   bool owns_comm_;
   int device_;
   Settings settings_;

@@ -30,6 +30,22 @@
 #define COMM_NCCL_HAS_GATHER 0
 #endif
 
+/// 1 when nccl.h declares ncclCommShrink (NCCL >= 2.27): shrink() makes the survivors'
+/// communicator from the old one (backends/nccl.hpp, "Fault tolerance").
+#if NCCL_VERSION_CODE >= 22700 && defined(NCCL_SHRINK_DEFAULT) && defined(NCCL_SHRINK_ABORT)
+#define COMM_NCCL_HAS_SHRINK 1
+#else
+#define COMM_NCCL_HAS_SHRINK 0
+#endif
+
+/// 1 when nccl.h declares ncclCommRevoke (NCCL_REVOKE_DEFAULT comes with it): after a failure the
+/// watchdog stops the communicator's kernels without freeing it, so that shrink() can still use it.
+#if COMM_NCCL_HAS_SHRINK && defined(NCCL_REVOKE_DEFAULT)
+#define COMM_NCCL_HAS_REVOKE 1
+#else
+#define COMM_NCCL_HAS_REVOKE 0
+#endif
+
 namespace comm::detail::nccl {
 
 // ---- versions ------------------------------------------------------------------------------
@@ -47,6 +63,10 @@ inline constexpr int compiled_version = NCCL_VERSION_CODE;
 inline constexpr int gather_version = version_code(2, 28, 0);
 inline constexpr int fp8_version = version_code(2, 24, 0);
 inline constexpr int multi_rank_gpu_version = version_code(2, 30, 0);
+inline constexpr int shrink_version = version_code(2, 27, 0);
+/// ncclCommRevoke is in nccl.h from 2.28 (its first release with it is not documented to the
+/// patch: the library loaded must be at least the one compiled against, and at least 2.28).
+inline constexpr int revoke_version = version_code(2, 28, 0);
 
 /// "2.28.9" from a version code.
 [[nodiscard]] inline std::string version_string(int code) {

@@ -195,15 +195,38 @@ class Watchdog {
   /// Records `cause` as the communicator's failure (the first one wins) and has the thread abort
   /// the engine and fail every pending operation. Safe to call from any thread, also while holding
   /// the engine's own locks: the abort runs on the watchdog thread.
-  void fail(std::exception_ptr cause) {
+  ///
+  /// `hold`: new operations fail at once, but the abort and the pending operations' failure wait
+  /// for release() (or stop()). NCCL's shrink uses it: ncclCommShrink with NCCL_SHRINK_ABORT needs
+  /// the old communicator alive, and stops its kernels itself; only then may the operations report
+  /// failure (their buffers may be freed then). Returns whether this call recorded the failure.
+  bool fail(std::exception_ptr cause, bool hold = false) {
     {
       std::lock_guard lock(mu_);
-      if (failure_) return;
+      if (failure_) return false;
       failure_ = std::move(cause);
       culprit_ = kNoCulprit;
+      held_ = hold;
       failed_flag_.store(true, std::memory_order_release);
     }
     cv_.notify_all();
+    return true;
+  }
+
+  /// Ends a hold (fail(cause, true)): the thread now aborts and fails the pending operations.
+  void release() {
+    {
+      std::lock_guard lock(mu_);
+      if (!held_) return;
+      held_ = false;
+    }
+    cv_.notify_all();
+  }
+
+  /// Whether a failure is recorded and held (see fail()).
+  [[nodiscard]] bool held() const {
+    std::lock_guard lock(mu_);
+    return held_;
   }
 
   /// Blocks until no operation is pending (all completed, or failed after an abort) or `deadline`;
@@ -219,8 +242,8 @@ class Watchdog {
     return pending_.size();
   }
 
-  /// Stops the thread. A failure recorded but not yet handled is handled here (abort, fail the
-  /// pending operations); operations still running are left as they are.
+  /// Stops the thread. A failure recorded but not yet handled (held or not) is handled here
+  /// (abort, fail the pending operations); operations still running are left as they are.
   void stop() noexcept {
     {
       std::lock_guard lock(mu_);
@@ -229,6 +252,7 @@ class Watchdog {
     cv_.notify_all();
     if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
     std::unique_lock lock(mu_);
+    held_ = false;
     if (failure_ && !aborted_) handle_failure(lock);
   }
 
@@ -245,6 +269,10 @@ class Watchdog {
     auto backoff = timing_.min_backoff;
     while (!stopping_) {
       if (failure_) {
+        if (held_) {  // until release() or stop()
+          cv_.wait(lock, [&] { return !held_ || stopping_; });
+          continue;
+        }
         if (!aborted_) handle_failure(lock);
         cv_.wait(lock, [&] { return stopping_; });
         break;
@@ -367,6 +395,7 @@ class Watchdog {
   std::uint64_t culprit_ = kNoCulprit;
   std::atomic<bool> failed_flag_{false};
   bool aborted_ = false;
+  bool held_ = false;  // fail(cause, true) until release()
   bool stopping_ = false;
   std::thread thread_;
 };
