@@ -31,8 +31,10 @@ struct PeerSystem {
   std::function<bool(Op)> supports;
 };
 
+/// Returns the wrong elements counted over every op and size (summed over ranks; 0 unchecked), so
+/// that a peer exits 1 on a wrong result as `comm-bench -c 1` does.
 template <class T>
-void run_peer(const Options& o, int rank, int n, const CrossRank& x, const PeerSystem<T>& s) {
+long run_peer(const Options& o, int rank, int n, const CrossRank& x, const PeerSystem<T>& s) {
   const auto redop = parse_redop(o.redop);
   if (!redop) throw std::invalid_argument("unknown --redop '" + o.redop + "'");
   for (Op op : o.ops) {
@@ -40,6 +42,7 @@ void run_peer(const Options& o, int rank, int n, const CrossRank& x, const PeerS
       throw std::invalid_argument(s.name + " has no " + std::string(to_string(op)) +
                                   (in_place(o, op) ? " in place" : "") + " (comm-bench has)");
   }
+  long wrong = 0;
   for (Op op : o.ops) {
     const auto sizes = sizes_for(o, op);
     const bool inplace = in_place(o, op);
@@ -60,9 +63,10 @@ void run_peer(const Options& o, int rank, int n, const CrossRank& x, const PeerS
       c[0].verify = [&] { return verify_view(v, op, *redop, l, rank, n, o.root); };
       const Measured m = measure(o, c, x);
       if (s.after_size) s.after_size();
-      report(o, rank, n, op, std::string(dtype_name<T>()), inplace, l, m, {s.name, algo, "", ""});
+      wrong += report(o, rank, n, op, std::string(dtype_name<T>()), inplace, l, m, {s.name, algo, "", ""});
     }
   }
+  return wrong;
 }
 
 /// A peer's command line: comm-bench's options plus `--system NAME` (the rows' "system"). Returns

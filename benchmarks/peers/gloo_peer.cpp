@@ -37,7 +37,7 @@ Examples:
 )";
 
 template <class T>
-void run_dtype(const Options& o, RawGloo<T>& g, const CrossRank& x, const std::string& system) {
+long run_dtype(const Options& o, RawGloo<T>& g, const CrossRank& x, const std::string& system) {
   const auto redop = parse_redop(o.redop).value_or(comm::ReduceOp::sum);  // run_peer rejects a bad name
   PeerSystem<T> s;
   s.name = system;
@@ -61,7 +61,7 @@ void run_dtype(const Options& o, RawGloo<T>& g, const CrossRank& x, const std::s
   };
   s.after_size = [&g] { g.clear_persistent(); };
   s.supports = [&o](Op op) { return !(op == Op::scatter && in_place(o, op)); };  // gloo: no scatter in place
-  run_peer(o, g.rank(), g.size(), x, s);
+  return run_peer(o, g.rank(), g.size(), x, s);
 }
 
 }  // namespace
@@ -79,11 +79,12 @@ int main(int argc, char** argv) {
     RawGloo<double> reducer(ctx, timeout);
     x.max = [&](std::span<double> v) { reducer.all_reduce(v.data(), v.data(), v.size(), comm::ReduceOp::max, "ring"); };
     x.sum = [&](std::span<double> v) { reducer.all_reduce(v.data(), v.data(), v.size(), comm::ReduceOp::sum, "ring"); };
+    long wrong = 0;
     bool known = with_dtype(o.dtype, [&](auto t) {
       using T = decltype(t);
       if constexpr (raw_supported_v<T>) {
         RawGloo<T> g(ctx, timeout);
-        run_dtype<T>(o, g, x, system);
+        wrong = run_dtype<T>(o, g, x, system);
       } else {
         throw std::invalid_argument("gloo has no " + std::string(dtype_name<T>()) + " type");
       }
@@ -91,6 +92,10 @@ int main(int argc, char** argv) {
     if (!known) throw std::invalid_argument("unknown --dtype '" + o.dtype + "'");
     report_peak_rss(o, init.rank, init.size, x, system);
     reducer.barrier();
+    if (wrong > 0) {
+      if (init.rank == 0) std::fprintf(stderr, "comm-bench-gloo-peer: %ld wrong elements\n", wrong);
+      return 1;
+    }
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "comm-bench-gloo-peer: %s\n", e.what());
     return 2;

@@ -77,7 +77,7 @@ void check(int rc, const char* what) {
 }
 
 template <class T>
-void run_dtype(const Options& o, int rank, int n, const CrossRank& x, const std::string& system) {
+long run_dtype(const Options& o, int rank, int n, const CrossRank& x, const std::string& system) {
   const MPI_Datatype dt = mpi_type<T>();
   if (dt == MPI_DATATYPE_NULL) throw std::invalid_argument("MPI has no " + std::string(dtype_name<T>()) + " type");
   const auto redop = parse_redop(o.redop).value_or(comm::ReduceOp::sum);  // run_peer rejects a bad name
@@ -158,7 +158,7 @@ void run_dtype(const Options& o, int rank, int n, const CrossRank& x, const std:
     }
     return {};
   };
-  run_peer(o, rank, n, x, s);
+  return run_peer(o, rank, n, x, s);
 }
 
 }  // namespace
@@ -187,9 +187,16 @@ int main(int argc, char** argv) {
       check(MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD),
             "MPI_Allreduce");
     };
-    const bool known = with_dtype(o.dtype, [&](auto t) { run_dtype<decltype(t)>(o, rank, n, x, system); });
+    long wrong = 0;
+    const bool known = with_dtype(o.dtype, [&](auto t) { wrong = run_dtype<decltype(t)>(o, rank, n, x, system); });
     if (!known) throw std::invalid_argument("unknown --dtype '" + o.dtype + "'");
     report_peak_rss(o, rank, n, x, system);
+    // Every rank holds the same sum: all exit 1 together (MPI_Abort would cut the output short).
+    if (wrong > 0) {
+      if (rank == 0) std::fprintf(stderr, "comm-bench-mpi-peer: %ld wrong elements\n", wrong);
+      MPI_Finalize();
+      return 1;
+    }
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "comm-bench-mpi-peer: %s\n", e.what());
     rc = 2;

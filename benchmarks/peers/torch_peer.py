@@ -8,10 +8,23 @@ over ranks; the reported time is the median over iterations. Launched like comm-
     comm-run -n 2 --no-agent-store /usr/bin/python3 benchmarks/peers/torch_peer.py --op all_reduce --json
 
 (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the launcher; torch's rank 0
-hosts its own store on MASTER_PORT, so comm-run must not host comm's there: --no-agent-store). Needs Debian's
-python3-torch (1.13), whose gloo process group has no reduce_scatter: that op is timed as the usual
-workaround, all_reduce of the whole buffer then a copy of this rank's block (algo
-"all_reduce+copy").
+hosts its own store on MASTER_PORT, so comm-run must not host comm's there: --no-agent-store).
+
+Every op of comm-bench (--op all), on Debian's python3-torch 1.13, whose gloo process group lacks
+some of them; where it does, the row's "algo" names what is timed instead:
+  reduce_scatter  no reduce_scatter in gloo: all_reduce of the whole buffer, then a copy of this
+                  rank's block ("all_reduce+copy"), the usual workaround;
+  all_to_all      no all_to_all of tensor lists in gloo ("ProcessGroup gloo does not support
+                  alltoall"): all_to_all_single, gloo's alltoall ("all_to_all_single");
+  all_to_all_v    all_to_all_single with input/output split sizes, gloo's alltoallv;
+  reduce          in place only: out of place (comm-bench's default) copies the input into the
+                  output first ("copy+reduce"), as all_reduce out of place does;
+  scatter         out of place only (its output is its own tensor): --inplace is refused;
+  send_recv       dist.send/dist.recv ping-pong between ranks (0,1), (2,3)..., one way (half the
+                  round trip), as comm-bench;
+  barrier         dist.barrier, once, at size 0.
+With -c 1 every rank verifies its result against comm-bench's inputs (benchmarks/common/data.hpp);
+the row's "wrong" is the sum over ranks.
 """
 
 import argparse
@@ -26,7 +39,10 @@ import torch
 import torch.distributed as dist
 
 SCHEMA = "comm-bench/1"
-OPS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "gather"]
+OPS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "gather", "reduce", "scatter", "all_to_all",
+       "all_to_all_v", "send_recv", "barrier"]
+REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
+ROOTED = ("broadcast", "gather", "reduce", "scatter")
 DTYPES = {
     "float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16,
     "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64,
@@ -61,7 +77,9 @@ def size_list(a):
 
 def layout(op, nbytes, elem, n):
     """Same rules as benchmarks/common/bench.hpp: `bytes` is the whole buffer (nccl-tests)."""
-    if op in ("all_reduce", "broadcast"):
+    if op == "barrier":
+        return {"block": 0, "count": 0, "bytes": 0}
+    if op in ("all_reduce", "broadcast", "reduce", "send_recv"):
         block = max(1, nbytes // elem)
         count = block
     else:
@@ -71,10 +89,19 @@ def layout(op, nbytes, elem, n):
 
 
 def bus_factor(op, n):
+    if op == "barrier":
+        return 0.0
+    if op in ("broadcast", "reduce", "send_recv"):
+        return 1.0
     if n <= 1:
-        return 1.0 if op == "broadcast" else 0.0
+        return 0.0
     f = (n - 1) / n
-    return {"all_reduce": 2 * f, "broadcast": 1.0}.get(op, f)
+    return 2 * f if op == "all_reduce" else f
+
+
+def a2av_count(frm, to, block):
+    """Elements rank `frm` sends to rank `to` in all_to_all_v (bench.hpp's a2av_count)."""
+    return block + block // 2 if (frm + to) % 2 else block - block // 2
 
 
 def input_values(reduction, rank, first, count):
@@ -109,6 +136,27 @@ def wrong(got, want):
     return int((got.to(torch.float64) != want).sum().item())
 
 
+def default_inplace(a, op):
+    """comm-bench's rule (cli.hpp in_place): all_reduce in place unless told; never the ops whose buffers
+    may not alias."""
+    if op in ("all_to_all", "all_to_all_v", "send_recv", "barrier"):
+        return False
+    return a.placement == "in" if a.placement else op == "all_reduce"
+
+
+def algo_of(op, inplace):
+    """What the row times where torch's call is not the op itself."""
+    if op == "reduce_scatter":
+        return "all_reduce+copy"
+    if op == "all_to_all":
+        return "all_to_all_single"
+    if op == "all_to_all_v":
+        return "all_to_all_single(splits)"
+    if op == "reduce" and not inplace:
+        return "copy+reduce"
+    return ""
+
+
 class Case:
     """One op at one size: buffers (views into preallocated ones), call, fill, verify."""
 
@@ -116,10 +164,11 @@ class Case:
         self.a, self.op, self.l, self.rank, self.n, self.dtype = a, op, l, rank, n, dtype
         b, c = l["block"], l["count"]
         self.root = a.root
-        self.redop = REDOPS.get(a.redop) if op in ("all_reduce", "reduce_scatter") else None
-        inplace = a.placement == "in" if a.placement else op == "all_reduce"
+        self.redop = REDOPS.get(a.redop) if op in ("all_reduce", "reduce_scatter", "reduce") else None
+        inplace = default_inplace(a, op)
         self.inplace = inplace
-        if op == "all_reduce":
+        self.peer = -1
+        if op == "all_reduce" or op == "reduce":
             self.out = bufs["out"][:c]
             self.inp = self.out if inplace else bufs["in"][:c]
         elif op == "reduce_scatter":
@@ -132,10 +181,29 @@ class Case:
             self.outs = list(self.out.split(b))
         elif op == "broadcast":
             self.inp = self.out = bufs["out"][:c]
-        else:  # gather
+        elif op == "gather":
             self.inp = bufs["in"][:b]
             self.out = bufs["out"][: b * n]
             self.outs = list(self.out.split(b)) if rank == self.root else None
+        elif op == "scatter":
+            # Only the root's input exists (comm-bench's view: in_n is 0 off the root).
+            self.inp = bufs["in"][: b * n] if rank == self.root else bufs["in"][:0]
+            self.out = bufs["out"][:b]
+            self.ins = list(self.inp.split(b)) if rank == self.root else None
+        elif op == "all_to_all":
+            self.inp = bufs["in"][:c]
+            self.out = bufs["out"][:c]
+        elif op == "all_to_all_v":
+            self.in_counts = [a2av_count(rank, p, b) for p in range(n)]
+            self.out_counts = [a2av_count(p, rank, b) for p in range(n)]
+            self.inp = bufs["in"][: sum(self.in_counts)]
+            self.out = bufs["out"][: sum(self.out_counts)]
+        elif op == "send_recv":
+            self.inp = bufs["in"][:c]
+            self.out = bufs["out"][:c]
+            self.peer = rank ^ 1 if (rank ^ 1) < n else -1
+        else:  # barrier
+            self.inp = self.out = None
 
     def call(self):
         op = self.op
@@ -152,28 +220,68 @@ class Case:
             dist.all_gather(self.outs, self.inp)
         elif op == "broadcast":
             dist.broadcast(self.out, src=self.root)
-        else:
+        elif op == "gather":
             dist.gather(self.inp, gather_list=self.outs, dst=self.root)
+        elif op == "reduce":
+            if self.inp is not self.out:
+                self.out.copy_(self.inp)  # torch's reduce is in place only
+            dist.reduce(self.out, dst=self.root, op=self.redop)
+        elif op == "scatter":
+            dist.scatter(self.out, scatter_list=self.ins, src=self.root)
+        elif op == "all_to_all":
+            # torch 1.13's gloo group has no all_to_all of tensor lists; all_to_all_single is its form.
+            dist.all_to_all_single(self.out, self.inp)
+        elif op == "all_to_all_v":
+            dist.all_to_all_single(self.out, self.inp, output_split_sizes=self.out_counts,
+                                   input_split_sizes=self.in_counts)
+        elif op == "send_recv":
+            if self.peer < 0:
+                return
+            if self.rank < self.peer:
+                dist.send(self.inp, self.peer)
+                dist.recv(self.out, self.peer)
+            else:
+                dist.recv(self.out, self.peer)
+                dist.send(self.inp, self.peer)
+        else:
+            dist.barrier()
 
     def fill(self):
-        red = self.op in ("all_reduce", "reduce_scatter")
-        if self.op in ("all_gather", "gather") or (self.inp is not self.out and self.op != "reduce_scatter"):
-            self.out.zero_()
-        if self.op == "reduce_scatter" and not self.inplace:
+        if self.op == "barrier":
+            return
+        red = self.op in ("all_reduce", "reduce_scatter", "reduce")
+        overlap = self.inp is self.out or (self.op in ("reduce_scatter", "all_gather") and self.inplace)
+        if not overlap or self.op == "all_gather":
             self.out.zero_()
         self.inp.copy_(input_values(red, self.rank, 0, self.inp.numel()).to(self.dtype))
 
     def verify(self):
-        op, l, n = self.op, self.l, self.n
+        op, l, n, rank = self.op, self.l, self.n, self.rank
+        b = l["block"]
+        if op == "barrier":
+            return 0
         if op == "all_reduce":
             return wrong(self.out, expected_reduction(self.a.redop, n, 0, l["count"]))
         if op == "reduce_scatter":
-            return wrong(self.out, expected_reduction(self.a.redop, n, self.rank * l["block"], l["block"]))
+            return wrong(self.out, expected_reduction(self.a.redop, n, rank * b, b))
+        if op == "reduce":
+            return wrong(self.out, expected_reduction(self.a.redop, n, 0, l["count"])) if rank == self.root else 0
         if op == "broadcast":
             return wrong(self.out, input_values(False, self.root, 0, l["count"]))
-        if op == "gather" and self.rank != self.root:
+        if op == "scatter":
+            return wrong(self.out, input_values(False, self.root, rank * b, b))
+        if op == "all_to_all":
+            return wrong(self.out, torch.cat([input_values(False, q, rank * b, b) for q in range(n)]))
+        if op == "all_to_all_v":
+            # Block q came from rank q, which packed this rank's share at the prefix sum of its counts.
+            want = torch.cat([input_values(False, q, sum(a2av_count(q, p, b) for p in range(rank)),
+                                           a2av_count(q, rank, b)) for q in range(n)])
+            return wrong(self.out, want)
+        if op == "send_recv":
+            return wrong(self.out, input_values(False, self.peer, 0, l["count"])) if self.peer >= 0 else 0
+        if op == "gather" and rank != self.root:
             return 0
-        want = torch.cat([input_values(False, q, 0, l["block"]) for q in range(n)])
+        want = torch.cat([input_values(False, q, 0, b) for q in range(n)])
         return wrong(self.out, want)
 
 
@@ -246,7 +354,9 @@ def main():
     ops = OPS if a.op == "all" else a.op.split(",")
     for op in ops:
         if op not in OPS:
-            sys.exit(f"torch_peer: unknown op '{op}' ({'|'.join(OPS)}; comm-bench has the other ops)")
+            sys.exit(f"torch_peer: unknown op '{op}' ({'|'.join(OPS)}, a comma list, or all)")
+        if op == "scatter" and default_inplace(a, op):
+            sys.exit("torch_peer: torch's scatter has no in-place form (its output is its own tensor)")
     if a.dtype not in DTYPES:
         sys.exit(f"torch_peer: dtype '{a.dtype}' is not available in torch {torch.__version__}")
     if a.redop not in REDOPS:
@@ -258,14 +368,20 @@ def main():
     rank, n = dist.get_rank(), dist.get_world_size()
     sizes = size_list(a)
 
+    total_wrong = 0
     for op in ops:
-        ls = [layout(op, s, elem, n) for s in sizes]
+        # A barrier moves no data: it runs once, at size 0 (cli.hpp sizes_for).
+        ls = [layout(op, s, elem, n) for s in ([0] if op == "barrier" else sizes)]
         # Only the buffers this op and placement use (as benchmarks/common/views.hpp).
-        inplace = a.placement == "in" if a.placement else op == "all_reduce"
-        in_used = op in ("reduce_scatter", "gather") or (op in ("all_reduce", "all_gather") and not inplace)
-        out_used = not (op == "reduce_scatter" and inplace)
-        in_cap = max(l["count"] if op in ("all_reduce", "reduce_scatter") else l["block"] for l in ls)
-        out_cap = max(l["count"] for l in ls)
+        inplace = default_inplace(a, op)
+        in_used = op in ("reduce_scatter", "gather", "scatter", "all_to_all", "all_to_all_v", "send_recv") or (
+            op in ("all_reduce", "all_gather", "reduce") and not inplace)
+        out_used = op != "barrier" and not (op == "reduce_scatter" and inplace)
+        if op == "all_to_all_v":  # room for the largest row or column of counts (bench.hpp)
+            in_cap = out_cap = max((l["block"] + l["block"] // 2) * n for l in ls)
+        else:
+            in_cap = max(l["block"] if op in ("all_gather", "gather") else l["count"] for l in ls)
+            out_cap = max(l["count"] for l in ls)
         bufs = {"in": torch.zeros(in_cap if in_used else 0, dtype=dtype),
                 "out": torch.zeros(out_cap if out_used else 0, dtype=dtype)}
         if rank == 0 and not a.json:
@@ -274,25 +390,29 @@ def main():
         for l in ls:
             case = Case(a, op, l, bufs, rank, n, dtype)
             iters, t, wrong_count = measure(a, case)
+            if op != "barrier":
+                total_wrong += max(0, wrong_count)
+            if op == "send_recv":
+                t = [x / 2 for x in t]  # a round trip timed: the row is one way, as osu_latency
             med = statistics.median(t)
             algbw = l["bytes"] / (med * 1e3) if med > 0 else 0.0
             row = {
                 "schema": SCHEMA, "kind": "result", "system": a.system,
-                "algo": "all_reduce+copy" if op == "reduce_scatter" else "",
-                "op": op, "dtype": a.dtype, "redop": a.redop if op in ("all_reduce", "reduce_scatter") else "none",
-                "root": a.root if op in ("broadcast", "gather") else -1, "world": n,
+                "algo": algo_of(op, case.inplace),
+                "op": op, "dtype": a.dtype, "redop": a.redop if op in REDUCTIONS else "none",
+                "root": a.root if op in ROOTED else -1, "world": n,
                 "placement": "in" if case.inplace else "out",
                 "bytes": l["bytes"], "count": l["count"], "block": l["block"], "iters": iters,
                 "time_us": round(med, 3), "mean_us": round(statistics.fmean(t), 3), "min_us": round(min(t), 3),
                 "max_us": round(max(t), 3), "algbw_gbs": round(algbw, 6),
                 "busbw_gbs": round(algbw * bus_factor(op, n), 6),
-                "wrong": wrong_count if wrong_count >= 0 else None,
+                "wrong": wrong_count if wrong_count >= 0 and op != "barrier" else None,
             }
             if rank == 0:
                 if a.json:
                     print(json.dumps(row, separators=(",", ":")), flush=True)
                 else:
-                    w = "N/A" if wrong_count < 0 else str(wrong_count)
+                    w = "N/A" if wrong_count < 0 or op == "barrier" else str(wrong_count)
                     print(f"  {l['bytes']:>12} {l['count']:>12} {a.dtype:>9} {med:>10.2f} {algbw:>8.3f} "
                           f"{row['busbw_gbs']:>8.3f} {w:>7}", flush=True)
     rss = [0.0] * n
@@ -303,6 +423,10 @@ def main():
                           "peak_rss_kb": [int(x) for x in rss]}, separators=(",", ":")), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    if total_wrong:  # every rank holds the same sum, as comm-bench -c 1 exits 1
+        if rank == 0:
+            print(f"torch_peer: {total_wrong} wrong elements", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
