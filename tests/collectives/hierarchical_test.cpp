@@ -180,8 +180,8 @@ TEST_CASE("the cross-node all_reduce forms at 3 and 4 nodes (gather, reduce_scat
   const auto& w = comm::test::world();
   if (w.size != 4) return;
   // Uniform nodes of one rank (every all_reduce is the cross-node step), and 3 nodes of different
-  // sizes (the leaders' step). "" is the automatic choice: gather for the small counts, rsag from
-  // 4097 (padded to whole blocks), the member's all_reduce for the largest.
+  // sizes (the leaders' step). "" is the automatic choice: the member's all_reduce up to 4097
+  // elements, rsag (padded to whole blocks) for 90001. Forced forms run at every count.
   const std::vector<Layout> layouts{{"4 nodes of 1", {0, 1, 2, 3}, 4, true}, {"3 nodes, 2+1+1", {0, 0, 1, 2}, 3, false}};
   for (const auto& l : layouts) {
     for (const char* form : {"", "gather", "rsag", "member"}) {

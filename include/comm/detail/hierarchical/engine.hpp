@@ -13,13 +13,14 @@
 //   all_reduce, small: intra all_reduce, then every inter group all-reduces the whole node sum (one
 //     step fewer; the same bits on every rank, as every group reduces the same node sums).
 //   The cross-node all_reduce of those steps (B bytes per rank) is picked by B and M (cross_for):
-//     at 2 nodes the member's all_reduce (Gloo: one exchange, B each way: nothing less exists);
-//     from 3 nodes, while (M-1) B is small, an inter all_gather and a local reduction in node
-//     order (one message latency at any M, (M-1) B each way); else, while a node's block B/M is a
-//     message Gloo sends directly (kCrossBlockMax), an inter reduce_scatter then an inter
-//     all_gather ("rsag": two latencies at any M and 2(M-1)/M B each way, the least an all_reduce
-//     can move, where recursive doubling sends log2(M) B in log2(M) steps, two more when M is not
-//     a power of two, and a ring takes 2(M-1) steps); above, the member's all_reduce (its ring).
+//     the member's all_reduce (Gloo: one exchange at 2 nodes, B each way, nothing less exists;
+//     recursive doubling up to 256 KiB, log2(M) steps, two more when M is not a power of two;
+//     a ring above) except, from 3 nodes, from kCrossRsagMin while a node's block B/M is a message
+//     Gloo sends directly (kCrossBlockMax): an inter reduce_scatter then an inter all_gather
+//     ("rsag": two latencies at any M and 2(M-1)/M B each way, the least an all_reduce can move,
+//     where doubling sends log2(M) B, 2 B at 3 and 4 nodes). Small buffers stay on doubling: an
+//     inter all_gather and a local reduction ("gather", one latency at any M) measured slower on
+//     this project's 2-core machine (M(M-1) messages against doubling's M log2(M); RESULTS.md).
 //     COMM_HIERARCHICAL_CROSS=member|gather|rsag forces one form (measurements; the same on every
 //     rank).
 //   reduce_scatter: the input reordered so that local rank l's share holds the blocks of the ranks
@@ -317,8 +318,7 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   [[nodiscard]] Cross cross_for(std::size_t bytes) const noexcept {
     if (cross_ != Cross::automatic) return cross_;
     const auto k = static_cast<std::size_t>(num_nodes());
-    if (k <= 2) return Cross::member;
-    if ((k - 1) * bytes <= kCrossGatherMax) return Cross::gather;
+    if (k <= 2 || bytes < kCrossRsagMin) return Cross::member;
     if ((bytes + k - 1) / k <= kCrossBlockMax) return Cross::rsag;
     return Cross::member;
   }
@@ -447,7 +447,7 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     const std::size_t e = r.elem_size;
     const std::size_t wanted = std::clamp<std::size_t>(n * e / segment_, 1, kSegmentsMax);
     // The form of every segment's cross-node step, from the full segments' size; rsag or the
-    // member's all_reduce (a segment is never small enough for the gather form).
+    // member's all_reduce (gather, when forced, is the member's here: segments are large).
     const Cross c = [&] {
       const Cross f = cross_for(((n + wanted - 1) / wanted + l - 1) / l * e);
       return f == Cross::gather ? Cross::member : f;
@@ -665,10 +665,11 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   // The pipelined all_reduce: at most this many segments (more hide more of the on-node steps,
   // each costs three member operations).
   static constexpr std::size_t kSegmentsMax = 8;
-  // The cross-node all_reduce's forms from 3 nodes (cross_for): the gather form while the (K-1)
-  // buffers a rank receives stay this small, rsag while a node's block is at most this (Gloo
-  // sends such messages directly, one latency per step: detail/gloo/checked.hpp's kCheckedMax).
-  static constexpr std::size_t kCrossGatherMax = std::size_t{16} << 10;
+  // The cross-node all_reduce's forms from 3 nodes (cross_for): rsag from kCrossRsagMin bytes (a
+  // node then saves at least a quarter of the buffer each way against doubling) while a node's
+  // block is at most kCrossBlockMax (Gloo sends such messages directly, one latency per step:
+  // detail/gloo/checked.hpp's kCheckedMax; above, Gloo's ring is as frugal, in one operation).
+  static constexpr std::size_t kCrossRsagMin = std::size_t{64} << 10;
   static constexpr std::size_t kCrossBlockMax = std::size_t{256} << 10;
 
   Topology topo_;
