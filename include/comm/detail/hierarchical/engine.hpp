@@ -665,11 +665,12 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   // The pipelined all_reduce: at most this many segments (more hide more of the on-node steps,
   // each costs three member operations).
   static constexpr std::size_t kSegmentsMax = 8;
-  // The cross-node all_reduce's forms from 3 nodes (cross_for): rsag from kCrossRsagMin bytes (a
-  // node then saves at least a quarter of the buffer each way against doubling) while a node's
-  // block is at most kCrossBlockMax (Gloo sends such messages directly, one latency per step:
+  // The cross-node all_reduce's forms from 3 nodes (cross_for): rsag from kCrossRsagMin bytes
+  // (at 64 KiB doubling was as fast or faster at 3-4 nodes of one rank, from 128 KiB per rank
+  // rsag was faster: benchmarks/RESULTS.md, "Growth with nodes") while a node's block is at most
+  // kCrossBlockMax (Gloo sends such messages directly, one latency per step:
   // detail/gloo/checked.hpp's kCheckedMax; above, Gloo's ring is as frugal, in one operation).
-  static constexpr std::size_t kCrossRsagMin = std::size_t{64} << 10;
+  static constexpr std::size_t kCrossRsagMin = std::size_t{128} << 10;
   static constexpr std::size_t kCrossBlockMax = std::size_t{256} << 10;
 
   Topology topo_;
