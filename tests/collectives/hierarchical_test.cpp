@@ -5,6 +5,7 @@
 // computed here.
 #include "backend_test_util.hpp"
 
+#include <cstdlib>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -154,6 +155,64 @@ TEST_CASE("every collective on node layouts of 4 ranks, both all_reduce forms, c
         check_ops(c, count, true);
       if (small_max == 0) check_ops(c, 300001, false);  // the pipelined segments, the last one padded
     }
+  }
+}
+
+namespace {
+
+/// Sets COMM_HIERARCHICAL_CROSS for the communicators made while it lives ("" unsets it).
+struct CrossForm {
+  explicit CrossForm(const char* form) {
+    if (*form != 0)
+      ::setenv("COMM_HIERARCHICAL_CROSS", form, 1);
+    else
+      ::unsetenv("COMM_HIERARCHICAL_CROSS");
+  }
+  ~CrossForm() { ::unsetenv("COMM_HIERARCHICAL_CROSS"); }
+  CrossForm(const CrossForm&) = delete;
+  CrossForm& operator=(const CrossForm&) = delete;
+};
+
+}  // namespace
+
+TEST_CASE("the cross-node all_reduce forms at 3 and 4 nodes (gather, reduce_scatter + all_gather)") {
+  COMM_REQUIRE_RANKS(4);
+  const auto& w = comm::test::world();
+  if (w.size != 4) return;
+  // Uniform nodes of one rank (every all_reduce is the cross-node step), and 3 nodes of different
+  // sizes (the leaders' step). "" is the automatic choice: the member's all_reduce up to 4097
+  // elements, rsag (padded to whole blocks) for 90001. Forced forms run at every count.
+  const std::vector<Layout> layouts{{"4 nodes of 1", {0, 1, 2, 3}, 4, true}, {"3 nodes, 2+1+1", {0, 0, 1, 2}, 3, false}};
+  for (const auto& l : layouts) {
+    for (const char* form : {"", "gather", "rsag", "member"}) {
+      INFO("layout ", l.name, ", COMM_HIERARCHICAL_CROSS=", form);
+      const CrossForm f(form);
+      Options o;
+      o.node_id = "cross-node-" + std::to_string(l.node[static_cast<std::size_t>(w.rank)]);
+      auto c = make_comm(o);
+      CHECK(c.backend().num_nodes() == l.nodes);
+      for (std::size_t count : {std::size_t{1}, std::size_t{3}, std::size_t{5}, std::size_t{1000}, std::size_t{4097},
+                                std::size_t{90001}})
+        check_ops(c, count, false);
+    }
+  }
+}
+
+TEST_CASE("3 nodes of 2: the cross-node forms in the slice and pipelined all_reduce") {
+  // Run by hierarchical_test.np6 alone (6 ranks); skipped in the 4-rank run.
+  const auto& w = comm::test::world();
+  if (w.size != 6) return;
+  for (const char* form : {"", "rsag", "gather"}) {
+    INFO("COMM_HIERARCHICAL_CROSS=", form);
+    const CrossForm f(form);
+    Options o;
+    o.node_id = "three-" + std::to_string(w.rank / 2);
+    o.small_max = 0;
+    auto c = make_comm(o);
+    CHECK(c.backend().num_nodes() == 3);
+    // 7 and 4097: slices padded to whole blocks; 300001: pipelined segments, the last one padded.
+    for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{4097}, std::size_t{300001}})
+      check_ops(c, count, count == 7);
   }
 }
 

@@ -12,6 +12,17 @@
 //     rank moves 1/L of the buffer, so a node sends what one flat ring rank would, once.
 //   all_reduce, small: intra all_reduce, then every inter group all-reduces the whole node sum (one
 //     step fewer; the same bits on every rank, as every group reduces the same node sums).
+//   The cross-node all_reduce of those steps (B bytes per rank) is picked by B and M (cross_for):
+//     the member's all_reduce (Gloo: one exchange at 2 nodes, B each way, nothing less exists;
+//     recursive doubling up to 256 KiB, log2(M) steps, two more when M is not a power of two;
+//     a ring above) except, from 3 nodes, from kCrossRsagMin while a node's block B/M is a message
+//     Gloo sends directly (kCrossBlockMax): an inter reduce_scatter then an inter all_gather
+//     ("rsag": two latencies at any M and 2(M-1)/M B each way, the least an all_reduce can move,
+//     where doubling sends log2(M) B, 2 B at 3 and 4 nodes). Small buffers stay on doubling: an
+//     inter all_gather and a local reduction ("gather", one latency at any M) measured slower on
+//     this project's 2-core machine (M(M-1) messages against doubling's M log2(M); RESULTS.md).
+//     COMM_HIERARCHICAL_CROSS=member|gather|rsag forces one form (measurements; the same on every
+//     rank).
 //   reduce_scatter: the input reordered so that local rank l's share holds the blocks of the ranks
 //     of local index l (one per node), intra reduce_scatter, inter reduce_scatter.
 //   all_gather: inter all_gather among local index l, intra all_gather, reorder into rank order.
@@ -59,6 +70,7 @@
 #include <vector>
 
 #include <comm/concepts.hpp>
+#include <comm/detail/base/env.hpp>
 #include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/base/logging.hpp>
 #include <comm/detail/engine/core.hpp>
@@ -85,7 +97,8 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   Engine(std::shared_ptr<comm::Store> store, int rank, int size, const Config& cfg)
       : Core(std::move(store), rank, size, cfg, "hierarchical"),
         small_max_(cfg.small_max),
-        segment_(std::max<std::size_t>(cfg.segment, 4096)) {
+        segment_(std::max<std::size_t>(cfg.segment, 4096)),
+        cross_(cross_from_env(rank)) {
     // Steps copy through host scratch and members take host buffers only (no device staging).
     this->host_buffers_only("use Communicator<backends::Nccl>, or Gloo, which stages device buffers");
     topo_ = make_topology(exchange_identities(cfg.node_id));
@@ -120,6 +133,21 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   friend Core;
 
   static constexpr bool kFlat = Members::kFlat;
+
+  /// The forms of the cross-node all_reduce (see the top of this file).
+  enum class Cross : std::uint8_t { automatic, member, gather, rsag };
+
+  [[nodiscard]] static Cross cross_from_env(int rank) {
+    const auto v = getenv_str("COMM_HIERARCHICAL_CROSS");
+    if (!v) return Cross::automatic;
+    const std::string t(trim(*v));
+    if (t.empty() || t == "auto") return Cross::automatic;
+    if (t == "member") return Cross::member;
+    if (t == "gather") return Cross::gather;
+    if (t == "rsag") return Cross::rsag;
+    throw InvalidArgument("hierarchical.init", rank,
+                          "COMM_HIERARCHICAL_CROSS='" + t.substr(0, 32) + "': use auto, member, gather or rsag");
+  }
 
   /// Every rank's node identity, in rank order.
   std::vector<std::string> exchange_identities(const std::string& mine) {
@@ -255,7 +283,7 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   [[nodiscard]] int num_nodes() const noexcept { return topo_.num_nodes(); }
   [[nodiscard]] std::size_t ranks() const noexcept { return static_cast<std::size_t>(this->size()); }
 
-  /// Scratch buffer `i` (0 or 1) of at least `bytes`; operations run one at a time.
+  /// Scratch buffer `i` (0, 1 or 2) of at least `bytes`; operations run one at a time.
   Bytes* scratch(int i, std::size_t bytes) {
     auto& s = scratch_[static_cast<std::size_t>(i)];
     if (s.size() < bytes) s.resize(bytes);
@@ -282,7 +310,58 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   }
   void inter_all_reduce(const Op& r, const void* in, void* out, std::size_t n) {
     if (num_nodes() == 1) return copy(in, out, n * r.elem_size);
-    inter(step_of(r, OpKind::all_reduce, in, out, n, n));
+    cross_all_reduce(r, in, out, n, cross_for(n * r.elem_size));
+  }
+
+  /// The form of a cross-node all_reduce of `bytes` per rank (the same on every rank: it depends
+  /// on the size, the node count and COMM_HIERARCHICAL_CROSS only).
+  [[nodiscard]] Cross cross_for(std::size_t bytes) const noexcept {
+    if (cross_ != Cross::automatic) return cross_;
+    const auto k = static_cast<std::size_t>(num_nodes());
+    if (k <= 2 || bytes < kCrossRsagMin) return Cross::member;
+    if ((bytes + k - 1) / k <= kCrossBlockMax) return Cross::rsag;
+    return Cross::member;
+  }
+
+  /// How many elements a buffer cut into slices for `l` local ranks must be a multiple of, so that
+  /// each slice divides into equal blocks for the nodes where the form is rsag.
+  [[nodiscard]] std::size_t slice_grain(Cross c) const noexcept {
+    return c == Cross::rsag ? static_cast<std::size_t>(num_nodes()) : 1;
+  }
+
+  /// A cross-node all_reduce of `n` elements from `in` into `out` (may be equal) in form `c`.
+  void cross_all_reduce(const Op& r, const void* in, void* out, std::size_t n, Cross c) {
+    const auto k = static_cast<std::size_t>(num_nodes());
+    const std::size_t e = r.elem_size;
+    if (c == Cross::gather) {
+      // Every node's buffer to every node, then each rank folds them in node order: the same
+      // operands in the same order everywhere, so the same bits.
+      Bytes* all = scratch(2, k * n * e);
+      inter(bytes_step(OpKind::all_gather, in, all, n * e, k * n * e));
+      Bytes* o = static_cast<Bytes*>(out);
+      for (std::size_t j = 1; j < k; ++j) {
+        const Bytes* a = j == 1 ? all : o;
+        if (r.custom != nullptr)
+          r.custom(r.custom_arg, o, a, all + j * n * e, n);
+        else
+          r.kernel(o, a, all + j * n * e, n);
+      }
+      return;
+    }
+    if (c != Cross::rsag) return inter(step_of(r, OpKind::all_reduce, in, out, n, n));
+    const std::size_t blk = (n + k - 1) / k;
+    Bytes* buf = static_cast<Bytes*>(out);
+    if (blk * k != n) {
+      buf = scratch(2, blk * k * e);
+      copy(in, buf, n * e);
+      pad(buf, n, blk * k, e);
+    } else {
+      copy(in, buf, n * e);
+    }
+    Bytes* mine = buf + static_cast<std::size_t>(node_) * blk * e;
+    inter(step_of(r, OpKind::reduce_scatter, buf, mine, blk * k, blk));
+    inter(bytes_step(OpKind::all_gather, mine, buf, blk * e, blk * k * e));
+    if (buf != out) copy(buf, out, n * e);
   }
   void intra_broadcast(Bytes* data, std::size_t b, int root) {
     if (local_size_ == 1) return;
@@ -316,8 +395,11 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
       return inter_all_reduce(r, out, out, n);
     }
     if (n * e >= 2 * segment_) return all_reduce_pipelined(r, in, out, n);
-    const std::size_t chunk = (n + static_cast<std::size_t>(l) - 1) / static_cast<std::size_t>(l);
-    const std::size_t padded = chunk * static_cast<std::size_t>(l);
+    const auto ul = static_cast<std::size_t>(l);
+    const Cross c = cross_for((n + ul - 1) / ul * e);
+    const std::size_t grain = ul * slice_grain(c);  // slices of whole blocks
+    const std::size_t padded = (n + grain - 1) / grain * grain;
+    const std::size_t chunk = padded / ul;
     Bytes* whole = static_cast<Bytes*>(out);
     const void* src = in;
     if (padded != n) {
@@ -328,7 +410,7 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     }
     Bytes* slot = whole + static_cast<std::size_t>(local_) * chunk * e;
     intra(step_of(r, OpKind::reduce_scatter, src, slot, padded, chunk));
-    inter(step_of(r, OpKind::all_reduce, slot, slot, chunk, chunk));
+    cross_all_reduce(r, slot, slot, chunk, c);
     intra(bytes_step(OpKind::all_gather, slot, whole, chunk * e, padded * e));
     if (whole != out) copy(whole, out, n * e);
   }
@@ -364,7 +446,14 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     const auto l = static_cast<std::size_t>(local_size_);
     const std::size_t e = r.elem_size;
     const std::size_t wanted = std::clamp<std::size_t>(n * e / segment_, 1, kSegmentsMax);
-    const std::size_t seg = ((n + wanted - 1) / wanted + l - 1) / l * l;  // whole slices
+    // The form of every segment's cross-node step, from the full segments' size; rsag or the
+    // member's all_reduce (gather, when forced, is the member's here: segments are large).
+    const Cross c = [&] {
+      const Cross f = cross_for(((n + wanted - 1) / wanted + l - 1) / l * e);
+      return f == Cross::gather ? Cross::member : f;
+    }();
+    const std::size_t grain = l * slice_grain(c);
+    const std::size_t seg = ((n + wanted - 1) / wanted + grain - 1) / grain * grain;  // whole slices and blocks
     const std::size_t count = (n + seg - 1) / seg;
     struct Segment {
       const Bytes* src;  // reduce_scatter's input
@@ -376,7 +465,7 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     for (std::size_t i = 0; i < count; ++i) {
       const std::size_t off = i * seg;
       const std::size_t len = std::min(seg, n - off);
-      const std::size_t chunk = (len + l - 1) / l;
+      const std::size_t chunk = (len + grain - 1) / grain * grain / l;
       if (chunk * l == len) {
         v[i] = Segment{at(in, off * e), at(out, off * e), at(out, off * e), len, chunk};
       } else {  // only the last segment: padded as in the one-segment form
@@ -389,18 +478,29 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     auto slot = [&](const Segment& x) { return x.buf + static_cast<std::size_t>(local_) * x.chunk * e; };
     Pending p;
     p.works.reserve(3 * count);
-    std::vector<std::size_t> rs(count), ar(count), ag(count);
+    std::vector<std::size_t> rs(count), xr(count), ar(count), ag(count);
+    const auto k = static_cast<std::size_t>(num_nodes());
     for (std::size_t i = 0; i < count; ++i) {
       Op s = step_of(r, OpKind::reduce_scatter, v[i].src, slot(v[i]), v[i].chunk * l, v[i].chunk);
       rs[i] = p.add(members_->start(Level::intra, s));
     }
     for (std::size_t i = 0; i < count; ++i) {
       members_->wait(Level::intra, "reduce_scatter", p.works[rs[i]]);
+      if (c == Cross::rsag) {  // the member runs them in issue order: the all_gather after the reduce_scatter
+        const std::size_t blk = v[i].chunk / k;
+        Bytes* mine = slot(v[i]) + static_cast<std::size_t>(node_) * blk * e;
+        Op a = step_of(r, OpKind::reduce_scatter, slot(v[i]), mine, v[i].chunk, blk);
+        xr[i] = p.add(members_->start(Level::inter, a));
+        Op b = bytes_step(OpKind::all_gather, mine, slot(v[i]), blk * e, v[i].chunk * e);
+        ar[i] = p.add(members_->start(Level::inter, b));
+        continue;
+      }
       Op s = step_of(r, OpKind::all_reduce, slot(v[i]), slot(v[i]), v[i].chunk, v[i].chunk);
       ar[i] = p.add(members_->start(Level::inter, s));
     }
     for (std::size_t i = 0; i < count; ++i) {
-      members_->wait(Level::inter, "all_reduce", p.works[ar[i]]);
+      if (c == Cross::rsag) members_->wait(Level::inter, "reduce_scatter", p.works[xr[i]]);
+      members_->wait(Level::inter, c == Cross::rsag ? "all_gather" : "all_reduce", p.works[ar[i]]);
       Op s = bytes_step(OpKind::all_gather, slot(v[i]), v[i].buf, v[i].chunk * e, v[i].chunk * l * e);
       ag[i] = p.add(members_->start(Level::intra, s));
     }
@@ -565,6 +665,13 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   // The pipelined all_reduce: at most this many segments (more hide more of the on-node steps,
   // each costs three member operations).
   static constexpr std::size_t kSegmentsMax = 8;
+  // The cross-node all_reduce's forms from 3 nodes (cross_for): rsag from kCrossRsagMin bytes
+  // (at 64 KiB doubling was as fast or faster at 3-4 nodes of one rank, from 128 KiB per rank
+  // rsag was faster: benchmarks/RESULTS.md, "Growth with nodes") while a node's block is at most
+  // kCrossBlockMax (Gloo sends such messages directly, one latency per step:
+  // detail/gloo/checked.hpp's kCheckedMax; above, Gloo's ring is as frugal, in one operation).
+  static constexpr std::size_t kCrossRsagMin = std::size_t{128} << 10;
+  static constexpr std::size_t kCrossBlockMax = std::size_t{256} << 10;
 
   Topology topo_;
   int node_ = 0;
@@ -575,7 +682,8 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   bool node_major_ = false;   // rank == node * L + local: gathers need no reordering
   std::size_t small_max_;
   std::size_t segment_;  // pipeline segments of at least this many bytes
-  std::array<std::vector<Bytes>, 2> scratch_;
+  Cross cross_;          // COMM_HIERARCHICAL_CROSS (automatic: by size and node count)
+  std::array<std::vector<Bytes>, 3> scratch_;  // 2: the cross-node step's own
   std::optional<Members> members_;
 };
 
