@@ -12,17 +12,7 @@
 //     rank moves 1/L of the buffer, so a node sends what one flat ring rank would, once.
 //   all_reduce, small: intra all_reduce, then every inter group all-reduces the whole node sum (one
 //     step fewer; the same bits on every rank, as every group reduces the same node sums).
-//   The cross-node all_reduce of those steps (B bytes per rank) is picked by B and M (cross_for):
-//     the member's all_reduce (Gloo: one exchange at 2 nodes, B each way, nothing less exists;
-//     recursive doubling up to 256 KiB, log2(M) steps, two more when M is not a power of two;
-//     a ring above) except, from 3 nodes, from kCrossRsagMin while a node's block B/M is a message
-//     Gloo sends directly (kCrossBlockMax): an inter reduce_scatter then an inter all_gather
-//     ("rsag": two latencies at any M and 2(M-1)/M B each way, the least an all_reduce can move,
-//     where doubling sends log2(M) B, 2 B at 3 and 4 nodes). Small buffers stay on doubling: an
-//     inter all_gather and a local reduction ("gather", one latency at any M) measured slower on
-//     this project's 2-core machine (M(M-1) messages against doubling's M log2(M); RESULTS.md).
-//     COMM_HIERARCHICAL_CROSS=member|gather|rsag forces one form (measurements; the same on every
-//     rank).
+//   The cross-node all_reduce of those steps is picked by size and node count: hierarchical/cross.hpp.
 //   reduce_scatter: the input reordered so that local rank l's share holds the blocks of the ranks
 //     of local index l (one per node), intra reduce_scatter, inter reduce_scatter.
 //   all_gather: inter all_gather among local index l, intra all_gather, reorder into rank order.
@@ -70,8 +60,8 @@
 #include <vector>
 
 #include <comm/concepts.hpp>
-#include <comm/detail/base/env.hpp>
 #include <comm/detail/diagnostics/desync.hpp>
+#include <comm/detail/hierarchical/cross.hpp>
 #include <comm/detail/base/logging.hpp>
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/hierarchical/members.hpp>
@@ -133,21 +123,6 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   friend Core;
 
   static constexpr bool kFlat = Members::kFlat;
-
-  /// The forms of the cross-node all_reduce (see the top of this file).
-  enum class Cross : std::uint8_t { automatic, member, gather, rsag };
-
-  [[nodiscard]] static Cross cross_from_env(int rank) {
-    const auto v = getenv_str("COMM_HIERARCHICAL_CROSS");
-    if (!v) return Cross::automatic;
-    const std::string t(trim(*v));
-    if (t.empty() || t == "auto") return Cross::automatic;
-    if (t == "member") return Cross::member;
-    if (t == "gather") return Cross::gather;
-    if (t == "rsag") return Cross::rsag;
-    throw InvalidArgument("hierarchical.init", rank,
-                          "COMM_HIERARCHICAL_CROSS='" + t.substr(0, 32) + "': use auto, member, gather or rsag");
-  }
 
   /// Every rank's node identity, in rank order.
   std::vector<std::string> exchange_identities(const std::string& mine) {
@@ -313,20 +288,11 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     cross_all_reduce(r, in, out, n, cross_for(n * r.elem_size));
   }
 
-  /// The form of a cross-node all_reduce of `bytes` per rank (the same on every rank: it depends
-  /// on the size, the node count and COMM_HIERARCHICAL_CROSS only).
   [[nodiscard]] Cross cross_for(std::size_t bytes) const noexcept {
-    if (cross_ != Cross::automatic) return cross_;
-    const auto k = static_cast<std::size_t>(num_nodes());
-    if (k <= 2 || bytes < kCrossRsagMin) return Cross::member;
-    if ((bytes + k - 1) / k <= kCrossBlockMax) return Cross::rsag;
-    return Cross::member;
+    return cross_form(cross_, static_cast<std::size_t>(num_nodes()), bytes);
   }
-
-  /// How many elements a buffer cut into slices for `l` local ranks must be a multiple of, so that
-  /// each slice divides into equal blocks for the nodes where the form is rsag.
   [[nodiscard]] std::size_t slice_grain(Cross c) const noexcept {
-    return c == Cross::rsag ? static_cast<std::size_t>(num_nodes()) : 1;
+    return hierarchical::slice_grain(c, static_cast<std::size_t>(num_nodes()));
   }
 
   /// A cross-node all_reduce of `n` elements from `in` into `out` (may be equal) in form `c`.
@@ -665,13 +631,6 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   // The pipelined all_reduce: at most this many segments (more hide more of the on-node steps,
   // each costs three member operations).
   static constexpr std::size_t kSegmentsMax = 8;
-  // The cross-node all_reduce's forms from 3 nodes (cross_for): rsag from kCrossRsagMin bytes
-  // (at 64 KiB doubling was as fast or faster at 3-4 nodes of one rank, from 128 KiB per rank
-  // rsag was faster: benchmarks/RESULTS.md, "Growth with nodes") while a node's block is at most
-  // kCrossBlockMax (Gloo sends such messages directly, one latency per step:
-  // detail/gloo/checked.hpp's kCheckedMax; above, Gloo's ring is as frugal, in one operation).
-  static constexpr std::size_t kCrossRsagMin = std::size_t{128} << 10;
-  static constexpr std::size_t kCrossBlockMax = std::size_t{256} << 10;
 
   Topology topo_;
   int node_ = 0;

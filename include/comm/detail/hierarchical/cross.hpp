@@ -1,0 +1,60 @@
+#pragma once
+// The forms of Hierarchical's cross-node all_reduce (hierarchical/engine.hpp), for B bytes per
+// rank across M nodes:
+//   member: the member's own all_reduce (Gloo: one exchange at 2 nodes, B each way, nothing less
+//     exists; recursive doubling up to 256 KiB, log2(M) steps, two more when M is not a power of
+//     two; a ring above);
+//   rsag: an inter reduce_scatter then an inter all_gather: two latencies at any M and 2(M-1)/M B
+//     each way, the least an all_reduce can move, where doubling sends log2(M) B (2 B at 3 and 4
+//     nodes). Picked from 3 nodes and kCrossRsagMin while a node's block B/M is a message Gloo
+//     sends directly (kCrossBlockMax);
+//   gather: an inter all_gather and a local reduction (one latency at any M, but M(M-1) messages
+//     against doubling's M log2(M)): measured slower on this project's 2-core machine
+//     (benchmarks/RESULTS.md, "Growth with nodes"), so only when forced.
+// COMM_HIERARCHICAL_CROSS=member|gather|rsag forces one form (for measurements; every rank must
+// set the same: the form decides the messages).
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <comm/detail/base/env.hpp>
+#include <comm/error.hpp>
+
+namespace comm::detail::hierarchical {
+
+enum class Cross : std::uint8_t { automatic, member, gather, rsag };
+
+// At 64 KiB doubling was as fast or faster at 3-4 nodes of one rank; from 128 KiB per rank rsag
+// was faster. Above kCrossBlockMax per block Gloo's ring is as frugal, in one operation
+// (detail/gloo/checked.hpp's kCheckedMax is the largest message Gloo sends directly).
+inline constexpr std::size_t kCrossRsagMin = std::size_t{128} << 10;
+inline constexpr std::size_t kCrossBlockMax = std::size_t{256} << 10;
+
+[[nodiscard]] inline Cross cross_from_env(int rank) {
+  const auto v = getenv_str("COMM_HIERARCHICAL_CROSS");
+  if (!v) return Cross::automatic;
+  const std::string t(trim(*v));
+  if (t.empty() || t == "auto") return Cross::automatic;
+  if (t == "member") return Cross::member;
+  if (t == "gather") return Cross::gather;
+  if (t == "rsag") return Cross::rsag;
+  throw InvalidArgument("hierarchical.init", rank,
+                        "COMM_HIERARCHICAL_CROSS='" + t.substr(0, 32) + "': use auto, member, gather or rsag");
+}
+
+/// The form for `bytes` per rank across `nodes` nodes: the same on every rank, as it depends on
+/// the size, the node count and the forced form only.
+[[nodiscard]] constexpr Cross cross_form(Cross forced, std::size_t nodes, std::size_t bytes) noexcept {
+  if (forced != Cross::automatic) return forced;
+  if (nodes <= 2 || bytes < kCrossRsagMin) return Cross::member;
+  return (bytes + nodes - 1) / nodes <= kCrossBlockMax ? Cross::rsag : Cross::member;
+}
+
+/// What a slice of a buffer cut for the local ranks must be a multiple of (in elements), so that
+/// under rsag it divides into equal blocks for the nodes.
+[[nodiscard]] constexpr std::size_t slice_grain(Cross c, std::size_t nodes) noexcept {
+  return c == Cross::rsag ? nodes : 1;
+}
+
+}  // namespace comm::detail::hierarchical
