@@ -126,7 +126,7 @@ TEST_CASE("the core under NCCL: place, dump naming, flight record, first failure
   CHECK(contains(core.failure_text(), "rank 1 is dead"));
 }
 
-// shrink()'s path choice (bootstrap.hpp, agree_all): ncclCommShrink only where every member can,
+// shrink()'s path choice (detail/nccl/shrink.hpp, agree_all): ncclCommShrink only where every member can,
 // the same answer on every member, and a member that never answers named by the deadline. Three
 // members are threads on one HashStore (no GPU needed).
 TEST_CASE("shrink's path choice: all members get the same answer; a silent member is named") {

@@ -144,41 +144,17 @@
 /// destroys an owned communicator.
 ///
 /// ### Fault tolerance (shrink, grow, revoke; detail/engine/elastic.hpp)
-/// The members agree on who is alive through the store, as on the host backends; then:
-/// - **shrink() through ncclCommShrink** (compiled and loaded NCCL >= 2.27): when the agreement
-///   leaves at least one rank out (NCCL refuses an empty exclude list) and every member still has
-///   its old NCCL communicator intact, each member calls ncclCommShrink on it with the same exclude
-///   list (the ranks the agreement left out), non-blocking and polled to the timeout like split()
-///   (past it, or on NCCL's error, both the old and the half-made communicator are aborted and the
-///   error thrown; calling shrink() again then makes it afresh). Known gap: the progress is read
-///   from the old communicator's ncclCommGetAsyncError, as for split(), so an old communicator on
-///   which NCCL had already reported an asynchronous error while shrink() held it fails the
-///   shrink this way (and the second shrink() makes it afresh). The flag is NCCL_SHRINK_ABORT when
-///   operations may still run on the old communicator (pending ones when shrink() was called: NCCL
-///   stops its kernels first), NCCL_SHRINK_DEFAULT when it is quiet (none pending, or revoked, see
-///   below). The members decide together through the store (one key each), so either all call
-///   ncclCommShrink or all make the communicator afresh. `backend().made_by()` says which.
-/// - **Otherwise afresh**: `create()` over the shrink's keys (ncclCommInitRankConfig), as before:
-///   NCCL < 2.27, nobody left out, or some member's old communicator was aborted.
-/// - **Keeping the old communicator for ncclCommShrink.** The watchdog must stop a failed
-///   communicator's kernels before it fails the pending Work (the caller may free their buffers
-///   then), and ncclCommAbort frees the communicator. So: (a) shrink() holds its own failure of the
-///   old communicator (later operations fail at once; the pending ones wait) until ncclCommShrink
-///   has stopped its kernels (NCCL_SHRINK_ABORT), or until it chose create(); then the watchdog
-///   aborts it (ncclCommAbort: it is never used again) and fails the pending operations, before
-///   shrink() returns. (b) A failure seen before shrink() (a deadline, NCCL's error, a peer's death,
-///   revoke()) on a root communicator where NCCL has ncclCommRevoke (2.28+): the watchdog revokes
-///   it (kernels stopped, the handle kept, `native_handle()` stays non-null) and waits up to 5 s
-///   for NCCL to report it quiescent, then fails the pending operations; if revoking fails or does
-///   not settle, or on NCCL 2.27, it aborts as before and the shrink makes the communicator
-///   afresh. Destruction aborts a kept communicator. A grace period before the abort was not
-///   chosen: the Work must not report failure while kernels may still write its buffers.
-/// - **grow()** makes the grown communicator afresh with `create()` on every NCCL (ncclCommGrow,
-///   NCCL 2.29+, is not used: the NCCL here is 2.28, so that path could not even be compiled).
-/// - `revoke()` fails the watchdog's pending operations on every member through the liveness watch.
-/// Built and type-checked against NCCL 2.28.9, and the CPU parts tested (the watchdog's hold);
-/// neither ncclCommShrink nor ncclCommRevoke has run on a GPU yet (tests/nccl/peer_death_test.cpp
-/// and the shrink cases of groups_test.cpp check them where a GPU is lent).
+/// The members agree on who is alive through the store, as on the host backends. Then, where NCCL
+/// >= 2.27 (compiled and loaded), at least one rank is left out and every member's old NCCL
+/// communicator is intact, all call ncclCommShrink with the same exclude list (non-blocking,
+/// polled to the timeout like split(); NCCL_SHRINK_ABORT while operations may still run on the old
+/// communicator, else NCCL_SHRINK_DEFAULT); otherwise all make it afresh with `create()`. `grow()`
+/// always makes it afresh. `backend().made_by()` says which. To keep the old communicator for
+/// ncclCommShrink, shrink() holds its pending operations until NCCL stopped their kernels, and after
+/// an earlier failure the watchdog revokes a root communicator (ncclCommRevoke, NCCL 2.28+;
+/// `native_handle()` stays non-null) instead of aborting it. `revoke()` fails every member's
+/// pending operations through the liveness watch. The rules, the known gap and what has run where:
+/// docs/GPU.md, "Fault tolerance on NCCL"; the mechanism: detail/nccl/shrink.hpp.
 ///
 /// ### Subgroups
 /// - `split(color, key)`: ncclCommSplit, a collective over every rank of this communicator (an
@@ -504,53 +480,15 @@ class Nccl : public comm::detail::ForwardOps<Nccl>,
   [[nodiscard]] Nccl shrink_from_members(const std::vector<int>& members, std::shared_ptr<Store> store, int rank,
                                          int size, std::chrono::steady_clock::time_point retired_by) {
     namespace dn = comm::detail::nccl;
-    constexpr const char* op = "shrink";
     auto& e = *engine_;
-    std::vector<int> exclude;
-    for (int r = 0, i = 0; r < e.size(); ++r) {
-      if (i < static_cast<int>(members.size()) && members[static_cast<std::size_t>(i)] == r)
-        ++i;
-      else
-        exclude.push_back(r);
-    }
-    const bool mine = !exclude.empty() && e.can_shrink_natively();
-    const bool all = dn::agree_all(*store, rank, size, mine, options_.timeout);
-    if (!all) {
-      e.end_retire();  // the watchdog aborts the old communicator and fails its operations
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(retired_by - std::chrono::steady_clock::now());
-      if (!e.wait_retired(std::max(left, std::chrono::milliseconds(0))))
-        comm::detail::log(comm::detail::LogLevel::warn,
-                          "nccl: shrink on rank " + std::to_string(e.rank()) +
-                              ": an operation of the old communicator still runs (it ends by its own deadline)");
+    const std::vector<int> exclude = dn::excluded_ranks(members, e.size());
+    if (!e.agree_native(exclude, *store, rank, size, options_.timeout, retired_by))
       return create(std::move(store), rank, size, options_);
-    }
     // Its store place first (the membership check, its key prefix), as create() does.
     const auto core = core_config(options_, options_.record_file_rank, options_.record_name);
     comm::detail::CommPlace place = comm::detail::join_store(std::move(store), rank, size, core, "nccl");
     int flag = 0;
-    ncclComm_t child = nullptr;
-    try {
-      child = e.shrink_comm(exclude, init_config(options_), flag);
-    } catch (...) {
-      e.end_retire();
-      throw;
-    }
-    // NCCL stopped the old communicator's kernels: its operations may now report their failure.
-    e.end_retire();
-    (void)e.wait_retired(std::chrono::milliseconds(2000));
-    int new_rank = -1, new_size = 0;
-    try {
-      COMM_NCCL_CHECK(ncclCommUserRank(child, &new_rank), op, rank, child);
-      COMM_NCCL_CHECK(ncclCommCount(child, &new_size), op, rank, child);
-      if (new_rank != rank || new_size != size)
-        throw BackendError(op, rank,
-                           "ncclCommShrink made rank " + std::to_string(new_rank) + " of " + std::to_string(new_size) +
-                               ", the members agreed on rank " + std::to_string(rank) + " of " + std::to_string(size));
-      if (options_.stream) dn::check_stream_device(*options_.stream, device(), op, rank);
-    } catch (...) {
-      dn::abort_comm(child, device());
-      throw;
-    }
+    const ncclComm_t child = e.shrink_to(exclude, init_config(options_), rank, size, options_.stream, flag);
     auto s = settings(options_, gather_algorithm(), /*may_abort=*/true);
     s.may_keep = true;
     auto engine = std::make_unique<dn::Engine>(child, true, rank, size, device(), options_.stream, std::move(s), core,

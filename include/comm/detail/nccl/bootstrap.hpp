@@ -23,9 +23,7 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <string_view>
 #include <thread>
-#include <vector>
 
 #include <comm/detail/base/logging.hpp>
 #include <comm/detail/base/env.hpp>
@@ -175,39 +173,6 @@ inline void publish_failure(const Rendezvous& rv, int rank, const std::string& w
   if (dc.count <= 0 || local <= dc.count) return {};
   return std::to_string(local) + " local ranks share " + std::to_string(dc.count) +
          " GPU(s): NCCL before 2.30 refuses several ranks on one GPU; from 2.30 set NCCL_MULTI_RANK_GPU_ENABLE=1";
-}
-
-/// shrink()'s choice between ncclCommShrink and a fresh ncclCommInitRankConfig, which every member
-/// of the new communicator (`rank` of `size`) must make alike: each says whether it can (`mine`)
-/// under "nccl_shrink/<rank>" on `store` (the shrink's own keys), then reads everyone's (one
-/// multi_get, bounded by `timeout`). True only when every member can. A member that does not say
-/// in time is named in comm::Timeout (op "shrink"): it died during the shrink, or is not running
-/// this version of comm.
-[[nodiscard]] inline bool agree_all(Store& store, int rank, int size, bool mine, std::chrono::milliseconds timeout) {
-  constexpr const char* op = "shrink";
-  const std::string base = "nccl_shrink/";
-  std::vector<std::string> keys;
-  keys.reserve(static_cast<std::size_t>(size));
-  for (int r = 0; r < size; ++r) keys.push_back(base + std::to_string(r));
-  std::vector<Store::Bytes> says;
-  try {
-    store.set(keys[static_cast<std::size_t>(rank)], std::string_view(mine ? "1" : "0"));
-    says = store.multi_get(keys, timeout);
-  } catch (const Error& err) {
-    std::string missing;
-    try {
-      for (int r = 0; r < size; ++r)
-        if (!store.check(keys[static_cast<std::size_t>(r)])) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-    } catch (...) {  // the store itself is gone: its error says so
-    }
-    throw Timeout(op, rank,
-                  (missing.empty() ? std::string("the members") : "new rank(s) " + missing) +
-                      " did not say within " + std::to_string(timeout.count()) +
-                      " ms whether they can call ncclCommShrink (died during the shrink?): " + err.what());
-  }
-  bool all = true;
-  for (const auto& v : says) all = all && v.size() == 1 && v[0] == '1';
-  return all;
 }
 
 /// The ncclConfig_t of a new communicator (non-blocking: its deadline depends on it). It points

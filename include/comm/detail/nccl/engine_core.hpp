@@ -16,7 +16,7 @@
 //      also waits on the host); async form: a Work on the event is returned.
 // With the desync check on, step 1 is preceded by an ncclAllGather of every rank's 32-byte
 // fingerprint of the operation on the communicator's stream, which the host waits for (so the
-// operation waits for the earlier ones) before it compares them (detail/diagnostics/desync.hpp).
+// operation waits for the earlier ones) before it compares them (desync_check.hpp).
 // Point-to-point operations (send, recv, batch_isend_irecv) involve two ranks, not the group: they
 // skip the desync check and take no collective sequence number (the fingerprint's), so that it
 // matches across ranks whatever point-to-point operations some of them run in between.
@@ -26,18 +26,15 @@
 // stream (the watchdog saw its predecessors complete), completed or failed as the watchdog sees it.
 // A failure (the watchdog's verdict, or a peer's death seen by the liveness watch) is recorded in
 // the core, stops the NCCL communicator's kernels (ncclCommAbort when the engine may; a root
-// communicator where NCCL has ncclCommRevoke is revoked and kept for ncclCommShrink instead) and
-// then fails every pending operation.
+// communicator where NCCL has ncclCommRevoke is revoked and kept for ncclCommShrink instead:
+// shrink.hpp) and then fails every pending operation.
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -45,17 +42,17 @@
 #include <string>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
-#include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/comm_core.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/detail/base/logging.hpp>
 #include <comm/detail/nccl/bootstrap.hpp>
 #include <comm/detail/nccl/comms_timing.hpp>
+#include <comm/detail/nccl/desync_check.hpp>
 #include <comm/detail/nccl/device.hpp>
 #include <comm/detail/nccl/errors.hpp>
 #include <comm/detail/nccl/reduction.hpp>
+#include <comm/detail/nccl/shrink.hpp>
 #include <comm/detail/nccl/types.hpp>
 #include <comm/detail/nccl/watchdog.hpp>
 #include <comm/detail/nccl/work.hpp>
@@ -88,7 +85,11 @@ struct Settings {
                              "without a store)");
 }
 
-class NcclCore : public WatchTarget, public CommCore {
+class NcclCore : public WatchTarget, public CommCore, public DesyncCheck<NcclCore>, public Shrinkable<NcclCore> {
+  // Both work on the handle, the stream, the lock, the watchdog and the deadline.
+  friend class DesyncCheck<NcclCore>;
+  friend class Shrinkable<NcclCore>;
+
  public:
   /// Takes `comm` (destroyed, or aborted after a failure, by the engine when `owns_comm`; else left
   /// to its owner) and runs on `stream`, or on a stream of its own when there is none.
@@ -119,13 +120,7 @@ class NcclCore : public WatchTarget, public CommCore {
       COMM_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device_), op, rank);
       COMM_CUDA_CHECK(cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device_), op, rank);
       rules_ = ReductionRules(rank, device_, cc_major, cc_minor);
-      if (desync_check()) {
-        // The fingerprint exchange: every rank's in fp_dev_[0, size), this rank's own at [size].
-        const std::size_t bytes = (static_cast<std::size_t>(size) + 1) * sizeof(Fingerprint);
-        COMM_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&fp_dev_), bytes), op, rank);
-        COMM_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&fp_host_), bytes, cudaHostAllocDefault), op, rank);
-        COMM_CUDA_CHECK(cudaEventCreateWithFlags(&fp_done_, cudaEventDisableTiming), op, rank);
-      }
+      if (desync_check()) allocate_fingerprints(size, op, rank);
       comms_.attach(file_rank(), rank, size, name());  // COMM_COMMS_LOG / COMM_TRACE
     } catch (...) {
       release(/*healthy=*/false);
@@ -143,7 +138,7 @@ class NcclCore : public WatchTarget, public CommCore {
   /// watch ends them sooner), stops the watch and the watchdog, then finalizes and destroys an
   /// owned communicator (aborting it if that does not finish in time).
   ~NcclCore() override {
-    retiring_.store(true, std::memory_order_release);  // never used again: a failure now aborts, never revokes
+    never_keep();  // never used again: a failure now aborts, never revokes
     (void)watchdog_.wait_idle(Clock::now() + timeout() + std::chrono::seconds(5));
     stop_liveness();  // before the watchdog: the watch calls into it
     watchdog_.stop();
@@ -175,113 +170,7 @@ class NcclCore : public WatchTarget, public CommCore {
       watchdog_.fail(std::make_exception_ptr(RemoteError("liveness", rank(), f->what, f->peer)));
   }
 
-  // ---- shrink, grow, revoke (detail/engine/elastic.hpp), as EngineCore has them ----
-
-  /// The next retire() holds the failure (Nccl::shrink): see retire().
-  void hold_next_retire() noexcept { hold_retire_.store(true, std::memory_order_release); }
-
-  /// Ends this communicator for a reconfiguration: later operations fail at once, the watchdog
-  /// fails the pending ones and ends the NCCL communicator (ncclCommAbort: it is not used again).
-  /// After hold_next_retire() the watchdog holds (Watchdog::fail): the communicator stays intact
-  /// for ncclCommShrink, which stops its kernels (NCCL_SHRINK_ABORT); end_retire() then lets the
-  /// watchdog abort it and fail the pending operations.
-  void retire(const std::string& why) {
-    retiring_.store(true, std::memory_order_release);
-    const bool hold = hold_retire_.exchange(false, std::memory_order_acq_rel);
-    if (record_failure(FailureKind::remote, why, {}))
-      (void)watchdog_.fail(std::make_exception_ptr(RemoteError("shrink", rank(), why, {})), hold);
-  }
-  /// Ends retire()'s hold, if any (idempotent).
-  void end_retire() {
-    hold_retire_.store(false, std::memory_order_release);
-    watchdog_.release();
-  }
-  [[nodiscard]] bool wait_retired(std::chrono::milliseconds grace) { return watchdog_.wait_idle(Clock::now() + grace); }
-
-  /// Whether ncclCommShrink can make a communicator from this one now: compiled and loaded NCCL
-  /// >= 2.27, an owned communicator not aborted (healthy, held by retire(), or revoked by the
-  /// watchdog after a failure).
-  [[nodiscard]] bool can_shrink_natively() const {
-#if COMM_NCCL_HAS_SHRINK
-    std::lock_guard lock(nccl_mu_);
-    return comm_ != nullptr && owns_comm_ && runtime_version() >= shrink_version &&
-           (revoked_ || !watchdog_.failed() || watchdog_.held());
-#else
-    return false;
-#endif
-  }
-
-  /// ncclCommShrink of this (retired) communicator without the ranks `exclude` (old ranks, at least
-  /// one; every remaining member passes the same list): the new communicator, which the caller
-  /// owns. NCCL_SHRINK_ABORT while operations may still run on it (pending, held by retire()): NCCL
-  /// stops its kernels first; NCCL_SHRINK_DEFAULT when it is quiet (none pending, or revoked by the
-  /// watchdog). Non-blocking, polled until the timeout; on a failure or past it this communicator
-  /// and the half-made one are aborted and the error thrown (comm::Timeout, or NCCL's). `flag`:
-  /// the flag used, for the log.
-  [[nodiscard]] ncclComm_t shrink_comm(std::vector<int> exclude, const InitConfig& config, int& flag) {
-    constexpr const char* op = "shrink";
-#if COMM_NCCL_HAS_SHRINK
-    std::lock_guard lock(nccl_mu_);
-    if (comm_ == nullptr)
-      throw BackendError(op, rank(), "the NCCL communicator was aborted before ncclCommShrink could use it");
-    if (exclude.empty())
-      throw InvalidArgument(op, rank(), "ncclCommShrink needs at least one rank to leave out");
-    DeviceGuard guard(device_, op, rank());
-    flag = !revoked_ && watchdog_.pending() > 0 ? NCCL_SHRINK_ABORT : NCCL_SHRINK_DEFAULT;
-    ncclConfig_t cfg = make_config(config);
-    op_deadline_ = Clock::now() + timeout();
-    // As in split_comm: NCCL's own thread writes the new communicator here when it ends.
-    auto* slot = new ncclComm_t(nullptr);
-    bool job_done = false;  // NCCL no longer writes *slot
-    try {
-      const ncclResult_t r =
-          ncclCommShrink(comm_, exclude.data(), static_cast<int>(exclude.size()), slot, &cfg, flag);
-      if (r != ncclSuccess && r != ncclInProgress) {
-        job_done = true;
-        throw_nccl(r, "ncclCommShrink", op, rank(), comm_);
-      }
-      wait_ready(comm_, op, "ncclCommShrink", std::chrono::microseconds(200), std::chrono::milliseconds(20),
-                 "ncclCommShrink did not complete",
-                 " (a member that did not call it, or failed); both communicators were aborted", &job_done,
-                 /*watch_failure=*/false);
-      const ncclComm_t child = *slot;
-      delete slot;
-      slot = nullptr;
-      if (child == nullptr) throw BackendError(op, rank(), "ncclCommShrink succeeded but returned no communicator");
-      try {
-        wait_ready(child, op, "ncclCommShrink", std::chrono::microseconds(100), std::chrono::milliseconds(20),
-                   "the communicator made by ncclCommShrink was not ready", "; both communicators were aborted",
-                   nullptr, /*watch_failure=*/false);
-      } catch (...) {
-        abort_comm(child, device_);
-        throw;
-      }
-      return child;
-    } catch (...) {
-      // Also stops NCCL's shrink thread and joins it (the parent's abort reaches the child).
-      (void)ncclCommAbort(comm_);
-      comm_ = nullptr;
-      job_done = true;
-      if (slot != nullptr) {
-        abort_comm(*slot, device_);
-        delete slot;
-      }
-      throw;
-    }
-#else
-    (void)exclude;
-    (void)config;
-    (void)flag;
-    throw InvalidArgument(op, rank(),
-                          "ncclCommShrink needs NCCL >= 2.27; comm was compiled against NCCL " +
-                              version_string(compiled_version));
-#endif
-  }
-  void revoke(const std::string& reason) {
-    const std::string why = publish_revoke(reason);
-    if (record_failure(FailureKind::remote, why, "rank " + std::to_string(rank())))
-      watchdog_.fail(std::make_exception_ptr(RemoteError("revoke", rank(), why, "rank " + std::to_string(rank()))));
-  }
+  // shrink, grow, revoke (detail/engine/elastic.hpp): Shrinkable's (shrink.hpp).
 
   /// Blocks the host until every operation issued so far has completed (bounded by the timeout),
   /// then throws the communicator's failure if it has one.
@@ -374,11 +263,8 @@ class NcclCore : public WatchTarget, public CommCore {
     int prev = -1;
     const bool restore = cudaGetDevice(&prev) == cudaSuccess && prev != device_;
     if (restore) (void)cudaSetDevice(device_);
-    // A root communicator that failed (not one retired by shrink: that one is not used again) is
-    // revoked and kept, so that the shrink that usually follows can give it to ncclCommShrink.
-    if (settings_.may_keep && owns_comm_ && !retiring_.load(std::memory_order_acquire) && revoke_quietly()) {
-      revoked_ = true;
-    } else {
+    // A failed root communicator may be revoked and kept for the shrink that usually follows.
+    if (!revoke_and_keep()) {
       (void)ncclCommAbort(comm_);
       comm_ = nullptr;
     }
@@ -524,54 +410,6 @@ class NcclCore : public WatchTarget, public CommCore {
     throw_if_failed(op);
   }
 
-  /// The desync check (under nccl_mu_, on the device): an ncclAllGather of every rank's
-  /// fingerprint of operation `seq` (the flight recorder's number; the fingerprint carries `coll`,
-  /// the collective sequence number, which matches across ranks whatever point-to-point operations
-  /// some of them ran), waited for on the host, then the comparison. A mismatch throws DesyncError
-  /// on every rank and leaves the communicator usable (nothing of the operation was sent); a failed
-  /// or late exchange is the communicator's failure. Never called for point-to-point operations.
-  void check_desync(const OpDesc& d, std::uint64_t seq, std::uint64_t coll) {
-    const char* op = op_name(d.kind);
-    constexpr std::size_t fp = sizeof(Fingerprint);
-    const std::size_t n = static_cast<std::size_t>(size());
-    try {
-      Fingerprint* mine = fp_host_ + n;
-      *mine = fingerprint(coll, d);
-      std::byte* dev_mine = fp_dev_ + n * fp;
-      COMM_CUDA_CHECK(cudaMemcpyAsync(dev_mine, mine, fp, cudaMemcpyHostToDevice, stream_), op, rank());
-      if (COMM_NCCL_CHECK(ncclAllGather(dev_mine, fp_dev_, fp, ncclUint8, comm_, stream_), op, rank(), comm_) ==
-          ncclInProgress)
-        wait_enqueued(op);
-      COMM_CUDA_CHECK(cudaMemcpyAsync(fp_host_, fp_dev_, n * fp, cudaMemcpyDeviceToHost, stream_), op, rank());
-      COMM_CUDA_CHECK(cudaEventRecord(fp_done_, stream_), op, rank());
-      Backoff backoff(std::chrono::microseconds(2), std::chrono::milliseconds(1));
-      for (;;) {
-        const cudaError_t e = cudaEventQuery(fp_done_);
-        if (e == cudaSuccess) break;
-        if (e != cudaErrorNotReady) {
-          (void)cudaGetLastError();
-          throw_cuda(e, "cudaEventQuery", op, rank(), "the desync check's fingerprint exchange failed: ");
-        }
-        ncclResult_t state = ncclSuccess;
-        COMM_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state), op, rank(), comm_);
-        if (state != ncclSuccess && state != ncclInProgress)
-          throw_nccl(state, "ncclCommGetAsyncError", op, rank(), comm_);
-        throw_if_failed(op);
-        if (Clock::now() >= op_deadline_)
-          throw Timeout(op, rank(),
-                        "the desync check's fingerprint exchange before op #" + std::to_string(seq) +
-                            " did not complete within " + std::to_string(timeout().count()) +
-                            " ms (a rank is late, hung, or runs without the check: it must be on for every rank "
-                            "or none); the communicator was aborted");
-        backoff.pause();
-      }
-    } catch (...) {
-      fail_comm(seq, std::current_exception());
-      throw;
-    }
-    check_fingerprints(std::span<const Fingerprint>(fp_host_, n), op, rank());
-  }
-
   /// The NCCL part of split (under nccl_mu_, device set). See split().
   ncclComm_t split_comm([[maybe_unused]] int color, [[maybe_unused]] int key,
                         [[maybe_unused]] const InitConfig& config, [[maybe_unused]] std::uint64_t seq) {
@@ -683,36 +521,6 @@ class NcclCore : public WatchTarget, public CommCore {
   }
 
  private:
-  /// ncclCommRevoke (under nccl_mu_, device set): stops the communicator's kernels and keeps it;
-  /// true once NCCL reports it quiescent (ncclSuccess) within kRevokeSettle. False where NCCL has
-  /// no revoke, it fails, or it does not settle (a communicator that had an asynchronous error
-  /// keeps reporting it): the caller aborts then.
-  bool revoke_quietly() noexcept {
-#if COMM_NCCL_HAS_REVOKE
-    if (runtime_version() < revoke_version || runtime_version() < compiled_version) return false;
-    const ncclResult_t r = ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT);
-    if (r != ncclSuccess && r != ncclInProgress) return false;
-    const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(timeout(), kRevokeSettle);
-    try {
-      Backoff backoff(std::chrono::microseconds(20), std::chrono::milliseconds(5));
-      for (;;) {
-        ncclResult_t state = ncclInProgress;
-        if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) return false;
-        if (state == ncclSuccess) return true;
-        if (state != ncclInProgress || Clock::now() >= deadline) return false;
-        backoff.pause();
-      }
-    } catch (...) {
-      return false;
-    }
-#else
-    return false;
-#endif
-  }
-
-  /// How long the watchdog waits for a revoked communicator to become quiescent before it aborts it.
-  static constexpr std::chrono::milliseconds kRevokeSettle{5000};
-
   /// Frees what the engine owns. `healthy`: the communicator may be finalized (else aborted).
   void release(bool healthy) noexcept {
     int prev = -1;
@@ -730,12 +538,7 @@ class NcclCore : public WatchTarget, public CommCore {
     }
     if (scratch_ != nullptr) (void)cudaFree(scratch_);
     if (ready_ != nullptr) (void)cudaEventDestroy(ready_);
-    if (fp_dev_ != nullptr) (void)cudaFree(fp_dev_);
-    if (fp_host_ != nullptr) (void)cudaFreeHost(fp_host_);
-    if (fp_done_ != nullptr) (void)cudaEventDestroy(fp_done_);
-    fp_dev_ = nullptr;
-    fp_host_ = nullptr;
-    fp_done_ = nullptr;
+    free_fingerprints();
     if (owns_stream_ && stream_ != nullptr) (void)cudaStreamDestroy(stream_);
     scratch_ = nullptr;
     ready_ = nullptr;
@@ -746,9 +549,6 @@ class NcclCore : public WatchTarget, public CommCore {
 
   mutable std::mutex nccl_mu_;  // one thread at a time on the communicator (NCCL's rule)
   ncclComm_t comm_;
-  bool revoked_ = false;  // the watchdog revoked comm_ after a failure and kept it; under nccl_mu_
-  std::atomic<bool> retiring_{false};     // retire() ran: a failure aborts, never revokes
-  std::atomic<bool> hold_retire_{false};  // hold_next_retire()
   bool owns_comm_;
   int device_;
   Settings settings_;
@@ -762,9 +562,6 @@ class NcclCore : public WatchTarget, public CommCore {
   // their count differs by rank), the desync fingerprint's sequence number; under nccl_mu_.
   std::uint64_t coll_seq_ = 0;
   Clock::time_point op_deadline_{};
-  std::byte* fp_dev_ = nullptr;           // desync check: (size + 1) fingerprints on the device
-  Fingerprint* fp_host_ = nullptr;        // and in pinned host memory
-  cudaEvent_t fp_done_ = nullptr;
   CommsTimer comms_;       // COMM_COMMS_LOG, COMM_TRACE; under nccl_mu_
   std::shared_ptr<EventPool> events_;
   Watchdog watchdog_;  // last: stopped explicitly in the destructor, before the rest goes
