@@ -29,9 +29,33 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
+#include <comm/detail/base/env.hpp>
 #include <comm/detail/gloo/waits.hpp>
 
 namespace comm::detail::gloo {
+
+/// EXPERIMENT knobs (read once).
+struct PipeTuning {
+  std::size_t seg = std::size_t{512} << 10;
+  std::size_t depth = 2;
+  bool fuse = false;
+  int bcast = 0;
+  std::size_t bseg = std::size_t{512} << 10;
+  std::size_t block = 4;
+};
+inline const PipeTuning& pipe_tuning() {
+  static const PipeTuning t = [] {
+    PipeTuning x;
+    if (auto v = env_nonneg_int("COMM_X_SEG")) x.seg = static_cast<std::size_t>(*v) << 10;
+    if (auto v = env_nonneg_int("COMM_X_DEPTH")) x.depth = std::max(2, *v);
+    if (auto v = env_nonneg_int("COMM_X_FUSE")) x.fuse = *v != 0;
+    if (auto v = env_nonneg_int("COMM_X_BCAST")) x.bcast = *v;
+    if (auto v = env_nonneg_int("COMM_X_BSEG")) x.bseg = static_cast<std::size_t>(*v) << 10;
+    if (auto v = env_nonneg_int("COMM_X_BLOCK")) x.block = std::max(1, *v);
+    return x;
+  }();
+  return t;
+}
 
 /// out = a R b over n elements; `out` may be identical to `a` or `b`.
 using ReduceFunc = std::function<void(void*, const void*, const void*, std::size_t)>;
@@ -45,9 +69,12 @@ inline constexpr std::size_t kBlockSegments = 4;
 
 /// `in` holds size*count elements of `elem_size` bytes; `out` (count elements) may be exactly
 /// `in + rank*count` (in-place). `scratch` is reused across calls (grown as needed).
-inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
+/// `on_final(offset, bytes)` runs once a segment of `out` holds its final value.
+template <class OnFinal>
+void ring_reduce_scatter_hooked(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
                                 const Deadline& deadline, const void* in, void* out, std::size_t count,
-                                std::size_t elem_size, const ReduceFunc& reduce, std::vector<std::byte>& scratch) {
+                                std::size_t elem_size, const ReduceFunc& reduce, std::vector<std::byte>& scratch,
+                                OnFinal&& on_final) {
   const int n = ctx->size;
   const int r = ctx->rank;
   const std::size_t chunk_bytes = count * elem_size;
@@ -58,7 +85,8 @@ inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std
     if (out_bytes != in_bytes) std::memmove(out_bytes, in_bytes, chunk_bytes);
     return;
   }
-  const std::size_t seg_elems = std::max<std::size_t>(1, kSegmentBytes / elem_size);
+  const PipeTuning& tune = pipe_tuning();
+  const std::size_t seg_elems = std::max<std::size_t>(1, tune.seg / elem_size);
   const std::size_t seg_bytes = seg_elems * elem_size;
   const std::size_t k = (count + seg_elems - 1) / seg_elems;  // segments per chunk
   const std::size_t steps = static_cast<std::size_t>(n - 1);
@@ -68,33 +96,26 @@ inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std
   auto recv_chunk = [&](std::size_t s) { return static_cast<std::size_t>((r + 2 * n - 2 - static_cast<int>(s)) % n); };
   auto seg_len = [&](std::size_t j) { return std::min(seg_bytes, chunk_bytes - j * seg_bytes); };
 
-  // Units (step s, segment j) run block by block: kBlockSegments segments through every step,
-  // then the next block. Partial sums of one block alternate between two halves of `acc` by step
-  // parity, so the scratch is bounded by the block, not by the message.
-  const std::size_t w = std::min(kBlockSegments, k);  // segments per block
+  const std::size_t w = std::min(tune.block, k);  // segments per block
   const std::size_t slot_bytes = std::min(seg_bytes, chunk_bytes);
+  const std::size_t units = steps * k;
+  const std::size_t depth = std::min(tune.depth, units);
   const std::size_t acc_bytes = n > 2 ? 2 * w * slot_bytes : 0;
-  if (scratch.size() < 2 * slot_bytes + acc_bytes) scratch.resize(2 * slot_bytes + acc_bytes);
+  if (scratch.size() < depth * slot_bytes + acc_bytes) scratch.resize(depth * slot_bytes + acc_bytes);
   std::byte* tmp = scratch.data();
-  std::byte* acc = scratch.data() + 2 * slot_bytes;
+  std::byte* acc = scratch.data() + depth * slot_bytes;
 
-  // Step 0 forwards this rank's own input on its own slot, all posted at once; the partial sums
-  // go on a second slot. Both arrive in the order their receives are posted (gloo matches the
-  // messages of one slot and pair in order), which a single slot would not give once blocks
-  // interleave the two kinds.
   const auto in_slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingReduceScatterSlotPrefix, tag));
   const auto acc_slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingPartialSlotPrefix, tag));
   auto in_buf = ctx->createUnboundBuffer(const_cast<std::byte*>(in_bytes), static_cast<std::size_t>(n) * chunk_bytes);
-  // One buffer per receive half: a buffer counts completions, not which receive completed.
-  std::unique_ptr<::gloo::transport::UnboundBuffer> tmp_buf[2] = {ctx->createUnboundBuffer(tmp, slot_bytes),
-                                                                  ctx->createUnboundBuffer(tmp + slot_bytes, slot_bytes)};
+  std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> tmp_buf(depth);
+  for (std::size_t i = 0; i < depth; ++i) tmp_buf[i] = ctx->createUnboundBuffer(tmp + i * slot_bytes, slot_bytes);
   std::unique_ptr<::gloo::transport::UnboundBuffer> acc_buf;
   if (acc_bytes > 0) acc_buf = ctx->createUnboundBuffer(acc, acc_bytes);
 
   struct Unit {
     std::size_t s, j;
   };
-  const std::size_t units = steps * k;
   auto unit = [&](std::size_t u) {
     const std::size_t b = u / (steps * w);        // block
     const std::size_t first = b * w;               // its first segment
@@ -104,20 +125,20 @@ inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std
   };
   auto post_recv = [&](std::size_t u) {
     const Unit x = unit(u);
-    tmp_buf[u % 2]->recv(left, x.s == 0 ? in_slot : acc_slot, 0, seg_len(x.j));
+    tmp_buf[u % depth]->recv(left, x.s == 0 ? in_slot : acc_slot, 0, seg_len(x.j));
   };
   auto acc_pos = [&](const Unit& x) { return (x.s % 2) * w * slot_bytes + (x.j % w) * slot_bytes; };
 
   std::vector<std::size_t> last_reader(2 * w, 0);  // per acc position: 1 + the acc send that read it
   std::size_t in_sends = 0, acc_sends_posted = 0, acc_sends_done = 0;
-  for (std::size_t u = 0; u < std::min<std::size_t>(2, units); ++u) post_recv(u);
+  for (std::size_t u = 0; u < depth; ++u) post_recv(u);
   for (std::size_t j = 0; j < k; ++j, ++in_sends)
     in_buf->send(right, in_slot, send_chunk(0) * chunk_bytes + j * seg_bytes, seg_len(j));
 
   for (std::size_t u = 0; u < units; ++u) {
     const Unit x = unit(u);
     const std::size_t len = seg_len(x.j);
-    wait_recv(*tmp_buf[u % 2], deadline);
+    wait_recv(*tmp_buf[u % depth], deadline);
     const bool last = x.s + 1 == steps;
     std::byte* dst = last ? out_bytes + x.j * seg_bytes : acc + acc_pos(x);
     if (!last) {
@@ -125,16 +146,25 @@ inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std
       const std::size_t need = last_reader[acc_pos(x) / slot_bytes];
       for (; acc_sends_done < need; ++acc_sends_done) wait_send(*acc_buf, deadline);
     }
-    reduce(dst, in_bytes + recv_chunk(x.s) * chunk_bytes + x.j * seg_bytes, tmp + (u % 2) * slot_bytes,
+    reduce(dst, in_bytes + recv_chunk(x.s) * chunk_bytes + x.j * seg_bytes, tmp + (u % depth) * slot_bytes,
            len / elem_size);
-    if (u + 2 < units) post_recv(u + 2);
+    if (u + depth < units) post_recv(u + depth);
     if (!last) {
       acc_buf->send(right, acc_slot, acc_pos(x), len);
       last_reader[acc_pos(x) / slot_bytes] = ++acc_sends_posted;
+    } else {
+      on_final(x.j * seg_bytes, len);
     }
   }
   for (; in_sends > 0; --in_sends) wait_send(*in_buf, deadline);
   for (; acc_sends_done < acc_sends_posted; ++acc_sends_done) wait_send(*acc_buf, deadline);
+}
+
+inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
+                                const Deadline& deadline, const void* in, void* out, std::size_t count,
+                                std::size_t elem_size, const ReduceFunc& reduce, std::vector<std::byte>& scratch) {
+  ring_reduce_scatter_hooked(ctx, tag, deadline, in, out, count, elem_size, reduce, scratch,
+                             [](std::size_t, std::size_t) {});
 }
 
 }  // namespace comm::detail::gloo
