@@ -137,17 +137,6 @@ inline void ring_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::ui
   const std::size_t m = count / n;
   const std::size_t chunk = m * elem_size;
   const std::size_t rest = count - n * m;
-  if (pipe_tuning().fuse && m > 0) {
-    const std::size_t seg_bytes = std::max<std::size_t>(1, pipe_tuning().seg / elem_size) * elem_size;
-    RingAllGather ag(ctx, tag, deadline, o, chunk, seg_bytes);
-    ring_reduce_scatter_hooked(ctx, tag, deadline, o, o + static_cast<std::size_t>(ctx->rank) * chunk, m, elem_size,
-                               reduce, scratch,
-                               [&](std::size_t off, std::size_t len) { ag.send_own_through(off + len); });
-    ag.run();
-    if (rest > 0)
-      doubling_all_reduce(ctx, tag, deadline, nullptr, o + n * chunk, rest * elem_size, elem_size, reduce, scratch);
-    return;
-  }
   if (m > 0)
     ring_reduce_scatter(ctx, tag, deadline, o, o + static_cast<std::size_t>(ctx->rank) * chunk, m, elem_size, reduce,
                         scratch);
@@ -178,7 +167,7 @@ inline void ring_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32
                             : scratch_bytes(chunk_scratch, chunk + rest_bytes);
   std::byte* rest_out = is_root ? static_cast<std::byte*>(out) + n * chunk : mine + chunk;
   const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingReduceGatherSlotPrefix, tag));
-  const Segments seg{chunk, std::max<std::size_t>(1, pipe_tuning().seg / elem_size) * elem_size};
+  const Segments seg{chunk, std::max<std::size_t>(1, kSegmentBytes / elem_size) * elem_size};
   std::unique_ptr<::gloo::transport::UnboundBuffer> buf;
   std::size_t pending = 0;  // the root's receives, or a non-root's sends
   if (m > 0) {

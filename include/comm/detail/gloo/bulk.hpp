@@ -5,7 +5,7 @@
 // a dead peer then ends every survivor's operation at once, a send libgloo began writing included.
 //
 // Messages are cut into segments of kSegmentBytes (reduce_scatter.hpp) where forwarding one can
-// start before the next arrives (the ring, the tree); every receive is posted up front, so no
+// start before the next arrives (the ring, the chain, the tree); every receive is posted up front, so no
 // sender waits for a receive-ready notice, and gloo completes one slot's messages from one peer in
 // the order they were posted.
 
@@ -41,8 +41,10 @@ struct Segments {
 /// Ring all-gather in place: `out` holds n chunks of `chunk_bytes`, this rank's already in its
 /// slot. In step s, rank r forwards chunk (r-s) mod n to rank r+1 and receives chunk (r-s-1) mod n
 /// from rank r-1, segment by segment: (n-1)/n of the output in and out of each rank.
-/// Constructing it posts every receive; send_own() sends segment j of this rank's chunk (step 0),
-/// run() sends what send_own() did not, forwards, and waits for everything.
+/// Constructing it posts every receive; send_own_through() sends this rank's chunk (step 0) as far
+/// as it is ready, run() sends the rest of it, forwards, and waits for everything. (Sending the
+/// chunk behind an all_reduce's reduce-scatter, segment by segment, measured no faster on 2 cores:
+/// benchmarks/RESULTS.md, 2026-11-27.)
 class RingAllGather {
  public:
   RingAllGather(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline, void* out,
@@ -57,7 +59,7 @@ class RingAllGather {
       for (std::size_t j = 0; j < seg_.count(); ++j) buf_->recv(left, slot_, chunk_at(s) + seg_.offset(j), seg_.length(j));
   }
 
-  /// Sends this rank's own segments up to the one at `offset + bytes` (in order).
+  /// Sends, in order, this rank's segments that start before byte `end` of its chunk.
   void send_own_through(std::size_t end) {
     if (!buf_) return;
     for (; own_sent_ < seg_.count() && seg_.offset(own_sent_) < end; ++own_sent_, ++sends_)
@@ -95,11 +97,14 @@ class RingAllGather {
 
 inline void ring_all_gather(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
                             void* out, std::size_t chunk_bytes) {
-  RingAllGather ag(ctx, tag, deadline, out, chunk_bytes, pipe_tuning().seg);
+  RingAllGather ag(ctx, tag, deadline, out, chunk_bytes, kSegmentBytes);
   ag.run();
 }
 
-/// Pipelined chain broadcast: relative rank v receives each segment from v-1 and forwards it to v+1.
+/// Pipelined chain broadcast: relative rank v receives each segment from v-1 and forwards it to
+/// v+1. At 3 ranks it spreads the root's two copies over two ranks (the root sends the message
+/// once, the middle rank receives and forwards it in different threads), where the tree's root
+/// sends it twice; above, the chain's n-1 hops lose to the tree's log2(n).
 inline void chain_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
                             void* out, std::size_t bytes, int root) {
   const int n = ctx->size;
@@ -110,7 +115,7 @@ inline void chain_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::ui
   const int next = v + 1 < n ? (r + 1) % n : -1;
   const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kTreeBroadcastSlotPrefix, tag));
   auto buf = ctx->createUnboundBuffer(out, bytes);
-  const Segments seg{bytes, pipe_tuning().bseg};
+  const Segments seg{bytes, kSegmentBytes};
   if (prev >= 0)
     for (std::size_t j = 0; j < seg.count(); ++j) buf->recv(prev, slot, seg.offset(j), seg.length(j));
   std::size_t sends = 0;
@@ -125,7 +130,7 @@ inline void chain_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::ui
 }
 
 /// Binomial-tree broadcast of `bytes` from `root`, segment by segment: a rank forwards a segment
-/// to its children (the deepest subtree first) as soon as it has it.
+/// to its children (the largest subtree first) as soon as it has it.
 inline void tree_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
                            void* out, std::size_t bytes, int root) {
   const int n = ctx->size;
@@ -137,13 +142,15 @@ inline void tree_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uin
   int above = 1;
   while (above <= v) above <<= 1;
   const int parent = v == 0 ? -1 : (v - above / 2 + root) % n;
+  // The child v + above heads the largest subtree: it is served first, so that the longest path
+  // starts first (the order was reversed until 2026-11-27: at 4 ranks the leaf came first, and
+  // rank 3 waited for both of the root's sends).
   std::vector<int> children;
   for (int m = above; v + m < n; m <<= 1) children.push_back((v + m + root) % n);
-  std::reverse(children.begin(), children.end());
 
   const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kTreeBroadcastSlotPrefix, tag));
   auto buf = ctx->createUnboundBuffer(out, bytes);
-  const Segments seg{bytes, pipe_tuning().bseg};
+  const Segments seg{bytes, kSegmentBytes};
   if (parent >= 0)
     for (std::size_t j = 0; j < seg.count(); ++j) buf->recv(parent, slot, seg.offset(j), seg.length(j));
   std::size_t sends = 0;

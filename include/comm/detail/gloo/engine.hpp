@@ -216,7 +216,7 @@ class Engine : public EngineCore<Engine> {
                             op.out);
           return;
         }
-        if (pipe_tuning().bcast == 1)
+        if (size() <= 3)
           chain_broadcast(ctx, tag, deadline, op.out, op.out_count * op.elem_size, op.desc.root);
         else
           tree_broadcast(ctx, tag, deadline, op.out, op.out_count * op.elem_size, op.desc.root);
@@ -329,7 +329,7 @@ class Engine : public EngineCore<Engine> {
     if (size() == 1 || size() > kCheckedMaxRanks) return false;
     switch (op.desc.kind) {
       case OpKind::all_reduce:
-      case OpKind::reduce: {  // reduce runs as an all_reduce of its input (EngineCore::compose)
+      case OpKind::reduce: {  // the small ones run as an all_reduce of the input (EngineCore::compose)
         const std::size_t bytes = (op.desc.kind == OpKind::reduce ? op.in_count : op.out_count) * op.elem_size;
         return bytes <= kCheckedMax && bytes <= (size() == 2 ? algorithms_.exchange_max : algorithms_.doubling_max);
       }

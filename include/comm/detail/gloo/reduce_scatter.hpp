@@ -8,12 +8,12 @@
 // Each rank sends and receives (n-1)*m elements: (n-1)/n of its input, the lower bound.
 //
 // Chunks are cut into segments of kSegmentBytes; the (step, segment) units form one pipeline:
-// two receives are always posted ahead (double-buffered in `tmp`), and a unit's forward send is
+// kRecvDepth receives are always posted ahead (each into its own slot of `tmp`), and a unit's forward send is
 // posted as soon as its reduction is done, so the network and the reduction kernel overlap.
 // Units go block by block (kBlockSegments segments through every step, then the next block), and
 // a block's partial results alternate between two halves of a scratch buffer by step parity; a
 // position is only rewritten after the send that read it has completed. The scratch is thus
-// 2 + 2 x kBlockSegments segments (5 MiB) at most, whatever the message size (it used to be two
+// kRecvDepth + 2 x kBlockSegments segments (5 MiB) at most, whatever the message size (it used to be two
 // whole chunks: 32 MiB kept after one 64 MiB reduce_scatter on 4 ranks).
 
 #include <algorithm>
@@ -29,33 +29,9 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
-#include <comm/detail/base/env.hpp>
 #include <comm/detail/gloo/waits.hpp>
 
 namespace comm::detail::gloo {
-
-/// EXPERIMENT knobs (read once).
-struct PipeTuning {
-  std::size_t seg = std::size_t{512} << 10;
-  std::size_t depth = 2;
-  bool fuse = false;
-  int bcast = 0;
-  std::size_t bseg = std::size_t{512} << 10;
-  std::size_t block = 4;
-};
-inline const PipeTuning& pipe_tuning() {
-  static const PipeTuning t = [] {
-    PipeTuning x;
-    if (auto v = env_nonneg_int("COMM_X_SEG")) x.seg = static_cast<std::size_t>(*v) << 10;
-    if (auto v = env_nonneg_int("COMM_X_DEPTH")) x.depth = std::max(2, *v);
-    if (auto v = env_nonneg_int("COMM_X_FUSE")) x.fuse = *v != 0;
-    if (auto v = env_nonneg_int("COMM_X_BCAST")) x.bcast = *v;
-    if (auto v = env_nonneg_int("COMM_X_BSEG")) x.bseg = static_cast<std::size_t>(*v) << 10;
-    if (auto v = env_nonneg_int("COMM_X_BLOCK")) x.block = std::max(1, *v);
-    return x;
-  }();
-  return t;
-}
 
 /// out = a R b over n elements; `out` may be identical to `a` or `b`.
 using ReduceFunc = std::function<void(void*, const void*, const void*, std::size_t)>;
@@ -66,6 +42,10 @@ inline constexpr std::uint8_t kRingPartialSlotPrefix = 0x25;
 inline constexpr std::size_t kSegmentBytes = std::size_t{512} << 10;
 /// Segments that go through all steps together (bounds the scratch: 2 x this many segments).
 inline constexpr std::size_t kBlockSegments = 4;
+/// Receives posted ahead of the one being reduced. Deeper (4) measured no better on the 2-core
+/// machine (benchmarks/RESULTS.md, "Gloo above the frames' limit", 2026-11-27): the ring is
+/// CPU-bound there, and more data in flight only moves the same copies around.
+inline constexpr std::size_t kRecvDepth = 2;
 
 /// `in` holds size*count elements of `elem_size` bytes; `out` (count elements) may be exactly
 /// `in + rank*count` (in-place). `scratch` is reused across calls (grown as needed).
@@ -85,8 +65,7 @@ void ring_reduce_scatter_hooked(const std::shared_ptr<::gloo::Context>& ctx, std
     if (out_bytes != in_bytes) std::memmove(out_bytes, in_bytes, chunk_bytes);
     return;
   }
-  const PipeTuning& tune = pipe_tuning();
-  const std::size_t seg_elems = std::max<std::size_t>(1, tune.seg / elem_size);
+  const std::size_t seg_elems = std::max<std::size_t>(1, kSegmentBytes / elem_size);
   const std::size_t seg_bytes = seg_elems * elem_size;
   const std::size_t k = (count + seg_elems - 1) / seg_elems;  // segments per chunk
   const std::size_t steps = static_cast<std::size_t>(n - 1);
@@ -96,10 +75,10 @@ void ring_reduce_scatter_hooked(const std::shared_ptr<::gloo::Context>& ctx, std
   auto recv_chunk = [&](std::size_t s) { return static_cast<std::size_t>((r + 2 * n - 2 - static_cast<int>(s)) % n); };
   auto seg_len = [&](std::size_t j) { return std::min(seg_bytes, chunk_bytes - j * seg_bytes); };
 
-  const std::size_t w = std::min(tune.block, k);  // segments per block
+  const std::size_t w = std::min(kBlockSegments, k);  // segments per block
   const std::size_t slot_bytes = std::min(seg_bytes, chunk_bytes);
   const std::size_t units = steps * k;
-  const std::size_t depth = std::min(tune.depth, units);
+  const std::size_t depth = std::min(kRecvDepth, units);
   const std::size_t acc_bytes = n > 2 ? 2 * w * slot_bytes : 0;
   if (scratch.size() < depth * slot_bytes + acc_bytes) scratch.resize(depth * slot_bytes + acc_bytes);
   std::byte* tmp = scratch.data();
