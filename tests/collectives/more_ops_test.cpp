@@ -186,6 +186,8 @@ TEST_CASE("large messages: more than a million elements, several chunks everywhe
   run_all_to_all<std::int32_t>(c, count / static_cast<std::size_t>(c.size()), false);
   run_scatter<double>(c, count / 8, c.size() - 1, false, false);
   run_reduce<float>(c, ReduceOp::sum, count, 0, false, false);
+  // In place, the last rank as root: Gloo's ring reduce gathers into the root's own input.
+  run_reduce<float>(c, ReduceOp::max, count, c.size() - 1, true, false);
 }
 
 TEST_CASE("batch_isend_irecv: every pair both ways, several messages per pair in order") {

@@ -136,12 +136,66 @@ inline void ring_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::ui
   if (in != nullptr && in != out) std::memcpy(out, in, count * elem_size);
   const std::size_t m = count / n;
   const std::size_t chunk = m * elem_size;
+  const std::size_t rest = count - n * m;
   if (m > 0)
     ring_reduce_scatter(ctx, tag, deadline, o, o + static_cast<std::size_t>(ctx->rank) * chunk, m, elem_size, reduce,
                         scratch);
-  if (const std::size_t rest = count - n * m; rest > 0)
+  if (rest > 0)
     doubling_all_reduce(ctx, tag, deadline, nullptr, o + n * chunk, rest * elem_size, elem_size, reduce, scratch);
   if (m > 0) ring_all_gather(ctx, tag, deadline, o, chunk);
+}
+
+inline constexpr std::uint8_t kRingReduceGatherSlotPrefix = 0x2b;
+
+/// Reduce to `root`, bandwidth-optimal: comm's ring reduce-scatter of the first n*floor(count/n)
+/// elements, each rank sending every segment of its reduced chunk to the root as soon as it is
+/// final (the root's receives are posted before the ring starts); the remainder (fewer than n
+/// elements) by recursive doubling. Each rank sends (n-1)/n of its input in the ring plus 1/n to
+/// the root, where an all_reduce would send 2(n-1)/n. `out` is written at the root only;
+/// `chunk_scratch` holds a non-root's chunk (1/n of the input), reused across calls.
+inline void ring_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
+                        const void* in, void* out, std::size_t count, std::size_t elem_size,
+                        const ReduceFunc& reduce, int root, Scratch& scratch, Scratch& chunk_scratch) {
+  const auto n = static_cast<std::size_t>(ctx->size);
+  const int r = ctx->rank;
+  const std::size_t m = count / n;
+  const std::size_t chunk = m * elem_size;
+  const std::size_t rest_bytes = (count - n * m) * elem_size;
+  const auto* src = static_cast<const std::byte*>(in);
+  const bool is_root = r == root;
+  std::byte* mine = is_root ? static_cast<std::byte*>(out) + static_cast<std::size_t>(r) * chunk
+                            : scratch_bytes(chunk_scratch, chunk + rest_bytes);
+  std::byte* rest_out = is_root ? static_cast<std::byte*>(out) + n * chunk : mine + chunk;
+  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingReduceGatherSlotPrefix, tag));
+  const Segments seg{chunk, std::max<std::size_t>(1, kSegmentBytes / elem_size) * elem_size};
+  std::unique_ptr<::gloo::transport::UnboundBuffer> buf;
+  std::size_t pending = 0;  // the root's receives, or a non-root's sends
+  if (m > 0) {
+    if (is_root) {
+      buf = ctx->createUnboundBuffer(out, n * chunk);
+      for (std::size_t q = 0; q < n; ++q) {
+        if (static_cast<int>(q) == r) continue;
+        for (std::size_t j = 0; j < seg.count(); ++j, ++pending)
+          buf->recv(static_cast<int>(q), slot, q * chunk + seg.offset(j), seg.length(j));
+      }
+    } else {
+      buf = ctx->createUnboundBuffer(mine, chunk);
+    }
+    ring_reduce_scatter_hooked(ctx, tag, deadline, src, mine, m, elem_size, reduce, scratch,
+                               [&](std::size_t off, std::size_t len) {
+                                 if (is_root) return;
+                                 buf->send(root, slot, off, len);
+                                 ++pending;
+                               });
+  }
+  if (rest_bytes > 0)
+    doubling_all_reduce(ctx, tag, deadline, src + n * chunk, rest_out, rest_bytes, elem_size, reduce, scratch);
+  for (; pending > 0; --pending) {
+    if (is_root)
+      wait_recv(*buf, deadline);
+    else
+      wait_send(*buf, deadline);
+  }
 }
 
 /// all_reduce of `count` elements: `in` null means in place in `out`.

@@ -5,7 +5,7 @@
 // a dead peer then ends every survivor's operation at once, a send libgloo began writing included.
 //
 // Messages are cut into segments of kSegmentBytes (reduce_scatter.hpp) where forwarding one can
-// start before the next arrives (the ring, the tree); every receive is posted up front, so no
+// start before the next arrives (the ring, the chain, the tree); every receive is posted up front, so no
 // sender waits for a receive-ready notice, and gloo completes one slot's messages from one peer in
 // the order they were posted.
 
@@ -29,50 +29,108 @@ inline constexpr std::uint8_t kRingAllGatherSlotPrefix = 0x28;
 inline constexpr std::uint8_t kTreeBroadcastSlotPrefix = 0x29;
 inline constexpr std::uint8_t kDirectGatherSlotPrefix = 0x2a;
 
-/// `bytes` cut into segments of at most kSegmentBytes.
+/// `bytes` cut into segments of at most `size` bytes.
 struct Segments {
   std::size_t bytes;
-  [[nodiscard]] std::size_t count() const noexcept { return (bytes + kSegmentBytes - 1) / kSegmentBytes; }
-  [[nodiscard]] std::size_t offset(std::size_t j) const noexcept { return j * kSegmentBytes; }
-  [[nodiscard]] std::size_t length(std::size_t j) const noexcept {
-    return std::min(kSegmentBytes, bytes - j * kSegmentBytes);
-  }
+  std::size_t size = kSegmentBytes;
+  [[nodiscard]] std::size_t count() const noexcept { return (bytes + size - 1) / size; }
+  [[nodiscard]] std::size_t offset(std::size_t j) const noexcept { return j * size; }
+  [[nodiscard]] std::size_t length(std::size_t j) const noexcept { return std::min(size, bytes - j * size); }
 };
 
 /// Ring all-gather in place: `out` holds n chunks of `chunk_bytes`, this rank's already in its
 /// slot. In step s, rank r forwards chunk (r-s) mod n to rank r+1 and receives chunk (r-s-1) mod n
 /// from rank r-1, segment by segment: (n-1)/n of the output in and out of each rank.
+/// Constructing it posts every receive; send_own_through() sends this rank's chunk (step 0) as far
+/// as it is ready, run() sends the rest of it, forwards, and waits for everything. (Sending the
+/// chunk behind an all_reduce's reduce-scatter, segment by segment, measured no faster on 2 cores:
+/// benchmarks/RESULTS.md, 2026-11-27.)
+class RingAllGather {
+ public:
+  RingAllGather(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline, void* out,
+                std::size_t chunk_bytes, std::size_t seg_bytes)
+      : n_(ctx->size), r_(ctx->rank), deadline_(deadline), chunk_bytes_(chunk_bytes), seg_{chunk_bytes, seg_bytes} {
+    if (n_ == 1 || chunk_bytes == 0) return;
+    right_ = (r_ + 1) % n_;
+    slot_ = static_cast<std::uint64_t>(::gloo::Slot::build(kRingAllGatherSlotPrefix, tag));
+    buf_ = ctx->createUnboundBuffer(out, static_cast<std::size_t>(n_) * chunk_bytes);
+    const int left = (r_ + n_ - 1) % n_;
+    for (int s = 1; s < n_; ++s)
+      for (std::size_t j = 0; j < seg_.count(); ++j) buf_->recv(left, slot_, chunk_at(s) + seg_.offset(j), seg_.length(j));
+  }
+
+  /// Sends, in order, this rank's segments that start before byte `end` of its chunk.
+  void send_own_through(std::size_t end) {
+    if (!buf_) return;
+    for (; own_sent_ < seg_.count() && seg_.offset(own_sent_) < end; ++own_sent_, ++sends_)
+      buf_->send(right_, slot_, chunk_at(0) + seg_.offset(own_sent_), seg_.length(own_sent_));
+  }
+
+  void run() {
+    if (!buf_) return;
+    send_own_through(chunk_bytes_);
+    for (int s = 1; s < n_; ++s) {
+      for (std::size_t j = 0; j < seg_.count(); ++j) {
+        wait_recv(*buf_, deadline_);
+        // The chunk received in step s is the one forwarded in step s+1, except the last.
+        if (s + 1 < n_) {
+          buf_->send(right_, slot_, chunk_at(s) + seg_.offset(j), seg_.length(j));
+          ++sends_;
+        }
+      }
+    }
+    for (; sends_ > 0; --sends_) wait_send(*buf_, deadline_);
+  }
+
+ private:
+  [[nodiscard]] std::size_t chunk_at(int s) const noexcept {
+    return static_cast<std::size_t>((r_ - s + 2 * n_) % n_) * chunk_bytes_;
+  }
+  int n_, r_, right_ = 0;
+  const Deadline& deadline_;
+  std::size_t chunk_bytes_;
+  Segments seg_;
+  std::uint64_t slot_ = 0;
+  std::unique_ptr<::gloo::transport::UnboundBuffer> buf_;
+  std::size_t own_sent_ = 0, sends_ = 0;
+};
+
 inline void ring_all_gather(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
                             void* out, std::size_t chunk_bytes) {
+  RingAllGather ag(ctx, tag, deadline, out, chunk_bytes, kSegmentBytes);
+  ag.run();
+}
+
+/// Pipelined chain broadcast: relative rank v receives each segment from v-1 and forwards it to
+/// v+1. At 3 ranks it spreads the root's two copies over two ranks (the root sends the message
+/// once, the middle rank receives and forwards it in different threads), where the tree's root
+/// sends it twice; above, the chain's n-1 hops lose to the tree's log2(n).
+inline void chain_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
+                            void* out, std::size_t bytes, int root) {
   const int n = ctx->size;
   const int r = ctx->rank;
-  if (n == 1 || chunk_bytes == 0) return;
-  const int right = (r + 1) % n;
-  const int left = (r + n - 1) % n;
-  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingAllGatherSlotPrefix, tag));
-  auto buf = ctx->createUnboundBuffer(out, static_cast<std::size_t>(n) * chunk_bytes);
-  const Segments seg{chunk_bytes};
-  auto chunk_at = [&](int s) { return static_cast<std::size_t>((r - s + 2 * n) % n) * chunk_bytes; };
-  for (int s = 1; s < n; ++s)
-    for (std::size_t j = 0; j < seg.count(); ++j) buf->recv(left, slot, chunk_at(s) + seg.offset(j), seg.length(j));
+  if (n == 1 || bytes == 0) return;
+  const int v = (r - root + n) % n;
+  const int prev = v == 0 ? -1 : (r + n - 1) % n;
+  const int next = v + 1 < n ? (r + 1) % n : -1;
+  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kTreeBroadcastSlotPrefix, tag));
+  auto buf = ctx->createUnboundBuffer(out, bytes);
+  const Segments seg{bytes, kSegmentBytes};
+  if (prev >= 0)
+    for (std::size_t j = 0; j < seg.count(); ++j) buf->recv(prev, slot, seg.offset(j), seg.length(j));
   std::size_t sends = 0;
-  for (std::size_t j = 0; j < seg.count(); ++j, ++sends)
-    buf->send(right, slot, chunk_at(0) + seg.offset(j), seg.length(j));
-  for (int s = 1; s < n; ++s) {
-    for (std::size_t j = 0; j < seg.count(); ++j) {
-      wait_recv(*buf, deadline);
-      // The chunk received in step s is the one forwarded in step s+1, except the last.
-      if (s + 1 < n) {
-        buf->send(right, slot, chunk_at(s) + seg.offset(j), seg.length(j));
-        ++sends;
-      }
+  for (std::size_t j = 0; j < seg.count(); ++j) {
+    if (prev >= 0) wait_recv(*buf, deadline);
+    if (next >= 0) {
+      buf->send(next, slot, seg.offset(j), seg.length(j));
+      ++sends;
     }
   }
   for (; sends > 0; --sends) wait_send(*buf, deadline);
 }
 
 /// Binomial-tree broadcast of `bytes` from `root`, segment by segment: a rank forwards a segment
-/// to its children (the deepest subtree first) as soon as it has it.
+/// to its children as soon as it has it.
 inline void tree_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
                            void* out, std::size_t bytes, int root) {
   const int n = ctx->size;
@@ -84,13 +142,16 @@ inline void tree_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uin
   int above = 1;
   while (above <= v) above <<= 1;
   const int parent = v == 0 ? -1 : (v - above / 2 + root) % n;
+  // The children in reverse (the leaf-most first): serving the largest subtree first, as gloo
+  // does, measured slower at 4 ranks on the 2-core machine (1.61/1.45 x raw at 1/4 MiB against
+  // 1.14/1.19, 4 rounds, benchmarks/RESULTS.md 2026-11-27); why is not established.
   std::vector<int> children;
   for (int m = above; v + m < n; m <<= 1) children.push_back((v + m + root) % n);
   std::reverse(children.begin(), children.end());
 
   const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kTreeBroadcastSlotPrefix, tag));
   auto buf = ctx->createUnboundBuffer(out, bytes);
-  const Segments seg{bytes};
+  const Segments seg{bytes, kSegmentBytes};
   if (parent >= 0)
     for (std::size_t j = 0; j < seg.count(); ++j) buf->recv(parent, slot, seg.offset(j), seg.length(j));
   std::size_t sends = 0;

@@ -216,7 +216,10 @@ class Engine : public EngineCore<Engine> {
                             op.out);
           return;
         }
-        tree_broadcast(ctx, tag, deadline, op.out, op.out_count * op.elem_size, op.desc.root);
+        if (size() <= 3)
+          chain_broadcast(ctx, tag, deadline, op.out, op.out_count * op.elem_size, op.desc.root);
+        else
+          tree_broadcast(ctx, tag, deadline, op.out, op.out_count * op.elem_size, op.desc.root);
         return;
       }
       case OpKind::gather: {
@@ -242,7 +245,19 @@ class Engine : public EngineCore<Engine> {
         ::gloo::barrier(o);
         return;
       }
-      default: return Core::compose(op, seq);  // reduce, scatter, all_to_all(_v)
+      case OpKind::reduce: {
+        const std::size_t bytes = op.in_count * op.elem_size;
+        if (!framed(op) && size() > 1 && bytes > (size() == 2 ? algorithms_.exchange_max : algorithms_.doubling_max)) {
+          const ReduceFunc fn = reduce_func(op);
+          ring_reduce(ctx, tag, deadline, op.in, op.out, op.in_count, op.elem_size, fn, op.desc.root, scratch_,
+                      chunk_scratch_);
+          if (chunk_scratch_.capacity() > kScratchKeep) Scratch().swap(chunk_scratch_);
+          if (op.finish != nullptr && rank() == op.desc.root) op.finish(op.out, op.in_count, size());
+          return;
+        }
+        return Core::compose(op, seq);  // as an all_reduce
+      }
+      default: return Core::compose(op, seq);  // scatter, all_to_all(_v)
     }
   }
 
@@ -314,7 +329,7 @@ class Engine : public EngineCore<Engine> {
     if (size() == 1 || size() > kCheckedMaxRanks) return false;
     switch (op.desc.kind) {
       case OpKind::all_reduce:
-      case OpKind::reduce: {  // reduce runs as an all_reduce of its input (EngineCore::compose)
+      case OpKind::reduce: {  // the small ones run as an all_reduce of the input (EngineCore::compose)
         const std::size_t bytes = (op.desc.kind == OpKind::reduce ? op.in_count : op.out_count) * op.elem_size;
         return bytes <= kCheckedMax && bytes <= (size() == 2 ? algorithms_.exchange_max : algorithms_.doubling_max);
       }
@@ -410,6 +425,7 @@ class Engine : public EngineCore<Engine> {
   std::unique_ptr<DirectLinks> direct_;  // the frames' connections, when EngineConfig::direct
   std::vector<std::unique_ptr<Frames>> frames_;  // one per context; destroyed before the contexts
   Scratch scratch_;  // comm's algorithms' buffers; ops run one at a time
+  Scratch chunk_scratch_;  // ring_reduce: a non-root's reduced chunk
   P2PCounters p2p_numbers_;
 };
 

@@ -8,12 +8,12 @@
 // Each rank sends and receives (n-1)*m elements: (n-1)/n of its input, the lower bound.
 //
 // Chunks are cut into segments of kSegmentBytes; the (step, segment) units form one pipeline:
-// two receives are always posted ahead (double-buffered in `tmp`), and a unit's forward send is
+// kRecvDepth receives are always posted ahead (each into its own slot of `tmp`), and a unit's forward send is
 // posted as soon as its reduction is done, so the network and the reduction kernel overlap.
 // Units go block by block (kBlockSegments segments through every step, then the next block), and
 // a block's partial results alternate between two halves of a scratch buffer by step parity; a
 // position is only rewritten after the send that read it has completed. The scratch is thus
-// 2 + 2 x kBlockSegments segments (5 MiB) at most, whatever the message size (it used to be two
+// kRecvDepth + 2 x kBlockSegments segments (5 MiB) at most, whatever the message size (it used to be two
 // whole chunks: 32 MiB kept after one 64 MiB reduce_scatter on 4 ranks).
 
 #include <algorithm>
@@ -42,12 +42,19 @@ inline constexpr std::uint8_t kRingPartialSlotPrefix = 0x25;
 inline constexpr std::size_t kSegmentBytes = std::size_t{512} << 10;
 /// Segments that go through all steps together (bounds the scratch: 2 x this many segments).
 inline constexpr std::size_t kBlockSegments = 4;
+/// Receives posted ahead of the one being reduced. Deeper (4) measured no better on the 2-core
+/// machine (benchmarks/RESULTS.md, "Gloo above the frames' limit", 2026-11-27): the ring is
+/// CPU-bound there, and more data in flight only moves the same copies around.
+inline constexpr std::size_t kRecvDepth = 2;
 
 /// `in` holds size*count elements of `elem_size` bytes; `out` (count elements) may be exactly
 /// `in + rank*count` (in-place). `scratch` is reused across calls (grown as needed).
-inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
+/// `on_final(offset, bytes)` runs once a segment of `out` holds its final value.
+template <class OnFinal>
+void ring_reduce_scatter_hooked(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
                                 const Deadline& deadline, const void* in, void* out, std::size_t count,
-                                std::size_t elem_size, const ReduceFunc& reduce, std::vector<std::byte>& scratch) {
+                                std::size_t elem_size, const ReduceFunc& reduce, std::vector<std::byte>& scratch,
+                                OnFinal&& on_final) {
   const int n = ctx->size;
   const int r = ctx->rank;
   const std::size_t chunk_bytes = count * elem_size;
@@ -68,33 +75,26 @@ inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std
   auto recv_chunk = [&](std::size_t s) { return static_cast<std::size_t>((r + 2 * n - 2 - static_cast<int>(s)) % n); };
   auto seg_len = [&](std::size_t j) { return std::min(seg_bytes, chunk_bytes - j * seg_bytes); };
 
-  // Units (step s, segment j) run block by block: kBlockSegments segments through every step,
-  // then the next block. Partial sums of one block alternate between two halves of `acc` by step
-  // parity, so the scratch is bounded by the block, not by the message.
   const std::size_t w = std::min(kBlockSegments, k);  // segments per block
   const std::size_t slot_bytes = std::min(seg_bytes, chunk_bytes);
+  const std::size_t units = steps * k;
+  const std::size_t depth = std::min(kRecvDepth, units);
   const std::size_t acc_bytes = n > 2 ? 2 * w * slot_bytes : 0;
-  if (scratch.size() < 2 * slot_bytes + acc_bytes) scratch.resize(2 * slot_bytes + acc_bytes);
+  if (scratch.size() < depth * slot_bytes + acc_bytes) scratch.resize(depth * slot_bytes + acc_bytes);
   std::byte* tmp = scratch.data();
-  std::byte* acc = scratch.data() + 2 * slot_bytes;
+  std::byte* acc = scratch.data() + depth * slot_bytes;
 
-  // Step 0 forwards this rank's own input on its own slot, all posted at once; the partial sums
-  // go on a second slot. Both arrive in the order their receives are posted (gloo matches the
-  // messages of one slot and pair in order), which a single slot would not give once blocks
-  // interleave the two kinds.
   const auto in_slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingReduceScatterSlotPrefix, tag));
   const auto acc_slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingPartialSlotPrefix, tag));
   auto in_buf = ctx->createUnboundBuffer(const_cast<std::byte*>(in_bytes), static_cast<std::size_t>(n) * chunk_bytes);
-  // One buffer per receive half: a buffer counts completions, not which receive completed.
-  std::unique_ptr<::gloo::transport::UnboundBuffer> tmp_buf[2] = {ctx->createUnboundBuffer(tmp, slot_bytes),
-                                                                  ctx->createUnboundBuffer(tmp + slot_bytes, slot_bytes)};
+  std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> tmp_buf(depth);
+  for (std::size_t i = 0; i < depth; ++i) tmp_buf[i] = ctx->createUnboundBuffer(tmp + i * slot_bytes, slot_bytes);
   std::unique_ptr<::gloo::transport::UnboundBuffer> acc_buf;
   if (acc_bytes > 0) acc_buf = ctx->createUnboundBuffer(acc, acc_bytes);
 
   struct Unit {
     std::size_t s, j;
   };
-  const std::size_t units = steps * k;
   auto unit = [&](std::size_t u) {
     const std::size_t b = u / (steps * w);        // block
     const std::size_t first = b * w;               // its first segment
@@ -104,20 +104,20 @@ inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std
   };
   auto post_recv = [&](std::size_t u) {
     const Unit x = unit(u);
-    tmp_buf[u % 2]->recv(left, x.s == 0 ? in_slot : acc_slot, 0, seg_len(x.j));
+    tmp_buf[u % depth]->recv(left, x.s == 0 ? in_slot : acc_slot, 0, seg_len(x.j));
   };
   auto acc_pos = [&](const Unit& x) { return (x.s % 2) * w * slot_bytes + (x.j % w) * slot_bytes; };
 
   std::vector<std::size_t> last_reader(2 * w, 0);  // per acc position: 1 + the acc send that read it
   std::size_t in_sends = 0, acc_sends_posted = 0, acc_sends_done = 0;
-  for (std::size_t u = 0; u < std::min<std::size_t>(2, units); ++u) post_recv(u);
+  for (std::size_t u = 0; u < depth; ++u) post_recv(u);
   for (std::size_t j = 0; j < k; ++j, ++in_sends)
     in_buf->send(right, in_slot, send_chunk(0) * chunk_bytes + j * seg_bytes, seg_len(j));
 
   for (std::size_t u = 0; u < units; ++u) {
     const Unit x = unit(u);
     const std::size_t len = seg_len(x.j);
-    wait_recv(*tmp_buf[u % 2], deadline);
+    wait_recv(*tmp_buf[u % depth], deadline);
     const bool last = x.s + 1 == steps;
     std::byte* dst = last ? out_bytes + x.j * seg_bytes : acc + acc_pos(x);
     if (!last) {
@@ -125,16 +125,25 @@ inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std
       const std::size_t need = last_reader[acc_pos(x) / slot_bytes];
       for (; acc_sends_done < need; ++acc_sends_done) wait_send(*acc_buf, deadline);
     }
-    reduce(dst, in_bytes + recv_chunk(x.s) * chunk_bytes + x.j * seg_bytes, tmp + (u % 2) * slot_bytes,
+    reduce(dst, in_bytes + recv_chunk(x.s) * chunk_bytes + x.j * seg_bytes, tmp + (u % depth) * slot_bytes,
            len / elem_size);
-    if (u + 2 < units) post_recv(u + 2);
+    if (u + depth < units) post_recv(u + depth);
     if (!last) {
       acc_buf->send(right, acc_slot, acc_pos(x), len);
       last_reader[acc_pos(x) / slot_bytes] = ++acc_sends_posted;
+    } else {
+      on_final(x.j * seg_bytes, len);
     }
   }
   for (; in_sends > 0; --in_sends) wait_send(*in_buf, deadline);
   for (; acc_sends_done < acc_sends_posted; ++acc_sends_done) wait_send(*acc_buf, deadline);
+}
+
+inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
+                                const Deadline& deadline, const void* in, void* out, std::size_t count,
+                                std::size_t elem_size, const ReduceFunc& reduce, std::vector<std::byte>& scratch) {
+  ring_reduce_scatter_hooked(ctx, tag, deadline, in, out, count, elem_size, reduce, scratch,
+                             [](std::size_t, std::size_t) {});
 }
 
 }  // namespace comm::detail::gloo
