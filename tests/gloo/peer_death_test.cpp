@@ -90,8 +90,11 @@ int main() {
           std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
       std::printf("rank %d: the next operation failed too: %s (%lld ms)\n", rank, again ? "yes" : "NO", later_ms);
       std::fflush(stdout);
-      const bool ok = expected_kind && i == kDeathIteration && death_ns > 0 && ms < 10000.0 && again &&
-                      later_ms < 1000;
+      // Iteration 49 may fail too: the victim finished its part of it, but this rank may still be
+      // reading the victim's last message when the death arrives (the liveness watch, or a reset
+      // connection, which discards what the socket had not yet delivered). Seen 1 in ~30 runs.
+      const bool at_death = i == kDeathIteration || i == kDeathIteration - 1;
+      const bool ok = expected_kind && at_death && death_ns > 0 && ms < 10000.0 && again && later_ms < 1000;
       return ok ? 0 : 1;
     }
   }
