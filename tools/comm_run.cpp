@@ -708,6 +708,7 @@ class Job {
     start_ranks();
     event_loop();
     final_drain();
+    linger_store();
     merge_traces(opt_, started);
     return exit_code_;
   }
@@ -975,6 +976,34 @@ class Job {
     }
     for (Rank& r : ranks_)
       for (Stream* s : {&r.out, &r.err}) close_stream(*s, r.rank);
+  }
+
+  /// With several nodes, our ranks may be done while other nodes' ranks still use the store we
+  /// host (a slower node, a replacement finishing its step): closing it then would fail them. So
+  /// after a clean finish we keep it up until every client has disconnected, as torchrun's exit
+  /// barrier does, bounded by --timeout (else linger_limit) and cut short by a signal.
+  void linger_store() {
+    if (!store_ || opt_.nnodes <= 1 || exit_code_ != 0) return;
+    static constexpr auto linger_limit = std::chrono::minutes(5);
+    const auto until = deadline_ ? *deadline_ : Clock::now() + linger_limit;
+    while (store_->clients() > 0) {
+      if (Clock::now() >= until) {
+        message("the other nodes' ranks still hold " + std::to_string(store_->clients()) +
+                " connection(s) to the job's store; closing it (" +
+                (deadline_ ? std::string("--timeout") : std::string("5 min after this node's ranks ended")) + ")");
+        return;
+      }
+      pollfd p{sfd_, POLLIN, 0};
+      if (::poll(&p, 1, 20) > 0) {
+        signalfd_siginfo si;
+        while (::read(sfd_, &si, sizeof si) == static_cast<ssize_t>(sizeof si))
+          if (si.ssi_signo != SIGCHLD) {
+            message("got " + signal_name(static_cast<int>(si.ssi_signo)) +
+                    " while hosting the store for the other nodes; closing it");
+            return;
+          }
+      }
+    }
   }
 
   int owner(const Stream& s) const {

@@ -907,6 +907,24 @@ TEST_CASE("--nnodes 2: node 0's launcher hosts the store, node 1's ranks use it,
   }
 }
 
+TEST_CASE("--nnodes 2: node 0's launcher keeps the store up while node 1's ranks still use it") {
+  // Node 0's ranks exit at once; node 1's use the store a second later. Without the linger the
+  // store would close under them (what failed in CI once, by timing, in the test above).
+  const std::map<std::string, std::string> env{{"COMM_STORE_TOKEN", "linger"}, {"COMM_TIMEOUT", "20s"}};
+  auto node = [&](int i) {
+    return std::vector<std::string>{"--nnodes", "2",     "--node-rank", std::to_string(i), "--master-port",
+                                    "29524",    "-n",    "2",           store_probe,       "late"};
+  };
+  Launch zero(node(0), env);
+  Launch one(node(1), env);
+  const Result r0 = zero.finish(40), r1 = one.finish(40);
+  INFO(std::string(r0.out + r0.err));
+  INFO(std::string(r1.out + r1.err));
+  CHECK(r0.code == 0);
+  CHECK(r1.code == 0);
+  for (int rank : {2, 3}) CHECK(contains(r1.out, "[" + std::to_string(rank) + "] LATE OK"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // torchrun's spellings, --standalone, --log-dir/--tee/--redirects, --local-ranks-filter
 

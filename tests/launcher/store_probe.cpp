@@ -10,6 +10,9 @@
 //   store_probe members    rank 0 prints "JOB port=.. job=.."; every rank waits for the key "go",
 //                          then checks that no key "stranger*" exists, counts itself in, and
 //                          prints "MEMBER OK" once every rank has (exit 0), else exits 3.
+//   store_probe late       every rank checks in; the lower half of the ranks exits at once, the
+//                          upper half waits 1 s (the store's host node is done by then) and
+//                          sets and gets a key: "LATE OK" (exit 0).
 
 #include <signal.h>
 #include <unistd.h>
@@ -121,6 +124,18 @@ int members(const comm::InitResult& init) {
   return 0;
 }
 
+int late(const comm::InitResult& init) {
+  auto& store = *init.store;
+  store.add("in", 1);
+  while (store.add("in", 0) < init.size) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (init.rank < init.size / 2) return 0;
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  store.set("late/" + std::to_string(init.rank), "1");
+  if (text(store.get("late/" + std::to_string(init.rank))) != "1") return 6;
+  say("LATE OK");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -129,6 +144,7 @@ int main(int argc, char** argv) {
     const comm::InitResult init = comm::init_env();
     if (mode == "survive") return survive(init);
     if (mode == "members") return members(init);
+    if (mode == "late") return late(init);
     say("unknown mode");
     return 2;
   } catch (const std::exception& e) {

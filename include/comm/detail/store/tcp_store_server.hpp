@@ -134,6 +134,9 @@ class TcpStoreServer : private TcpStoreRequests {
   [[nodiscard]] std::uint16_t port() const noexcept { return port_; }
   /// The local addresses listened on.
   [[nodiscard]] const std::vector<SockAddr>& bound() const noexcept { return bound_; }
+  /// Clients connected now (any thread): a launcher that hosts the store for other nodes keeps
+  /// it up until their ranks have let go.
+  [[nodiscard]] std::size_t clients() const noexcept { return clients_.load(std::memory_order_relaxed); }
 
  private:
   static constexpr std::size_t read_chunk = std::size_t{64} << 10;
@@ -324,7 +327,7 @@ class TcpStoreServer : private TcpStoreRequests {
         close_after_reply(ref, now);
         flush(ref, now);
       } else {
-        ++active_;
+        clients_.store(++active_, std::memory_order_relaxed);
       }
       settle(ref);
     }
@@ -529,7 +532,7 @@ class TcpStoreServer : private TcpStoreRequests {
     if (c.will) fire_will(c, "its connection to the store closed (the process exited or was killed)");
     if (c.pending) unpark(c);
     c.dead = true;
-    if (c.counted) --active_;
+    if (c.counted) clients_.store(--active_, std::memory_order_relaxed);
     dead_.push_back(c.id);
     c.fd.reset();  // closing it also takes it out of the epoll set
     Bytes().swap(c.in);
@@ -614,6 +617,7 @@ class TcpStoreServer : private TcpStoreRequests {
   Fd wake_w_;
   Fd ep_;
   std::size_t active_ = 0;            // live connections counted against max_connections
+  std::atomic<std::size_t> clients_{0};  // active_, for clients()
   std::vector<std::uint64_t> dead_;   // dropped this turn: erased at its end
   // (deadline, connection id), earliest first; an entry is current while it equals Conn::timer.
   std::priority_queue<std::pair<Clock::time_point, std::uint64_t>,
