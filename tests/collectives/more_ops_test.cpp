@@ -469,13 +469,79 @@ TEST_CASE("shm: a one-step rooted mismatch is a DesyncError on every rank, at th
         FAIL("the operation after a mismatched ", op, " did not report it");
       } catch (const comm::DesyncError& e) {
         found = e.what();
-        CHECK(shm_has(found, "found at this rank's next operation"));
+        CHECK(shm_has(found, "found at the start of a later operation"));
       }
       CHECK(v[0] == 1.f);
     }
     INFO(found);
     CHECK(shm_has(found, "root 1"));
     CHECK(shm_has(found, "root 0"));
+  }
+}
+
+// A root of small rooted operations runs ahead of its readers (up to kRing - kLag steps, the
+// lane slots of segment.hpp): every value must still arrive intact and in order, whichever rank
+// is root, with steps through the halves (64 KiB) in between, which use other reuse rules.
+TEST_CASE("shm: back-to-back small rooted operations with the root running ahead deliver every value") {
+  const auto& w = comm::test::world();
+  const int n = w.size;
+  const int me = w.rank;
+  const auto un = static_cast<std::size_t>(n);
+  auto c = make_comm();
+  long long bad = 0;
+  for (int i = 0; i < 300; ++i) {
+    const int root = (i / 7) % n;  // runs of one root, so that it can get ahead
+    std::vector<long long> b(i % 3 == 0 ? 1 : 500, me == root ? i : -1);
+    c.broadcast(b, root);
+    bad += std::count_if(b.begin(), b.end(), [&](long long v) { return v != i; });
+    std::vector<long long> mine(2, 1000LL * i + me), all(2 * un, -1);
+    c.gather(std::span<const long long>(mine), std::span<long long>(all), root);
+    if (me == root)
+      for (std::size_t p = 0; p < un; ++p) bad += all[2 * p] != 1000LL * i + static_cast<long long>(p);
+    std::vector<long long> pieces(2 * un), got(2, -1);
+    for (std::size_t p = 0; p < un; ++p) pieces[2 * p] = pieces[2 * p + 1] = 7LL * i + static_cast<long long>(p);
+    c.scatter(std::span<const long long>(pieces), std::span<long long>(got), root);
+    bad += got[1] != 7LL * i + me;
+    std::vector<long long> r(3, i + me), sum(3, -1);
+    c.reduce(std::span<const long long>(r), std::span<long long>(sum), root);
+    if (me == root) bad += sum[2] != static_cast<long long>(n) * i + static_cast<long long>(n) * (n - 1) / 2;
+    if (i % 50 == 49) {  // 64 KiB: through the halves
+      std::vector<float> big(16384, me == root ? static_cast<float>(i) : 0.f);
+      c.broadcast(big, root);
+      bad += std::count_if(big.begin(), big.end(), [&](float v) { return v != static_cast<float>(i); });
+    }
+  }
+  CHECK(bad == 0);
+  std::vector<long long> total(1, bad);
+  c.all_reduce(total);
+  CHECK(total[0] == 0);
+}
+
+// Back-to-back small broadcasts: the root compares the readers' fingerprints kLag steps late, so
+// a mismatch reaches it within kLag + 1 broadcasts, as a DesyncError before it publishes more.
+TEST_CASE("shm: a mismatch among back-to-back small broadcasts reaches the root within 9 of them") {
+  const auto& w = comm::test::world();
+  if (w.size < 2) return;
+  const int me = w.rank;
+  auto c = make_comm();
+  std::vector<float> a(me == 1 ? 5 : 4, 1.f);  // rank 1 broadcasts 5 elements, the others 4
+  int thrown_at = -1;
+  for (int i = 0; i < 12 && thrown_at < 0; ++i) {
+    try {
+      c.broadcast(a, 0);
+    } catch (const comm::DesyncError& e) {
+      thrown_at = i;
+      if (me == 0) CHECK(shm_has(e.what(), "found at the start of a later operation"));
+    }
+  }
+  INFO("rank ", me, " threw at broadcast #", thrown_at);
+  if (me == 0) {
+    CHECK(thrown_at >= 1);
+    CHECK(thrown_at <= 9);
+  } else if (me == 1) {
+    CHECK(thrown_at == 0);  // it reads the root's header at once
+  } else {
+    CHECK(thrown_at >= 0);  // a reader that matched the root finds rank 1 later
   }
 }
 

@@ -23,7 +23,9 @@
 ///   `chunk_bytes`; half/bfloat16/fp8 reductions accumulate in float across all ranks and round
 ///   once. broadcast, scatter, gather and reduce whose buffer fits one chunk take one step without
 ///   a rendezvous: the root of a broadcast or scatter publishes and returns, a non-root of a gather
-///   or reduce likewise.
+///   or reduce likewise. Steps of at most 16 KiB go through a ring of 16 slots per rank, so a root
+///   of back-to-back small rooted operations runs up to 8 of them ahead of its slowest reader, as
+///   an MPI's eager protocol lets it.
 /// - **Single copy:** all_reduce, all_gather and broadcast of at least COMM_SHM_CMA_MIN bytes
 ///   (1 MiB) read the peers' buffers directly with `process_vm_readv` (cross-memory attach): one
 ///   copy by the kernel instead of two through the segment. Every rank tries it on every peer at
@@ -46,7 +48,8 @@
 ///   (the root of a one-step broadcast or scatter, a non-root of a one-step gather or reduce, and
 ///   with more than 2 ranks a non-root of a one-step broadcast or scatter, which reads only the
 ///   root's) returns from it and throws the DesyncError, naming the mismatched calls, at the start
-///   of its next collective (point-to-point calls in between do not check). As after any failed
+///   of its next collective that is not a one-step rooted one, or at the latest 8 collectives
+///   later (point-to-point calls in between do not check). As after any failed
 ///   operation the communicator is then unusable; with the desync check on, every rank throws
 ///   before the mismatched operation moves anything and the communicator stays usable.
 /// - **Reductions:** every built-in op on every element type (bitwise: integers only), and custom

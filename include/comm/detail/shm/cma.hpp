@@ -128,9 +128,11 @@ class SingleCopy {
     }
   }
 
+  static constexpr std::size_t kAddressBytes = 2 * sizeof(std::uint64_t);  // at most two addresses per step
+
   /// Publishes step `s` with `addrs` (buffer addresses) as payload and waits for every peer.
   void publish_addresses(std::uint64_t s, std::initializer_list<const void*> addrs) {
-    std::byte* mine = self().begin(s);
+    std::byte* mine = self().begin(s, kAddressBytes);
     for (const void* a : addrs) {
       const auto v = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(a));
       std::memcpy(mine, &v, sizeof v);
@@ -141,7 +143,7 @@ class SingleCopy {
   }
   [[nodiscard]] std::uint64_t address_of(int p, std::uint64_t s, int i) const noexcept {
     std::uint64_t v = 0;
-    std::memcpy(&v, self().payload(p, s) + static_cast<std::size_t>(i) * sizeof v, sizeof v);
+    std::memcpy(&v, self().payload(p, s, kAddressBytes) + static_cast<std::size_t>(i) * sizeof v, sizeof v);
     return v;
   }
 

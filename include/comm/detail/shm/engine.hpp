@@ -5,24 +5,29 @@
 // core's (detail/engine/core.hpp).
 //
 // The protocol (steps.hpp; waiting primitives in wait.hpp) and the algorithms written on it (here):
-// a communicator-wide step counter, the same on every rank. In step s a rank writes
-// its contribution into its half s%2 and then publishes s in that half's header line (release
-// store); a reader waits until the writer's header says s (acquire load) and reads. With the
-// header line also go the fingerprint of the step's operation (so a peer in another operation, or
-// with another count, is a DesyncError on every rank, never a wrong read) and up to kInline bytes
-// of payload: an 8-byte all_reduce between two ranks moves one cache line each way.
+// a communicator-wide step counter, the same on every rank. In step s a rank writes its
+// contribution into its lane slot s%kRing (steps of at most kLaneBytes: every small operation) or
+// its half s%2 (larger steps) and then publishes s in the slot's header line (release store); a
+// reader waits until the writer's header says s (acquire load) and reads. With the header line
+// also go the fingerprint of the step's operation (so a peer in another operation, or with
+// another count, is a DesyncError on every rank, never a wrong read) and up to kInline bytes of
+// payload: an 8-byte all_reduce between two ranks moves one cache line each way.
 //   - A half written in step s was last written in step s-2; a rank writes it only once every
-//     peer has published s-1 (and so finished step s-2). In symmetric steps that is already
-//     known from the previous step's wait, so it costs nothing.
+//     peer has published s-1 (and so finished step s-2). A lane slot is rewritten kRing steps
+//     later, once every peer has published s - kRing + kLag (segment.hpp): so a root of small
+//     rooted operations runs up to kRing - kLag operations ahead of its slowest reader, where one
+//     pair of halves held it to one. In symmetric steps both are already known from the
+//     previous step's wait, so they cost nothing.
 //   - The first step of every operation of several steps is symmetric: every rank publishes and
 //     reads every rank's header, so every rank sees every fingerprint and either all throw
 //     DesyncError or none does (then the communicator stays usable: every rank consumed the same
 //     step). Rooted operations of one step (broadcast, scatter, gather, reduce within one chunk)
 //     skip it: a rank reads only the headers it needs (the root's, or the root reads everyone's)
 //     and checks their fingerprints; a rank that did not read every peer's header leaves the step
-//     unchecked, and its next collective compares it (steps.hpp, settle()) and throws the
-//     DesyncError before it publishes anything. A mismatch thus ends after one step everywhere,
-//     whatever the operations' lengths, and nothing is ever read from a peer in another operation.
+//     unchecked, and compares it (steps.hpp, settle()) at the entry of its next operation that is
+//     not a one-step rooted one, or at the latest kLag steps later, and throws the DesyncError
+//     before it publishes anything of that operation. Nothing is ever read from a peer in
+//     another operation.
 //   - Large all_reduce, all_gather and broadcast read the peers' buffers directly with
 //     process_vm_readv (single copy; see cma.hpp), framed by symmetric steps
 //     that carry the buffer addresses and say when a buffer may be overwritten or released.
@@ -89,6 +94,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     ctl(rank).pid = static_cast<std::int64_t>(::getpid());
     // Touch this rank's halves here, so that their pages are on this rank's NUMA node.
     std::memset(static_cast<void*>(half(rank, 0)), 0, 2 * layout_.half_bytes);
+    std::memset(static_cast<void*>(slot(rank, 0)), 0, kRing * layout_.lane_bytes);
     spin_ = cfg.spin >= 0 ? cfg.spin : default_spin(size);
     spin_now_ = spin_;
     // One step that every rank takes: afterwards every pid is published.
@@ -128,7 +134,10 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     fp_ = fingerprint(seq, op.desc);
     op_seq_ = seq;
     op_name_ = op_name(op.desc.kind);
-    settle();
+    if (one_step_rooted(op))
+      settle(false, step_ + 1);
+    else
+      settle(true);
     dispatch(op, seq);
   }
 
@@ -298,14 +307,14 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     fp_ = fingerprint(seq, OpDesc{OpKind::barrier, OpDesc::none, OpDesc::none, -2, 0});
     op_seq_ = seq;
     op_name_ = "desync_check";
-    settle();
+    settle(true);
     auto& all = fingerprints();
     const std::uint64_t s = next_step();
-    copy(begin(s), &all[static_cast<std::size_t>(rank())], sizeof(Fingerprint));
+    copy(begin(s, sizeof(Fingerprint)), &all[static_cast<std::size_t>(rank())], sizeof(Fingerprint));
     publish(s);
     wait_all(s);
     for (int p = 0; p < size(); ++p)
-      if (p != rank()) std::memcpy(&all[static_cast<std::size_t>(p)], payload(p, s), sizeof(Fingerprint));
+      if (p != rank()) std::memcpy(&all[static_cast<std::size_t>(p)], payload(p, s, sizeof(Fingerprint)), sizeof(Fingerprint));
   }
 
   /// Tells every peer that this communicator failed (their waits end with RemoteError naming this
@@ -378,10 +387,10 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     if (use_cma(count * e) && count * e > small_max_) return cma_all_reduce(op);
     if (count * e <= small_max_) {
       const std::uint64_t s = next_step();
-      copy(begin(s), in, count * e);
+      copy(begin(s, count * e), in, count * e);
       publish(s);
       wait_all(s);
-      for (int p = 0; p < n; ++p) srcs_[static_cast<std::size_t>(p)] = p == rank() ? in : payload(p, s);
+      for (int p = 0; p < n; ++p) srcs_[static_cast<std::size_t>(p)] = p == rank() ? in : payload(p, s, count * e);
       reduce_from(op, out, count, true);
       return;
     }
@@ -395,7 +404,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
       const std::size_t hi = std::min(m, lo + q);
       const std::uint64_t a = next_step();
       // The peers read their slices of this rank's chunk; its own slice it reads from `in`.
-      std::byte* staged = begin(a);
+      std::byte* staged = begin(a, m * e);
       copy(staged, in + off * e, lo * e);
       copy(staged + hi * e, in + (off + hi) * e, (m - hi) * e);
       publish(a);
@@ -403,8 +412,8 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
       const std::uint64_t b = next_step();
       // Half b%2 was last read in step a-1, which every peer has left (they published a).
       for (int p = 0; p < n; ++p)
-        srcs_[static_cast<std::size_t>(p)] = (p == rank() ? in + off * e : payload(p, a)) + lo * e;
-      std::byte* mine = payload(rank(), b) + lo * e;
+        srcs_[static_cast<std::size_t>(p)] = (p == rank() ? in + off * e : payload(p, a, m * e)) + lo * e;
+      std::byte* mine = payload(rank(), b, m * e) + lo * e;
       reduce_from(op, mine, hi - lo, true);
       publish(b);
       // Own slice: copied after the reduction, since `out` may be `in` (the other ranks' slices of
@@ -415,7 +424,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
         wait_step(p, b);
         const std::size_t plo = std::min(m, q * static_cast<std::size_t>(p));
         const std::size_t phi = std::min(m, plo + q);
-        copy(out + (off + plo) * e, payload(p, b) + plo * e, (phi - plo) * e);
+        copy(out + (off + plo) * e, payload(p, b, m * e) + plo * e, (phi - plo) * e);
       }
     }
   }
@@ -429,14 +438,15 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const std::size_t k = per_step(e, static_cast<std::size_t>(n));
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
-      std::byte* mine = begin(s);
+      const std::size_t bytes = static_cast<std::size_t>(n) * c * e;
+      std::byte* mine = begin(s, bytes);
       // Piece r of this step: in[r*m + off, +c), at r*c in the payload.
       for (int r = 0; r < n; ++r)
         copy(mine + static_cast<std::size_t>(r) * c * e, in + (static_cast<std::size_t>(r) * m + off) * e, c * e);
       publish(s);
       wait_all(s);
       for (int p = 0; p < n; ++p)
-        srcs_[static_cast<std::size_t>(p)] = payload(p, s) + static_cast<std::size_t>(rank()) * c * e;
+        srcs_[static_cast<std::size_t>(p)] = payload(p, s, bytes) + static_cast<std::size_t>(rank()) * c * e;
       reduce_from(op, out + off * e, c, true);
     });
   }
@@ -451,15 +461,28 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const std::size_t k = per_step(e);
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
-      copy(begin(s), in + off * e, c * e);
+      copy(begin(s, c * e), in + off * e, c * e);
       publish(s);
       wait_all(s);
       for (int p = 0; p < n; ++p) {
         std::byte* dst = out + (static_cast<std::size_t>(p) * m + off) * e;
-        const std::byte* src = p == rank() ? in + off * e : payload(p, s);
+        const std::byte* src = p == rank() ? in + off * e : payload(p, s, c * e);
         if (dst != src) move(dst, src, c * e);
       }
     });
+  }
+
+  /// Whether `op` is a rooted operation of one step (what dispatch does with it): its entry need
+  /// not wait for the peers' fingerprints of recent unchecked steps (settle).
+  [[nodiscard]] bool one_step_rooted(const Op& op) const noexcept {
+    const std::size_t e = op.elem_size;
+    switch (op.desc.kind) {
+      case OpKind::broadcast: return !use_cma(op.out_count * e) && op.out_count <= per_step(e);
+      case OpKind::scatter: return op.out_count <= per_step(e, static_cast<std::size_t>(size()));
+      case OpKind::gather: return op.in_count <= per_step(e);
+      case OpKind::reduce: return op.in_count * e <= layout_.chunk;
+      default: return false;
+    }
   }
 
   /// Publishes step `s` of an operation whose data comes from `root`. In an operation of one step
@@ -492,13 +515,14 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const std::size_t k = per_step(e, un);
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
-      std::byte* mine = begin(s);
+      std::byte* mine = begin(s, un * c * e);
       for (std::size_t r = 0; r < un; ++r)
         if (r != me) copy(mine + r * c * e, in + (r * m + off) * e, c * e);
       publish(s);
       wait_all(s);
       for (std::size_t p = 0; p < un; ++p) {
-        const std::byte* src = p == me ? in + (me * m + off) * e : payload(static_cast<int>(p), s) + me * c * e;
+        const std::byte* src =
+            p == me ? in + (me * m + off) * e : payload(static_cast<int>(p), s, un * c * e) + me * c * e;
         copy(out + (p * m + off) * e, src, c * e);
       }
     });
@@ -518,12 +542,12 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
       if (rank() == root) {
-        std::byte* mine = begin(s);
+        std::byte* mine = begin(s, un * c * e);
         for (std::size_t r = 0; r < un; ++r)
           if (r != me) copy(mine + r * c * e, in + (r * m + off) * e, c * e);
       }
       rooted_step(s, root, first, m <= k);
-      const std::byte* src = rank() == root ? in + (me * m + off) * e : payload(root, s) + me * c * e;
+      const std::byte* src = rank() == root ? in + (me * m + off) * e : payload(root, s, un * c * e) + me * c * e;
       if (src != out + off * e) move(out + off * e, src, c * e);
     });
   }
@@ -538,9 +562,9 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     bool first = true;
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
-      if (rank() == root) copy(begin(s), data + off * e, c * e);
+      if (rank() == root) copy(begin(s, c * e), data + off * e, c * e);
       rooted_step(s, root, first, m <= k);
-      if (rank() != root) copy(data + off * e, payload(root, s), c * e);
+      if (rank() != root) copy(data + off * e, payload(root, s, c * e), c * e);
     });
   }
 
@@ -555,7 +579,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     bool first = true;
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
-      if (rank() != root) copy(begin(s), in + off * e, c * e);
+      if (rank() != root) copy(begin(s, c * e), in + off * e, c * e);
       publish(s);
       // One step: the root reads (and checks) every peer, the others leave the step unchecked.
       // Several: the first step is symmetric (rooted_step).
@@ -573,7 +597,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
             continue;
           }
           wait_step(p, s);
-          copy(dst, payload(p, s), c * e);
+          copy(dst, payload(p, s, c * e), c * e);
         }
       }
     });
@@ -586,7 +610,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const int root = op.desc.root;
     const std::uint64_t s = next_step();
     if (rank() != root) {
-      copy(begin(s), op.in, count * op.elem_size);
+      copy(begin(s, count * op.elem_size), op.in, count * op.elem_size);
       publish(s);
       leave_unchecked(s);
       return;
@@ -594,7 +618,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     publish(s);
     for (int p = 0; p < size(); ++p) {
       if (p != rank()) wait_step(p, s);
-      srcs_[static_cast<std::size_t>(p)] = p == rank() ? op.in : payload(p, s);
+      srcs_[static_cast<std::size_t>(p)] = p == rank() ? op.in : payload(p, s, count * op.elem_size);
     }
     reduce_from(op, op.out, count, true);
   }

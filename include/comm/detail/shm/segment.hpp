@@ -6,8 +6,12 @@
 // read from the segment):
 //   Header                 magic, version, size, chunk, the abort words
 //   RankCtl[size]          per rank: pid, the futex bell and its sleeper count, "left" flag
-//   Half[size][2]          per rank, two halves (by step parity): a header line {step, fp} that
-//                          the rank publishes, then `chunk` bytes of payload
+//   Lane[size][kRing]      per rank, a ring of step slots (by step mod kRing): a header line
+//                          {step, fp} that the rank publishes in every step, then kLaneBytes of
+//                          payload for steps that carry at most that much (starting inside the
+//                          header line, so a small step moves one line)
+//   Half[size][2]          per rank, two halves (by step parity): `chunk` bytes of payload for the
+//                          steps that carry more than kLaneBytes
 //   ChannelCtl[size][size] point-to-point, per (sender, receiver): chunks posted, chunks taken
 //   Slot[size][size][2]    per channel two slots: a header line (the message's P2PHeader on its
 //                          first chunk, the chunk's bytes) and `p2p_chunk` bytes of payload
@@ -48,6 +52,9 @@ namespace comm::detail::shm {
 
 inline constexpr std::size_t kLine = 64;
 
+/// The layout's version: 2 moved the step headers from the halves into the lanes.
+inline constexpr std::uint32_t kVersion = 2;
+
 struct alignas(kLine) Header {
   static constexpr std::uint64_t kMagic = 0x636f6d6d73686d31ull;  // "commshm1"
   std::uint64_t magic;
@@ -69,8 +76,6 @@ struct alignas(kLine) RankCtl {
   alignas(kLine) std::atomic<std::uint32_t> left;      // the rank destroyed its communicator
 };
 
-/// The header line of a half: the step it holds and the fingerprint of that step's operation.
-/// Small payloads continue in the same line, so a peer reading a small step moves one line.
 /// A point-to-point channel's counters: the sender bumps `posted` after filling slot posted%2,
 /// the receiver bumps `taken` after reading slot taken%2 (at most two chunks in flight).
 struct alignas(kLine) ChannelCtl {
@@ -78,11 +83,26 @@ struct alignas(kLine) ChannelCtl {
   alignas(kLine) std::atomic<std::uint64_t> taken;
 };
 
-struct alignas(kLine) HalfHeader {
+/// The header line of a lane slot: the step it holds and the fingerprint of that step's
+/// operation. Small payloads continue in the same line, so a peer reading a small step moves one
+/// line.
+struct alignas(kLine) StepHeader {
   std::atomic<std::uint64_t> step;
   std::uint64_t fp;
 };
 inline constexpr std::size_t kInline = kLine - 16;  // payload bytes in the header line
+
+/// Lane slots per rank. A rank may publish step s once every peer has published s - kRing + kLag:
+/// a root of small broadcasts runs up to kRing - kLag steps ahead of the slowest reader instead of
+/// one (two halves), which is what lets a small rooted operation return at once, as an MPI's eager
+/// protocol does. A rank compares the fingerprints it did not read in a step at most kLag steps
+/// later (steps.hpp), before the slot can be rewritten.
+inline constexpr std::uint64_t kRing = 16;
+inline constexpr std::uint64_t kLag = 8;
+static_assert(kLag >= 1 && kLag < kRing);
+/// Payload bytes of a lane slot: every one-step operation up to this size moves through the lanes
+/// (the default small all_reduce limit, 16 KiB, fits).
+inline constexpr std::size_t kLaneBytes = std::size_t{16} << 10;
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free && std::atomic<std::uint32_t>::is_always_lock_free,
               "comm: the Shm backend needs lock-free 32- and 64-bit atomics in shared memory");
@@ -91,16 +111,18 @@ static_assert(std::atomic<std::uint64_t>::is_always_lock_free && std::atomic<std
 struct Layout {
   int size = 0;
   std::size_t chunk = 0;  // payload bytes per half (a multiple of kLine)
-  std::size_t ctl = 0, halves = 0, half_bytes = 0;
+  std::size_t ctl = 0, lanes = 0, lane_bytes = 0, halves = 0, half_bytes = 0;
   std::size_t p2p_chunk = 0;  // payload bytes per channel slot
   std::size_t channels = 0, slots = 0, slot_bytes = 0, total = 0;
 
   Layout(int n, std::size_t chunk_bytes) : size(n), chunk(chunk_bytes) {
     const auto un = static_cast<std::size_t>(n);
     ctl = sizeof(Header);
-    halves = ctl + un * sizeof(RankCtl);
-    // The payload starts inside the header line (after step and fp).
-    half_bytes = (16 + chunk + kLine - 1) / kLine * kLine;
+    lanes = ctl + un * sizeof(RankCtl);
+    // A lane's payload starts inside its header line (after step and fp).
+    lane_bytes = (sizeof(StepHeader::step) + sizeof(StepHeader::fp) + kLaneBytes + kLine - 1) / kLine * kLine;
+    halves = lanes + un * kRing * lane_bytes;
+    half_bytes = (chunk + kLine - 1) / kLine * kLine;
     channels = halves + un * 2 * half_bytes;
     // Channels grow with size^2: at most ~8 MiB of slots in all, 1-64 KiB per slot.
     p2p_chunk = std::clamp<std::size_t>((std::size_t{8} << 20) / (2 * un * un), std::size_t{1} << 10,
@@ -229,14 +251,14 @@ class NameGuard {
     std::memset(base, 0, layout.total);
     auto* h = reinterpret_cast<Header*>(base);
     h->magic = Header::kMagic;
-    h->version = 1;
+    h->version = kVersion;
     h->size = layout.size;
     h->chunk = layout.chunk;
     h->total = layout.total;
     store.set(name_key, name);
   } else {
     const auto* h = reinterpret_cast<const Header*>(base);
-    if (h->magic != Header::kMagic || h->size != layout.size || h->chunk != layout.chunk || h->total != layout.total)
+    if (h->magic != Header::kMagic || h->version != kVersion || h->size != layout.size || h->chunk != layout.chunk || h->total != layout.total)
       throw InvalidArgument(op, rank,
                             "the shared segment " + name + " does not match this communicator (size " +
                                 std::to_string(h->size) + ", chunk " + std::to_string(h->chunk) + ", expected " +

@@ -26,6 +26,10 @@ namespace comm::detail::shm {
 class Steps {
  protected:
   using Clock = std::chrono::steady_clock;
+  struct Unchecked {
+    std::uint64_t step;
+    Fingerprint fp;  // this rank's in that step
+  };
 
   Steps(int rank, int size, std::chrono::milliseconds timeout, std::size_t chunk)
       : layout_(size, chunk),
@@ -34,16 +38,23 @@ class Steps {
         table_(static_cast<std::size_t>(size)),
         step_rank_(rank),
         step_size_(size),
-        wait_limit_(timeout) {}
+        wait_limit_(timeout) {
+    unchecked_.reserve(kRing);  // at most kLag are kept (settle), so this never grows on a call
+  }
 
   // ---- layout ----
 
   [[nodiscard]] RankCtl& ctl(int p) const noexcept {
     return reinterpret_cast<RankCtl*>(map_.base() + layout_.ctl)[p];
   }
-  [[nodiscard]] HalfHeader* half(int p, std::uint64_t s) const noexcept {
-    return reinterpret_cast<HalfHeader*>(map_.base() + layout_.halves +
-                                         (static_cast<std::size_t>(p) * 2 + (s & 1)) * layout_.half_bytes);
+  /// Rank p's lane slot of step s: its header line, the payload right behind.
+  [[nodiscard]] StepHeader* slot(int p, std::uint64_t s) const noexcept {
+    return reinterpret_cast<StepHeader*>(map_.base() + layout_.lanes +
+                                         (static_cast<std::size_t>(p) * kRing + s % kRing) * layout_.lane_bytes);
+  }
+  /// Rank p's half of step s (payloads above kLaneBytes).
+  [[nodiscard]] std::byte* half(int p, std::uint64_t s) const noexcept {
+    return map_.base() + layout_.halves + (static_cast<std::size_t>(p) * 2 + (s & 1)) * layout_.half_bytes;
   }
   [[nodiscard]] ChannelCtl& channel(int from, int to) const noexcept {
     return reinterpret_cast<ChannelCtl*>(map_.base() + layout_.channels)[static_cast<std::size_t>(from) *
@@ -54,8 +65,11 @@ class Steps {
     const std::size_t c = static_cast<std::size_t>(from) * static_cast<std::size_t>(step_size_) + static_cast<std::size_t>(to);
     return map_.base() + layout_.slots + (c * 2 + (chunk & 1)) * layout_.slot_bytes;
   }
-  [[nodiscard]] std::byte* payload(int p, std::uint64_t s) const noexcept {
-    return reinterpret_cast<std::byte*>(half(p, s)) + sizeof(std::uint64_t) + sizeof(Fingerprint);
+  /// Where rank p's payload of step s lies when the step carries `bytes` (the writer's and the
+  /// readers' `bytes` agree whenever their fingerprints do, and a reader checks that first).
+  [[nodiscard]] std::byte* payload(int p, std::uint64_t s, std::size_t bytes) const noexcept {
+    return bytes <= kLaneBytes ? reinterpret_cast<std::byte*>(slot(p, s)) + sizeof(std::uint64_t) + sizeof(Fingerprint)
+                               : half(p, s);
   }
   static_assert(sizeof(std::uint64_t) + sizeof(Fingerprint) <= kLine);
 
@@ -63,22 +77,27 @@ class Steps {
 
   [[nodiscard]] std::uint64_t next_step() noexcept { return ++step_; }
 
-  /// Returns once every peer has left step s-2 (published s-1), so half s%2 may be rewritten.
-  void ensure_free(std::uint64_t s) {
+  /// Returns once this rank's slot of step s may be rewritten (every peer published s - kRing +
+  /// kLag: it read that slot's payload before publishing the step after it, and compared its
+  /// fingerprint at most kLag steps later) and, for a step that uses the halves, half s%2 too
+  /// (every peer left step s-2: published s-1).
+  void ensure_free(std::uint64_t s, bool half_too) {
+    std::uint64_t need = s + kLag > kRing ? s + kLag - kRing : 0;
+    if (half_too) need = std::max(need, s - 1);
     for (int p = 0; p < step_size_; ++p)
-      if (p != step_rank_ && seen_[static_cast<std::size_t>(p)] + 1 < s) wait_published(p, s - 1);
+      if (p != step_rank_ && seen_[static_cast<std::size_t>(p)] < need) wait_published(p, need);
   }
 
-  /// This rank's payload for step `s`, once it may be written.
-  std::byte* begin(std::uint64_t s) {
-    ensure_free(s);
-    return payload(step_rank_, s);
+  /// This rank's payload of `bytes` for step `s`, once it may be written.
+  std::byte* begin(std::uint64_t s, std::size_t bytes) {
+    ensure_free(s, bytes > kLaneBytes);
+    return payload(step_rank_, s, bytes);
   }
 
   /// Publishes step `s` with the current operation's fingerprint; wakes sleepers on this rank.
   void publish(std::uint64_t s) {
-    ensure_free(s);  // (the header line is rewritten too)
-    HalfHeader* h = half(step_rank_, s);
+    ensure_free(s, false);
+    StepHeader* h = slot(step_rank_, s);
     std::memcpy(reinterpret_cast<std::byte*>(h) + sizeof(std::uint64_t), &fp_, sizeof(Fingerprint));
     h->step.store(s, std::memory_order_seq_cst);
     if (ctl(step_rank_).sleepers.load(std::memory_order_seq_cst) != 0) ring(step_rank_);
@@ -92,9 +111,7 @@ class Steps {
   /// Waits until peer `p` has published step `s`, then checks its fingerprint.
   void wait_step(int p, std::uint64_t s) {
     wait_published(p, s);
-    const auto* f = reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(half(p, s)) +
-                                                         sizeof(std::uint64_t));
-    if (!same(*f, fp_)) desync(s);
+    if (!same(*header_fp(p, s), fp_)) desync(s);
   }
 
   /// The first step of every operation: waits for every peer and compares every fingerprint.
@@ -103,9 +120,7 @@ class Steps {
     for (int p = 0; p < step_size_; ++p) {
       if (p == step_rank_) continue;
       wait_published(p, s);
-      const auto* f = reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(half(p, s)) +
-                                                           sizeof(std::uint64_t));
-      mismatch = mismatch || !same(*f, fp_);
+      mismatch = mismatch || !same(*header_fp(p, s), fp_);
     }
     if (mismatch) desync(s);
   }
@@ -114,10 +129,7 @@ class Steps {
   [[noreturn]] void desync(std::uint64_t s) {
     for (int p = 0; p < step_size_; ++p) {
       if (p != step_rank_) wait_published(p, s);
-      std::memcpy(&table_[static_cast<std::size_t>(p)],
-                  p == step_rank_ ? static_cast<const void*>(&fp_)
-                              : reinterpret_cast<const std::byte*>(half(p, s)) + sizeof(std::uint64_t),
-                  sizeof(Fingerprint));
+      std::memcpy(&table_[static_cast<std::size_t>(p)], p == step_rank_ ? &fp_ : header_fp(p, s), sizeof(Fingerprint));
     }
     auto msg = desync_message(table_);
     if (msg.empty()) msg = "a peer ran a different step of this operation";
@@ -130,47 +142,71 @@ class Steps {
   //
   // A one-step operation in which this rank did not read every peer's header (the root of a
   // broadcast or scatter, a non-root of a gather or reduce) returns without waiting for the peers;
-  // it leaves that step unchecked. The next collective's entry compares the peers' fingerprints of
-  // that step (their half still holds it: a peer rewrites that half only after this rank
-  // publishes the next step) and throws DesyncError, naming the mismatched calls, before this
-  // rank publishes anything of its own.
+  // it leaves that step unchecked. The peers' fingerprints of the step stay in their slots until
+  // this rank has published kLag more steps (ensure_free), so the comparison can wait: the next
+  // operation's entry compares whatever unchecked steps the peers have published by then; a small
+  // rooted operation waits only for those kLag steps old, so that a root of back-to-back small
+  // broadcasts runs ahead of its readers; any other operation compares all of them. A mismatch is
+  // a DesyncError, naming the mismatched calls, thrown before this rank publishes anything of the
+  // operation it is entering.
 
   /// Marks step `s` of the current operation as not compared with every peer.
-  void leave_unchecked(std::uint64_t s) noexcept {
-    unchecked_ = s;
-    unchecked_fp_ = fp_;
+  void leave_unchecked(std::uint64_t s) {
+    unchecked_.push_back(Unchecked{s, fp_});
   }
 
-  /// Compares the unchecked step, if any, with every peer: DesyncError on a mismatch.
-  void settle() {
-    if (unchecked_ == 0) return;
-    const std::uint64_t s = std::exchange(unchecked_, 0);
-    bool mismatch = false;
+  /// Compares the unchecked steps with every peer's, waiting for the peers: all of them (`all`),
+  /// or those that entering step `next` requires (at least kLag steps old) and, without waiting,
+  /// any others whose headers every peer has published. DesyncError on a mismatch.
+  void settle(bool all, std::uint64_t next = 0) {
+    std::size_t done = 0;
+    for (; done < unchecked_.size(); ++done) {
+      const Unchecked& u = unchecked_[done];
+      const bool due = all || u.step + kLag <= next;
+      if (!due && !published_by_all(u.step)) break;
+      for (int p = 0; p < step_size_; ++p) {
+        if (p == step_rank_) continue;
+        wait_published(p, u.step);
+        if (!same(*header_fp(p, u.step), u.fp)) mismatch_found(u);
+      }
+    }
+    unchecked_.erase(unchecked_.begin(), unchecked_.begin() + static_cast<std::ptrdiff_t>(done));
+  }
+
+  /// Whether every peer has published step `s` (no waiting).
+  [[nodiscard]] bool published_by_all(std::uint64_t s) noexcept {
     for (int p = 0; p < step_size_; ++p) {
       if (p == step_rank_) continue;
-      wait_published(p, s);
-      mismatch = mismatch || !same(*header_fp(p, s), unchecked_fp_);
+      auto& seen = seen_[static_cast<std::size_t>(p)];
+      if (seen >= s) continue;
+      if (slot(p, s)->step.load(std::memory_order_acquire) < s) return false;
+      seen = s;
     }
-    if (!mismatch) return;
+    return true;
+  }
+
+  [[noreturn]] void mismatch_found(Unchecked u) {
+    const std::uint64_t s = u.step;
+    unchecked_.clear();  // the error reports them all: the next operation starts clean
     for (int p = 0; p < step_size_; ++p)
-      std::memcpy(&table_[static_cast<std::size_t>(p)], p == step_rank_ ? &unchecked_fp_ : header_fp(p, s),
-                  sizeof(Fingerprint));
+      std::memcpy(&table_[static_cast<std::size_t>(p)], p == step_rank_ ? &u.fp : header_fp(p, s), sizeof(Fingerprint));
     auto msg = desync_message(table_);
     if (msg.empty()) msg = "a peer ran a different step";
     throw DesyncError(op_name_, step_rank_,
-                      "desync (always checked on shm; found at this rank's next operation, before it started): " +
+                      "desync (always checked on shm; found at the start of a later operation of this rank, before it "
+                      "published anything): " +
                           msg + "; every rank must issue the same collectives in the same order with matching sizes");
   }
 
   [[nodiscard]] const Fingerprint* header_fp(int p, std::uint64_t s) const noexcept {
-    return reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(half(p, s)) + sizeof(std::uint64_t));
+    return reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(slot(p, s)) + sizeof(std::uint64_t));
   }
 
-  /// Waits until `p`'s half (s%2) holds step s or later.
+  /// Waits until `p`'s slot of step s holds step s or later.
   void wait_published(int p, std::uint64_t s) {
     auto& seen = seen_[static_cast<std::size_t>(p)];
     if (seen >= s) return;
-    const auto& w = half(p, s)->step;
+    const auto& w = slot(p, s)->step;
     if (w.load(std::memory_order_acquire) >= s) {
       seen = s;
       return;
@@ -297,8 +333,7 @@ class Steps {
   Fingerprint fp_;                   // the current operation's
   std::uint64_t op_seq_ = 0;
   const char* op_name_ = "shm";
-  std::uint64_t unchecked_ = 0;  // settle(): a step not compared with every peer (0: none)
-  Fingerprint unchecked_fp_;     // this rank's fingerprint in that step
+  std::vector<Unchecked> unchecked_;  // settle(): steps not compared with every peer, oldest first
 
  private:
   int step_rank_;
