@@ -578,6 +578,15 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
         if (v[i] != sum || o[i] != base + static_cast<float>(n - 1)) bad = static_cast<long long>(i);
       }
       CHECK(bad == -1);
+      // reduce to the last rank (above the chunk: the root reads every input, no all-gather)
+      std::vector<float> red(count, -1.f);
+      c.reduce(std::span<const float>(in), std::span<float>(red), n - 1, ReduceOp::max);
+      if (me == n - 1) {
+        bad = -1;
+        for (std::size_t i = 0; i < count && bad < 0; ++i)
+          if (red[i] != static_cast<float>(i % 13) + static_cast<float>(n - 1)) bad = static_cast<long long>(i);
+        CHECK(bad == -1);
+      }
       std::vector<double> b(count, me == n - 1 ? 2.5 : 0.0);
       c.broadcast(b, n - 1);
       CHECK(std::all_of(b.begin(), b.end(), [](double x) { return x == 2.5; }));

@@ -26,7 +26,7 @@
 ///   or reduce likewise. Steps of at most 16 KiB go through a ring of 16 slots per rank, so a root
 ///   of back-to-back small rooted operations runs up to 8 of them ahead of its slowest reader, as
 ///   an MPI's eager protocol lets it.
-/// - **Single copy:** all_reduce, all_gather and broadcast of at least COMM_SHM_CMA_MIN bytes
+/// - **Single copy:** all_reduce, all_gather, broadcast and reduce of at least COMM_SHM_CMA_MIN bytes
 ///   (1 MiB) read the peers' buffers directly with `process_vm_readv` (cross-memory attach): one
 ///   copy by the kernel instead of two through the segment. Every rank tries it on every peer at
 ///   creation; if any rank cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp) every rank

@@ -55,7 +55,8 @@ struct CmaConfig {
   }
 };
 
-/// The single-copy path of `Engine` (shm::Engine): large all_reduce, broadcast and all_gather.
+/// The single-copy path of `Engine` (shm::Engine): large all_reduce, broadcast, all_gather and
+/// reduce.
 template <class Engine>
 class SingleCopy {
  protected:
@@ -203,6 +204,43 @@ class SingleCopy {
     const std::uint64_t b = self().next_step();
     self().publish(b);
     if (self().rank() == root) self().wait_all(b);
+  }
+
+  /// reduce by cross-memory attach: step a (input addresses; symmetric), the root reads every
+  /// peer's input in cache-sized blocks and reduces them into its output, step b (the root is done
+  /// reading: the others, which waited for it, may return and reuse their inputs). The others
+  /// need no buffer of the message's size, where reduce composed as an all_reduce gave each a
+  /// scratch output (allocated and zeroed per call above 8 MiB) and a second all-gather phase.
+  void cma_reduce(Op& op) {
+    const std::size_t e = op.elem_size;
+    const std::size_t count = op.in_count;
+    const int n = self().size();
+    const int root = op.desc.root;
+    const auto* in = static_cast<const std::byte*>(op.in);
+    const std::uint64_t a = self().next_step();
+    publish_addresses(a, {in});
+    if (self().rank() == root) {
+      auto* out = static_cast<std::byte*>(op.out);
+      const std::size_t k = std::max<std::size_t>(cma_.block / e, 1);
+      cma_tmp_.resize(static_cast<std::size_t>(n - 1) * k * e);
+      for (std::size_t off = 0; off < count; off += k) {
+        const std::size_t c = std::min(k, count - off);
+        std::size_t t = 0;
+        for (int p = 0; p < n; ++p) {
+          if (p == root) {
+            self().srcs_[static_cast<std::size_t>(p)] = in + off * e;
+            continue;
+          }
+          std::byte* tmp = cma_tmp_.data() + t++ * k * e;
+          cma_read(p, tmp, address_of(p, a, 0) + off * e, c * e);
+          self().srcs_[static_cast<std::size_t>(p)] = tmp;
+        }
+        self().reduce_from(op, out + off * e, c, true);
+      }
+    }
+    const std::uint64_t b = self().next_step();
+    self().publish(b);
+    if (self().rank() != root) self().wait_step(root, b);
   }
 
   /// all_gather by cross-memory attach: step a (input addresses), every rank reads every peer's

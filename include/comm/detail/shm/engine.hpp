@@ -28,7 +28,7 @@
 //     not a one-step rooted one, or at the latest kLag steps later, and throws the DesyncError
 //     before it publishes anything of that operation. Nothing is ever read from a peer in
 //     another operation.
-//   - Large all_reduce, all_gather and broadcast read the peers' buffers directly with
+//   - Large all_reduce, all_gather, broadcast and reduce read the peers' buffers directly with
 //     process_vm_readv (single copy; see cma.hpp), framed by symmetric steps
 //     that carry the buffer addresses and say when a buffer may be overwritten or released.
 // Algorithms:
@@ -159,6 +159,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
       case OpKind::all_to_all: return do_all_to_all(op);
       case OpKind::reduce:
         if (op.in_count * op.elem_size <= layout_.chunk) return do_reduce(op);
+        if (use_cma(op.in_count * op.elem_size)) return cma_reduce(op);
         return Core::compose(op, seq);  // as an all_reduce
       default: return Core::compose(op, seq);  // all_to_all_v
     }
