@@ -301,3 +301,32 @@ TEST_CASE("large broadcast, gather, all_gather: a mismatched count is a DesyncEr
     }
   }
 }
+
+TEST_CASE("large broadcast root against a large all_reduce: every rank ends at once, none by its timeout") {
+  // An all_reduce rank that gets the root's header frame in its fingerprint exchange fails the
+  // communicator at once (engine.hpp, exchange_fingerprints): the root, whose sends nobody will
+  // ever receive, and the ranks waiting on either end with RemoteError, not at their timeout.
+  COMM_REQUIRE_RANKS(2);
+  comm::backends::Gloo::Options o;
+  o.timeout = 5s;
+  auto c = make_comm(o);
+  std::vector<float> v(std::size_t{1} << 18, 1.0f);  // 1 MiB: above the frames' limit
+  const auto t0 = std::chrono::steady_clock::now();
+  bool desync = false, timeout = false, failed = false;
+  try {
+    if (c.rank() == 0)
+      c.broadcast(std::span<float>(v), 0);
+    else
+      c.all_reduce(std::span<float>(v));
+  } catch (const comm::DesyncError&) {
+    desync = failed = true;
+  } catch (const comm::Timeout&) {
+    timeout = failed = true;
+  } catch (const comm::Error&) {
+    failed = true;
+  }
+  CHECK(failed);
+  CHECK_FALSE(timeout);
+  CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+  if (c.rank() == 1) CHECK(desync);  // the root's first child (chain and tree): it got the header
+}

@@ -458,17 +458,17 @@ class Engine : public EngineCore<Engine> {
       // In frames on the operation's checked slot: a peer that runs this operation on frames
       // instead (it disagrees about it) sends a frame this receive can hold.
       const FramedOp f = frames_for(tag_of(seq), own_fingerprint(), static_cast<std::size_t>(size()), 0, "desync check");
-      all_to_all_frames(f, size(), rank(), nullptr, false,
-                        [&](std::size_t q) { std::memcpy(&all[q], f.frame(q), fp); });
-      // A peer that ran a headed operation (headed()) sent a header frame, and a root among them
-      // waits for receives that will never match: the DesyncError fails the communicator here
-      // (closing its connections wakes that root) instead of leaving it to its timeout.
-      if (!desync_check())
-        for (const Fingerprint& theirs : all)
-          if (headed_kind(theirs.kind) && std::memcmp(&theirs, &own_fingerprint(), fp) != 0) {
-            check_fingerprints(all, op_name(static_cast<OpKind>(own_fingerprint().kind)), rank());
-            break;
-          }
+      // A peer that ran a headed operation (headed()) sent a header frame, and waits on sends that
+      // will never match; nor would this exchange end (it waits for its frame to that peer, which
+      // never posts a receive for it). The DesyncError fails the communicator at once, inside the
+      // exchange: closing its connections wakes that peer and the ones waiting on this rank.
+      const bool watch = !desync_check();
+      all_to_all_frames(f, size(), rank(), nullptr, false, [&](std::size_t q) {
+        std::memcpy(&all[q], f.frame(q), fp);
+        if (watch && headed_kind(all[q].kind) && std::memcmp(&all[q], &own_fingerprint(), fp) != 0)
+          throw DesyncError(op_name(static_cast<OpKind>(own_fingerprint().kind)), rank(),
+                            "desync: " + f.mismatch(all[q], static_cast<int>(q)), "rank " + std::to_string(q));
+      });
       return;
     }
     const auto& ctx = contexts_[0];
