@@ -312,30 +312,38 @@ TEST_CASE("large broadcast, gather, all_gather: a mismatched count is a DesyncEr
   }
 }
 
-TEST_CASE("large broadcast root against a large all_reduce: every rank ends at once, none by its timeout") {
-  // An all_reduce rank that gets the root's header frame in its fingerprint exchange fails the
-  // communicator at once (engine.hpp, exchange_fingerprints): the root, whose sends nobody will
-  // ever receive, and the ranks waiting on either end with RemoteError, not at their timeout.
+TEST_CASE("a large broadcast, gather or all_gather against a large all_reduce: every rank ends at once") {
+  // An all_reduce rank that gets a header frame in its fingerprint exchange fails the
+  // communicator at once (engine.hpp, exchange_fingerprints): a broadcast root, whose sends nobody
+  // will ever receive, and the ranks waiting on either end with RemoteError, not at their timeout.
   COMM_REQUIRE_RANKS(2);
-  comm::backends::Gloo::Options o;
-  o.timeout = 5s;
-  auto c = make_comm(o);
-  std::vector<float> v(std::size_t{1} << 18, 1.0f);  // 1 MiB: above the frames' limit
-  const auto t0 = std::chrono::steady_clock::now();
-  bool timeout = false, failed = false;
-  try {
-    if (c.rank() == 0)
-      c.broadcast(std::span<float>(v), 0);
-    else
-      c.all_reduce(std::span<float>(v));
-  } catch (const comm::Timeout&) {
-    timeout = failed = true;
-  } catch (const comm::Error&) {
-    failed = true;
+  for (const std::string op : {"broadcast", "gather", "all_gather"}) {
+    INFO(op);
+    comm::backends::Gloo::Options o;
+    o.timeout = 5s;
+    auto c = make_comm(o);
+    const std::size_t count = std::size_t{1} << 18;  // 1 MiB of floats: above the frames' limit
+    std::vector<float> v(count, 1.0f), out(static_cast<std::size_t>(c.size()) * count);
+    const auto t0 = std::chrono::steady_clock::now();
+    bool timeout = false, failed = false;
+    try {
+      if (c.rank() != 0)
+        c.all_reduce(std::span<float>(v));
+      else if (op == "broadcast")
+        c.broadcast(std::span<float>(v), 0);
+      else if (op == "gather")
+        c.gather(std::span<const float>(v), std::span<float>(out), 0);
+      else
+        c.all_gather(std::span<const float>(v), std::span<float>(out));
+    } catch (const comm::Timeout&) {
+      timeout = failed = true;
+    } catch (const comm::Error&) {
+      failed = true;
+    }
+    CHECK(failed);
+    CHECK_FALSE(timeout);
+    CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+    // Which ranks see a header (DesyncError) and which hear of the failure first (RemoteError)
+    // is a race between the closes; never a Timeout.
   }
-  CHECK(failed);
-  CHECK_FALSE(timeout);
-  CHECK(std::chrono::steady_clock::now() - t0 < 3s);
-  // Which ranks see the header (DesyncError) and which hear of the failure first (RemoteError)
-  // is a race between the closes; never a Timeout.
 }
