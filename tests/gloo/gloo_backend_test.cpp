@@ -224,3 +224,126 @@ TEST_CASE("deadlines: an operation a peer never joins ends with comm::Timeout") 
   }
   comm::test::barrier();  // the others stay idle until rank 0 is done
 }
+
+TEST_CASE("point-to-point: a mismatched message's payload never lands in the receive buffer") {
+  // The payload's receive is posted with its header's (engine.hpp, perform_p2p) on a slot derived
+  // from the header, so a peer that disagrees sends it where nothing waits.
+  COMM_REQUIRE_RANKS(2);
+  struct Case {
+    const char* what;
+    int send_tag, recv_tag;
+    std::size_t send_count, recv_count;
+  };
+  for (const Case k : {Case{"tag", 1, 2, 64, 64}, Case{"shorter", 3, 3, 32, 64}, Case{"longer", 3, 3, 64, 32}}) {
+    INFO("mismatched ", k.what);
+    comm::backends::Gloo::Options o;
+    o.timeout = 5s;
+    auto c = make_comm(o);
+    if (c.rank() == 0) {
+      std::vector<float> sent(64, 2.0f);
+      try {
+        c.send(std::span<const float>(sent).first(k.send_count), 1, k.send_tag);
+      } catch (const comm::Error& e) {
+        MESSAGE("rank 0's send ended with: ", std::string(e.what()));
+      }
+    } else if (c.rank() == 1) {
+      std::vector<float> buf(64, 1.0f);
+      CHECK_THROWS_AS(c.recv(std::span<float>(buf).first(k.recv_count), 0, k.recv_tag), comm::DesyncError);
+      std::this_thread::sleep_for(50ms);  // a payload that was on its way would be in by now
+      CHECK(std::count(buf.begin(), buf.end(), 1.0f) == 64);
+    }
+  }
+}
+
+TEST_CASE("large broadcast, gather, all_gather: a mismatched count is a DesyncError on the receiver, no byte lands") {
+  // Above the frames' limit these check header frames instead of exchanging fingerprints first
+  // (engine.hpp, headed()): the rank that receives from the mismatched one throws DesyncError,
+  // the others end with an error or complete with data from ranks that agree with them.
+  COMM_REQUIRE_RANKS(2);
+  const std::size_t count = std::size_t{1} << 18;  // 1 MiB of floats: above the frames' 256 KiB
+  for (const std::string op : {"broadcast", "gather", "all_gather"}) {
+    INFO(op);
+    comm::backends::Gloo::Options o;
+    o.timeout = 5s;
+    auto c = make_comm(o);
+    const auto n = static_cast<std::size_t>(c.size());
+    const std::size_t mine = c.rank() == 1 ? 2 * count : count;  // rank 1 disagrees
+    std::vector<float> in(mine, static_cast<float>(c.rank() + 2));
+    std::vector<float> out(n * mine, -1.0f);
+    const auto t0 = std::chrono::steady_clock::now();
+    bool desync = false, timeout = false, failed = false;
+    try {
+      if (op == "broadcast")
+        c.broadcast(std::span<float>(out).first(mine), 0);
+      else if (op == "gather")
+        c.gather(std::span<const float>(in), c.rank() == 0 ? std::span<float>(out) : std::span<float>(), 0);
+      else
+        c.all_gather(std::span<const float>(in), std::span<float>(out));
+    } catch (const comm::DesyncError& e) {
+      desync = failed = true;
+      CHECK(std::string(e.what()).find(" called ") != std::string::npos);
+    } catch (const comm::Timeout&) {
+      timeout = failed = true;
+    } catch (const comm::Error& e) {
+      failed = true;
+      MESSAGE("rank ", c.rank(), " ended with: ", std::string(e.what()));
+    }
+    CHECK_FALSE(timeout);
+    CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+    std::this_thread::sleep_for(50ms);  // a payload that was on its way would be in by now
+    const auto untouched = [&](std::size_t from, std::size_t to) {
+      return std::count(out.begin() + static_cast<std::ptrdiff_t>(from), out.begin() + static_cast<std::ptrdiff_t>(to),
+                        -1.0f) == static_cast<std::ptrdiff_t>(to - from);
+    };
+    if (op == "broadcast" && c.rank() == 1) {
+      // Rank 1's parent is the root (chain and tree): the only rank that hears from rank 1's
+      // disagreement, it throws DesyncError; nothing of the root's lands.
+      CHECK(desync);
+      CHECK(untouched(0, out.size()));
+    } else if (op == "gather" && c.rank() == 0) {
+      CHECK(desync);                      // the root hears from rank 1 first
+      CHECK(untouched(count, 2 * count));  // rank 1's block of the root's output
+    } else if (op == "all_gather" && c.rank() == 1) {
+      // Everything rank 1 receives comes from rank 0, which disagrees with it.
+      CHECK(failed);
+      CHECK(untouched(0, mine));
+      CHECK(untouched(2 * mine, out.size()));
+    }
+  }
+}
+
+TEST_CASE("a large broadcast, gather or all_gather against a large all_reduce: every rank ends at once") {
+  // An all_reduce rank that gets a header frame in its fingerprint exchange fails the
+  // communicator at once (engine.hpp, exchange_fingerprints): a broadcast root, whose sends nobody
+  // will ever receive, and the ranks waiting on either end with RemoteError, not at their timeout.
+  COMM_REQUIRE_RANKS(2);
+  for (const std::string op : {"broadcast", "gather", "all_gather"}) {
+    INFO(op);
+    comm::backends::Gloo::Options o;
+    o.timeout = 5s;
+    auto c = make_comm(o);
+    const std::size_t count = std::size_t{1} << 18;  // 1 MiB of floats: above the frames' limit
+    std::vector<float> v(count, 1.0f), out(static_cast<std::size_t>(c.size()) * count);
+    const auto t0 = std::chrono::steady_clock::now();
+    bool timeout = false, failed = false;
+    try {
+      if (c.rank() != 0)
+        c.all_reduce(std::span<float>(v));
+      else if (op == "broadcast")
+        c.broadcast(std::span<float>(v), 0);
+      else if (op == "gather")
+        c.gather(std::span<const float>(v), std::span<float>(out), 0);
+      else
+        c.all_gather(std::span<const float>(v), std::span<float>(out));
+    } catch (const comm::Timeout&) {
+      timeout = failed = true;
+    } catch (const comm::Error&) {
+      failed = true;
+    }
+    CHECK(failed);
+    CHECK_FALSE(timeout);
+    CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+    // Which ranks see a header (DesyncError) and which hear of the failure first (RemoteError)
+    // is a race between the closes; never a Timeout.
+  }
+}

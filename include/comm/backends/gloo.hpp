@@ -76,6 +76,9 @@
 ///   exchange of a 32-byte fingerprint per rank (each rank sends its own to every other: one
 ///   message latency; a gloo ring allgather beyond 64 ranks), then DesyncError on every rank if
 ///   they differ; monitored_barrier through the store (detail/diagnostics/monitored_barrier.hpp).
+///   Without it, mismatches are still caught: checked frames (small operations), header frames
+///   (large broadcast, gather, all_gather: DesyncError on the receiver that saw it), a fingerprint
+///   exchange (other large collectives), point-to-point headers (docs/RELIABILITY.md).
 
 #include <algorithm>
 #include <chrono>

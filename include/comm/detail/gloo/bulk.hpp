@@ -28,6 +28,10 @@ namespace comm::detail::gloo {
 inline constexpr std::uint8_t kRingAllGatherSlotPrefix = 0x28;
 inline constexpr std::uint8_t kTreeBroadcastSlotPrefix = 0x29;
 inline constexpr std::uint8_t kDirectGatherSlotPrefix = 0x2a;
+// The same algorithms with header frames: their payload slots are hashed (hashed_slot), not tagged.
+inline constexpr std::uint8_t kHeadedBroadcastSlotPrefix = 0x2d;
+inline constexpr std::uint8_t kHeadedGatherSlotPrefix = 0x2e;
+inline constexpr std::uint8_t kHeadedAllGatherSlotPrefix = 0x2f;
 
 /// `bytes` cut into segments of at most `size` bytes.
 struct Segments {
@@ -36,6 +40,33 @@ struct Segments {
   [[nodiscard]] std::size_t count() const noexcept { return (bytes + size - 1) / size; }
   [[nodiscard]] std::size_t offset(std::size_t j) const noexcept { return j * size; }
   [[nodiscard]] std::size_t length(std::size_t j) const noexcept { return std::min(size, bytes - j * size); }
+};
+
+/// A slot of `prefix` (gloo's Slot layout: the top byte) whose lower 56 bits hash the 32 bytes at
+/// `what` (a fingerprint, a point-to-point header): ranks that agree about them meet on it, a rank
+/// that does not sends where no receive of the others waits (but for a 2^-56 chance).
+[[nodiscard]] inline std::uint64_t hashed_slot(std::uint8_t prefix, const void* what) noexcept {
+  std::uint64_t words[4];
+  std::memcpy(words, what, sizeof(words));
+  std::uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (std::uint64_t w : words) {  // splitmix64's finalizer over each word in turn
+    x ^= w;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    x ^= x >> 31;
+  }
+  return (static_cast<std::uint64_t>(prefix) << 56) | (x & ((std::uint64_t{1} << 56) - 1));
+}
+
+/// The header messages of the rooted algorithms below: without them (the fingerprints were
+/// exchanged first) nothing. With them (HeaderFrames, checked.hpp) each sender announces the
+/// operation's fingerprint to each of its receivers, and a receiver checks its sender's before it
+/// waits for a byte of payload, which travels on a slot hashed from the fingerprint.
+struct NoHeaders {
+  void expect(int) const noexcept {}
+  void announce(int) const noexcept {}
+  void check(int) const noexcept {}
+  void announced(int) const noexcept {}
 };
 
 /// Ring all-gather in place: `out` holds n chunks of `chunk_bytes`, this rank's already in its
@@ -49,10 +80,15 @@ class RingAllGather {
  public:
   RingAllGather(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline, void* out,
                 std::size_t chunk_bytes, std::size_t seg_bytes)
+      : RingAllGather(ctx, static_cast<std::uint64_t>(::gloo::Slot::build(kRingAllGatherSlotPrefix, tag)), deadline,
+                      out, chunk_bytes, seg_bytes) {}
+  /// The same on slot `slot` (a hashed one: hashed_slot).
+  RingAllGather(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t slot, const Deadline& deadline, void* out,
+                std::size_t chunk_bytes, std::size_t seg_bytes)
       : n_(ctx->size), r_(ctx->rank), deadline_(deadline), chunk_bytes_(chunk_bytes), seg_{chunk_bytes, seg_bytes} {
     if (n_ == 1 || chunk_bytes == 0) return;
     right_ = (r_ + 1) % n_;
-    slot_ = static_cast<std::uint64_t>(::gloo::Slot::build(kRingAllGatherSlotPrefix, tag));
+    slot_ = slot;
     buf_ = ctx->createUnboundBuffer(out, static_cast<std::size_t>(n_) * chunk_bytes);
     const int left = (r_ + n_ - 1) % n_;
     for (int s = 1; s < n_; ++s)
@@ -105,19 +141,23 @@ inline void ring_all_gather(const std::shared_ptr<::gloo::Context>& ctx, std::ui
 /// v+1. At 3 ranks it spreads the root's two copies over two ranks (the root sends the message
 /// once, the middle rank receives and forwards it in different threads), where the tree's root
 /// sends it twice; above, the chain's n-1 hops lose to the tree's log2(n).
-inline void chain_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
-                            void* out, std::size_t bytes, int root) {
+template <class Headers = NoHeaders>
+void chain_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t slot, const Deadline& deadline,
+                     void* out, std::size_t bytes, int root, const Headers& headers = {}) {
   const int n = ctx->size;
   const int r = ctx->rank;
   if (n == 1 || bytes == 0) return;
   const int v = (r - root + n) % n;
   const int prev = v == 0 ? -1 : (r + n - 1) % n;
   const int next = v + 1 < n ? (r + 1) % n : -1;
-  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kTreeBroadcastSlotPrefix, tag));
   auto buf = ctx->createUnboundBuffer(out, bytes);
   const Segments seg{bytes, kSegmentBytes};
-  if (prev >= 0)
+  if (prev >= 0) {
+    headers.expect(prev);
     for (std::size_t j = 0; j < seg.count(); ++j) buf->recv(prev, slot, seg.offset(j), seg.length(j));
+  }
+  if (next >= 0) headers.announce(next);
+  if (prev >= 0) headers.check(prev);
   std::size_t sends = 0;
   for (std::size_t j = 0; j < seg.count(); ++j) {
     if (prev >= 0) wait_recv(*buf, deadline);
@@ -126,13 +166,15 @@ inline void chain_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::ui
       ++sends;
     }
   }
+  if (next >= 0) headers.announced(next);
   for (; sends > 0; --sends) wait_send(*buf, deadline);
 }
 
 /// Binomial-tree broadcast of `bytes` from `root`, segment by segment: a rank forwards a segment
 /// to its children as soon as it has it.
-inline void tree_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
-                           void* out, std::size_t bytes, int root) {
+template <class Headers = NoHeaders>
+void tree_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t slot, const Deadline& deadline,
+                    void* out, std::size_t bytes, int root, const Headers& headers = {}) {
   const int n = ctx->size;
   const int r = ctx->rank;
   if (n == 1 || bytes == 0) return;
@@ -149,11 +191,14 @@ inline void tree_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uin
   for (int m = above; v + m < n; m <<= 1) children.push_back((v + m + root) % n);
   std::reverse(children.begin(), children.end());
 
-  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kTreeBroadcastSlotPrefix, tag));
   auto buf = ctx->createUnboundBuffer(out, bytes);
   const Segments seg{bytes, kSegmentBytes};
-  if (parent >= 0)
+  if (parent >= 0) {
+    headers.expect(parent);
     for (std::size_t j = 0; j < seg.count(); ++j) buf->recv(parent, slot, seg.offset(j), seg.length(j));
+  }
+  for (int c : children) headers.announce(c);
+  if (parent >= 0) headers.check(parent);
   std::size_t sends = 0;
   for (std::size_t j = 0; j < seg.count(); ++j) {
     if (parent >= 0) wait_recv(*buf, deadline);
@@ -162,29 +207,41 @@ inline void tree_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uin
       ++sends;
     }
   }
+  for (int c : children) headers.announced(c);
   for (; sends > 0; --sends) wait_send(*buf, deadline);
 }
 
 /// Gather to `root`: every rank sends its `chunk_bytes` straight to the root's slot for it.
 /// `out` is read at the root only.
-inline void direct_gather(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
-                          const void* in, void* out, std::size_t chunk_bytes, int root) {
+template <class Headers = NoHeaders>
+void direct_gather(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t slot, const Deadline& deadline,
+                   const void* in, void* out, std::size_t chunk_bytes, int root, const Headers& headers = {}) {
   const int n = ctx->size;
   const int r = ctx->rank;
-  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kDirectGatherSlotPrefix, tag));
   if (r != root) {
     if (chunk_bytes == 0) return;
     auto buf = ctx->createUnboundBuffer(const_cast<void*>(in), chunk_bytes);
+    headers.announce(root);
     buf->send(root, slot, 0, chunk_bytes);
+    headers.announced(root);
     wait_send(*buf, deadline);
     return;
   }
   auto* mine = static_cast<std::byte*>(out) + static_cast<std::size_t>(root) * chunk_bytes;
-  if (mine != in) std::memmove(mine, in, chunk_bytes);
-  if (n == 1 || chunk_bytes == 0) return;
+  if (n == 1 || chunk_bytes == 0) {
+    if (mine != in) std::memmove(mine, in, chunk_bytes);
+    return;
+  }
   auto buf = ctx->createUnboundBuffer(out, static_cast<std::size_t>(n) * chunk_bytes);
+  for (int q = 0; q < n; ++q) {
+    if (q == root) continue;
+    headers.expect(q);
+    buf->recv(q, slot, static_cast<std::size_t>(q) * chunk_bytes, chunk_bytes);
+  }
+  // The root's own chunk is copied while the peers' arrive (its slot is no receive's).
+  if (mine != in) std::memmove(mine, in, chunk_bytes);
   for (int q = 0; q < n; ++q)
-    if (q != root) buf->recv(q, slot, static_cast<std::size_t>(q) * chunk_bytes, chunk_bytes);
+    if (q != root) headers.check(q);
   for (int i = 1; i < n; ++i) wait_recv(*buf, deadline);
 }
 

@@ -10,8 +10,11 @@
 //     sends on that slot, so nothing a peer sends can overflow it. The fingerprint of each message
 //     is compared with this rank's before its payload is used: a mismatch is a DesyncError naming
 //     both calls. Cost: 32 bytes per message and a copy of the payload in and out of the frame.
+//   - Large broadcast, gather and all_gather send header frames (HeaderFrames: the fingerprint
+//     alone) to each rank they send payload to, on the same slot; the payload travels on a slot
+//     hashed from the fingerprint (bulk.hpp), so it lands only where the header checks out.
 //   - The other operations exchange fingerprints first (one message latency; the engine core's
-//     desync exchange), through the same frames and slot, so a peer in either regime is caught.
+//     desync exchange), through the same frames and slot, so a peer in any regime is caught.
 //
 // The fingerprint's spare word carries the payload length: ranks whose settings choose different
 // algorithms for the same call (COMM_GLOO_ALLREDUCE_SMALL on one rank only) disagree there too.
@@ -186,6 +189,24 @@ class FramedOp {
   std::size_t payload_;
   const char* op_;
   int rank_;
+};
+
+/// The header messages of a large rooted operation (bulk.hpp's Headers) in frames: each is the
+/// operation's fingerprint alone, on the operation's checked slot, so a peer that runs this
+/// operation on frames (it disagrees about the size) or exchanges fingerprints for it is caught
+/// as well. Frame q receives rank q's header; frame r holds this rank's.
+class HeaderFrames {
+ public:
+  HeaderFrames(const FramedOp& f, int rank) : f_(f), me_(static_cast<std::size_t>(rank)) { f_.fill(me_, nullptr); }
+  void expect(int peer) const { f_.post_recv(static_cast<std::size_t>(peer), peer); }
+  void announce(int peer) const { f_.send(me_, peer); }
+  /// Waits for `peer`'s header: DesyncError when it called another operation.
+  void check(int peer) const { f_.wait_recv(static_cast<std::size_t>(peer), peer); }
+  void announced(int peer) const { f_.wait_send(me_, peer); }
+
+ private:
+  const FramedOp& f_;
+  std::size_t me_;
 };
 
 /// All-reduce by recursive doubling over frames (see doubling_all_reduce in algorithms.hpp for the

@@ -4,8 +4,10 @@
 // desync check, monitored_barrier, failure state — is the engine core's (detail/engine/core.hpp).
 //
 // Ranks that disagree about an operation must never reach libgloo with it (a longer message than
-// the posted receive terminates the process): small operations run on checked frames, the others
-// exchange fingerprints first (checked.hpp), whether or not the desync check is on.
+// the posted receive terminates the process): small operations run on checked frames; large
+// broadcast, gather and all_gather send header frames beside payload on slots hashed from the
+// fingerprint (headed()); the others exchange fingerprints first (checked.hpp), whether or not the
+// desync check is on.
 //
 // The fingerprint exchange: every rank sends its own 32 bytes to every other rank at once (one
 // message latency), in frames up to kCheckedMaxRanks; above, directly on a slot of its own up to
@@ -94,8 +96,10 @@ class Engine : public EngineCore<Engine> {
   static constexpr std::uint32_t kDesyncTag = 0x80000000u;
   /// Slot prefix of the direct fingerprint exchange (comm's own algorithms use 0x21 and up).
   static constexpr std::uint8_t kDesyncSlotPrefix = 0x22;
-  /// Slot prefix of point-to-point messages: headers in slot 0, payloads in slot 1 (p2p.hpp).
+  /// Slot prefix of point-to-point headers (p2p.hpp); their payloads use kP2PDataSlotPrefix
+  /// (p2p_data_slot).
   static constexpr std::uint8_t kP2PSlotPrefix = 0x26;
+  static constexpr std::uint8_t kP2PDataSlotPrefix = 0x2c;
   static constexpr int kDirectExchangeMax = 64;
   /// Scratch kept between operations; more is freed after the operation that needed it.
   static constexpr std::size_t kScratchKeep = std::size_t{8} << 20;
@@ -205,8 +209,28 @@ class Engine : public EngineCore<Engine> {
         }
         const std::size_t chunk = op.in_count * op.elem_size;
         auto* mine = static_cast<std::byte*>(op.out) + static_cast<std::size_t>(rank()) * chunk;
-        if (mine != op.in) std::memmove(mine, op.in, chunk);  // an input already there is gathered in place
-        ring_all_gather(ctx, tag, deadline, op.out, chunk);
+        // The receives are posted first (they fill the other chunks), so the left neighbour's
+        // first segments travel while this rank copies its own input into place.
+        if (!headed(op)) {
+          RingAllGather ring(ctx, tag, deadline, op.out, chunk, kSegmentBytes);
+          if (mine != op.in) std::memmove(mine, op.in, chunk);  // an input already there is gathered in place
+          ring.run();
+          return;
+        }
+        // Header frames (see headed()): each rank checks its left neighbour's, which checked its own
+        // left's..., so a rank that disagrees is seen by its right neighbour, and every chunk that
+        // reaches a rank came through ranks that agree with it.
+        const FramedOp f = framed_op(tag, seq, op, static_cast<std::size_t>(size()), 0);
+        const HeaderFrames headers(f, rank());
+        const Fingerprint fp = fingerprint(seq, op.desc);
+        const int left = (rank() + size() - 1) % size(), right = (rank() + 1) % size();
+        headers.expect(left);
+        RingAllGather ring(ctx, hashed_slot(kHeadedAllGatherSlotPrefix, &fp), deadline, op.out, chunk, kSegmentBytes);
+        headers.announce(right);
+        if (mine != op.in) std::memmove(mine, op.in, chunk);
+        headers.check(left);
+        ring.run();
+        headers.announced(right);
         return;
       }
       case OpKind::broadcast: {
@@ -216,10 +240,20 @@ class Engine : public EngineCore<Engine> {
                             op.out);
           return;
         }
-        if (size() <= 3)
-          chain_broadcast(ctx, tag, deadline, op.out, op.out_count * op.elem_size, op.desc.root);
-        else
-          tree_broadcast(ctx, tag, deadline, op.out, op.out_count * op.elem_size, op.desc.root);
+        const std::size_t bytes = op.out_count * op.elem_size;
+        auto run = [&](std::uint64_t slot, const auto& headers) {
+          if (size() <= 3)
+            chain_broadcast(ctx, slot, deadline, op.out, bytes, op.desc.root, headers);
+          else
+            tree_broadcast(ctx, slot, deadline, op.out, bytes, op.desc.root, headers);
+        };
+        if (headed(op)) {
+          const FramedOp f = framed_op(tag, seq, op, static_cast<std::size_t>(size()), 0);
+          const Fingerprint fp = fingerprint(seq, op.desc);
+          run(hashed_slot(kHeadedBroadcastSlotPrefix, &fp), HeaderFrames(f, rank()));
+        } else {
+          run(static_cast<std::uint64_t>(::gloo::Slot::build(kTreeBroadcastSlotPrefix, tag)), NoHeaders{});
+        }
         return;
       }
       case OpKind::gather: {
@@ -230,7 +264,16 @@ class Engine : public EngineCore<Engine> {
                          op.in, op.out);
           return;
         }
-        direct_gather(ctx, tag, deadline, op.in, op.out, op.in_count * op.elem_size, op.desc.root);
+        const std::size_t chunk = op.in_count * op.elem_size;
+        if (headed(op)) {
+          const FramedOp f = framed_op(tag, seq, op, static_cast<std::size_t>(size()), 0);
+          const Fingerprint fp = fingerprint(seq, op.desc);
+          direct_gather(ctx, hashed_slot(kHeadedGatherSlotPrefix, &fp), deadline, op.in, op.out, chunk, op.desc.root,
+                        HeaderFrames(f, rank()));
+        } else {
+          direct_gather(ctx, static_cast<std::uint64_t>(::gloo::Slot::build(kDirectGatherSlotPrefix, tag)), deadline,
+                        op.in, op.out, chunk, op.desc.root);
+        }
         return;
       }
       case OpKind::barrier: {
@@ -261,34 +304,53 @@ class Engine : public EngineCore<Engine> {
     }
   }
 
-  /// Sends and receives on device 0: every header receive is posted first, then every send
-  /// (header, then payload: gloo keeps a slot's messages of one pair in order), then each receive's
-  /// payload once its header checked out. Nothing waits before everything is posted, so a batch
-  /// that exchanges in both directions cannot deadlock.
+  /// Sends and receives on device 0. Every receive posts its header's receive and its payload's
+  /// at once, then every send goes out (header, then payload), the first to the next rank up;
+  /// a receive's payload is waited for only once its header checked out. The payload travels on
+  /// a slot of its own (p2p_data_slot: a hash of everything the header check compares), so a
+  /// peer that disagrees about the message sends its payload where no receive of this rank waits
+  /// for it: the header's check fails (DesyncError) before a byte of it lands in the buffer.
+  /// Posting the payload's receive with the header's saves the round trip that a receive posted
+  /// after the check costs (gloo sends a payload only once the receiver's ready notice is in).
+  /// Nothing waits before everything is posted, so a batch that exchanges in both directions
+  /// cannot deadlock.
   void perform_p2p(const Op& op, std::span<P2PItem> items) {
     const auto& ctx = contexts_[0];
     const Deadline deadline(timeout(), gate_);
     const auto hslot = static_cast<std::uint64_t>(::gloo::Slot::build(kP2PSlotPrefix, 0));
-    const auto dslot = static_cast<std::uint64_t>(::gloo::Slot::build(kP2PSlotPrefix, 1));
     const std::size_t n = items.size();
     std::vector<P2PHeader> headers(n);
     std::vector<std::uint64_t> numbers(n);
     std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> hbuf(n), dbuf(n);
     for (std::size_t i = 0; i < n; ++i) {
-      if (items[i].send) continue;
-      numbers[i] = p2p_numbers_.next_recv(items[i].peer);
-      hbuf[i] = ctx->createUnboundBuffer(&headers[i], sizeof(P2PHeader));
-      hbuf[i]->recv(items[i].peer, hslot);
-    }
-    for (std::size_t i = 0; i < n; ++i) {
       const P2PItem& it = items[i];
-      if (!it.send) continue;
+      if (it.send) continue;
+      numbers[i] = p2p_numbers_.next_recv(it.peer);
+      hbuf[i] = ctx->createUnboundBuffer(&headers[i], sizeof(P2PHeader));
+      hbuf[i]->recv(it.peer, hslot);
+      if (it.count != 0) {
+        dbuf[i] = ctx->createUnboundBuffer(it.buf, it.count * op.elem_size);
+        dbuf[i]->recv(it.peer, p2p_data_slot(p2p_header(op, it, numbers[i])));
+      }
+    }
+    // Sends to rank+1 first, then rank+2...: in an all_to_all every rank then starts on a
+    // different peer (as gloo's alltoall), not all on rank 0. The sort is stable: one peer's
+    // messages keep their order, which their numbers follow.
+    std::vector<std::size_t> order;
+    order.reserve(n);
+    for (std::size_t i = 0; i < n; ++i)
+      if (items[i].send) order.push_back(i);
+    const int world = size();
+    auto distance = [&](std::size_t i) { return (items[i].peer - rank() + world) % world; };
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return distance(a) < distance(b); });
+    for (std::size_t i : order) {
+      const P2PItem& it = items[i];
       headers[i] = p2p_header(op, it, p2p_numbers_.next_send(it.peer));
       hbuf[i] = ctx->createUnboundBuffer(&headers[i], sizeof(P2PHeader));
       hbuf[i]->send(it.peer, hslot);
       if (it.count != 0) {
         dbuf[i] = ctx->createUnboundBuffer(it.buf, it.count * op.elem_size);
-        dbuf[i]->send(it.peer, dslot);
+        dbuf[i]->send(it.peer, p2p_data_slot(headers[i]));
       }
     }
     // gloo's waits name neither the peer nor the message: add them (the text keeps gloo's, which
@@ -310,18 +372,22 @@ class Engine : public EngineCore<Engine> {
       if (it.send) continue;
       wait(*hbuf[i], it, "the header of a message");
       check_p2p_header(op, it, headers[i], numbers[i], rank());
-      if (it.count != 0) {
-        dbuf[i] = ctx->createUnboundBuffer(it.buf, it.count * op.elem_size);
-        dbuf[i]->recv(it.peer, dslot);
-      }
     }
     for (std::size_t i = 0; i < n; ++i)
       if (!items[i].send && dbuf[i]) wait(*dbuf[i], items[i], "a message");
-    for (std::size_t i = 0; i < n; ++i) {
-      if (!items[i].send) continue;
+    for (std::size_t i : order) {
       wait(*hbuf[i], items[i], "the header of a message");
       if (dbuf[i]) wait(*dbuf[i], items[i], "a message");
     }
+  }
+
+  /// The slot of a point-to-point payload: hashed from its header (bulk.hpp's hashed_slot), which
+  /// sender and receiver each compute from what they expect, so the slots agree exactly when the
+  /// headers do (but for a 2^-56 chance of a collision, which the header check still catches,
+  /// only after the payload).
+  [[nodiscard]] static std::uint64_t p2p_data_slot(const P2PHeader& h) noexcept {
+    static_assert(sizeof(P2PHeader) == 32);
+    return hashed_slot(kP2PDataSlotPrefix, &h);
   }
 
   /// Whether `op` runs on checked frames (checked.hpp): small enough, few enough ranks.
@@ -352,8 +418,25 @@ class Engine : public EngineCore<Engine> {
       case OpKind::scatter:
       case OpKind::all_to_all:
       case OpKind::all_to_all_v: return false;
-      default: return !framed(op);
+      default: return !framed(op) && !headed(op);
     }
+  }
+
+  /// Whether `op`, above the frames' limit, checks its peers with header frames instead of a
+  /// fingerprint exchange first (broadcast, gather: HeaderFrames, bulk.hpp): every receiver checks
+  /// the fingerprint of each rank it receives from before it waits for a byte of payload, and the
+  /// payload travels on a slot hashed from the fingerprint, so a rank that disagrees sends it
+  /// where nobody waits. A mismatch is a DesyncError on the receiver that saw it (the communicator
+  /// fails, as on frames); the others get RemoteError, or complete when all they received came
+  /// from ranks that agree with them, and fail at their next operation. Not with the desync check
+  /// on (its exchange runs anyway), nor above kCheckedMaxRanks ranks (no frames).
+  [[nodiscard]] bool headed(const Op& op) const noexcept {
+    if (size() == 1 || size() > kCheckedMaxRanks || desync_check() || framed(op)) return false;
+    return headed_kind(static_cast<std::uint8_t>(op.desc.kind));
+  }
+  [[nodiscard]] static bool headed_kind(std::uint8_t kind) noexcept {
+    const auto k = static_cast<OpKind>(kind);
+    return k == OpKind::broadcast || k == OpKind::gather || k == OpKind::all_gather;
   }
 
   /// The messages of one framed operation, on the device its tag picks (as perform's).
@@ -375,8 +458,17 @@ class Engine : public EngineCore<Engine> {
       // In frames on the operation's checked slot: a peer that runs this operation on frames
       // instead (it disagrees about it) sends a frame this receive can hold.
       const FramedOp f = frames_for(tag_of(seq), own_fingerprint(), static_cast<std::size_t>(size()), 0, "desync check");
-      all_to_all_frames(f, size(), rank(), nullptr, false,
-                        [&](std::size_t q) { std::memcpy(&all[q], f.frame(q), fp); });
+      // A peer that ran a headed operation (headed()) sent a header frame, and waits on sends that
+      // will never match; nor would this exchange end (it waits for its frame to that peer, which
+      // never posts a receive for it). The DesyncError fails the communicator at once, inside the
+      // exchange: closing its connections wakes that peer and the ones waiting on this rank.
+      const bool watch = !desync_check();
+      all_to_all_frames(f, size(), rank(), nullptr, false, [&](std::size_t q) {
+        std::memcpy(&all[q], f.frame(q), fp);
+        if (watch && headed_kind(all[q].kind) && std::memcmp(&all[q], &own_fingerprint(), fp) != 0)
+          throw DesyncError(op_name(static_cast<OpKind>(own_fingerprint().kind)), rank(),
+                            "desync: " + f.mismatch(all[q], static_cast<int>(q)), "rank " + std::to_string(q));
+      });
       return;
     }
     const auto& ctx = contexts_[0];
