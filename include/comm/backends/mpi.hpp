@@ -37,9 +37,8 @@
 ///   its own part, then the others in rank order, in chunks of 256 KiB reduced as they arrive,
 ///   through at most 4 reused chunk buffers per peer) then a direct all-gather. reduce_scatter is
 ///   the first step alone, all_gather the second, broadcast the root sending to each rank. A
-///   message a little above the library's eager limit (OpenMPI: 4 KiB up to 12,000 bytes, but not
-///   broadcast's, sent whole as MPI_Bcast does; MPICH: 8 KiB up to 32 KiB) goes as several eager
-///   pieces instead of one rendezvous (the library is
+///   message a little above the library's eager limit (OpenMPI: 4 KiB up to 12,000 bytes; MPICH:
+///   8 KiB up to 32 KiB) goes as several eager pieces instead of one rendezvous (the library is
 ///   recognized by MPI_Get_library_version). These run at the speed of the library's own
 ///   blocking calls (benchmarks/RESULTS.md, "Mpi backend vs blocking MPI"), where MPI's
 ///   non-blocking schedules are up to 2-6x slower. A received message of another length than

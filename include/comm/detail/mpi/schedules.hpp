@@ -45,10 +45,6 @@ struct Tuning {
   std::size_t eager = ~std::size_t{0};  // messages above it (up to pieces_max) go as eager pieces
   std::size_t pieces_max = 0;
   std::size_t exchange_max = std::size_t{4} << 10;  // all_reduce: one exchange up to here
-  /// broadcast's one-way messages go in pieces too. OpenMPI: no (4 KiB, back to back: one
-  /// message 3.24-3.43 us, two eager pieces 3.51-3.59, MPI_Bcast 3.11-3.29; RESULTS.md, "The
-  /// engine core's per-call cost"); MPICH: yes (32 KiB in pieces 0.66x its MPI_Bcast).
-  bool broadcast_pieces = true;
 };
 
 /// OpenMPI's shared memory (vader) sends 4 KiB eagerly, its header included; MPICH 4's 8 KiB.
@@ -58,8 +54,8 @@ struct Tuning {
   int len = 0;
   if (MPI_Get_library_version(text, &len) != MPI_SUCCESS) return {};
   const std::string_view v(text, static_cast<std::size_t>(std::max(len, 0)));
-  if (v.find("Open MPI") != std::string_view::npos) return {4000, 12000, std::size_t{32} << 10, false};
-  if (v.substr(0, 5) == "MPICH") return {std::size_t{8} << 10, std::size_t{32} << 10, std::size_t{32} << 10, true};
+  if (v.find("Open MPI") != std::string_view::npos) return {4000, 12000, std::size_t{32} << 10};
+  if (v.substr(0, 5) == "MPICH") return {std::size_t{8} << 10, std::size_t{32} << 10, std::size_t{32} << 10};
   return {};
 }
 
@@ -131,16 +127,14 @@ class OwnSchedules {
   /// The size of the pieces a message of `bytes` goes in: messages a little above the library's
   /// eager limit go as several eager ones (cheaper than one rendezvous: OpenMPI 4 KiB 1.8 vs 2.9
   /// us), which both sides compute alike from the length.
-  [[nodiscard]] std::size_t piece_of(std::size_t bytes, bool pieces = true) const noexcept {
-    if (!pieces || bytes <= tuning_.eager || bytes > tuning_.pieces_max) return bytes;
+  [[nodiscard]] std::size_t piece_of(std::size_t bytes) const noexcept {
+    if (bytes <= tuning_.eager || bytes > tuning_.pieces_max) return bytes;
     const std::size_t k = (bytes + tuning_.eager - 1) / tuning_.eager;
     return (bytes + k - 1) / k;
   }
 
-  /// `pieces`: false sends a message above the eager limit whole (both sides must agree).
-  void post_recv(Step& s, void* buf, std::size_t bytes, int peer, int tag, const char* name, std::size_t user = 0,
-                 bool pieces = true) {
-    const std::size_t piece = piece_of(bytes, pieces);
+  void post_recv(Step& s, void* buf, std::size_t bytes, int peer, int tag, const char* name, std::size_t user = 0) {
+    const std::size_t piece = piece_of(bytes);
     auto* b = static_cast<std::byte*>(buf);
     for (std::size_t off = 0; off < bytes || off == 0; off += piece) {
       const std::size_t len = std::min(piece, bytes - off);
@@ -154,9 +148,8 @@ class OwnSchedules {
     }
   }
 
-  void post_send(Step& s, const void* buf, std::size_t bytes, int peer, int tag, const char* name,
-                 bool pieces = true) {
-    const std::size_t piece = piece_of(bytes, pieces);
+  void post_send(Step& s, const void* buf, std::size_t bytes, int peer, int tag, const char* name) {
+    const std::size_t piece = piece_of(bytes);
     const auto* b = static_cast<const std::byte*>(buf);
     for (std::size_t off = 0; off < bytes || off == 0; off += piece) {
       const std::size_t len = std::min(piece, bytes - off);
@@ -356,12 +349,11 @@ class OwnSchedules {
         const std::size_t bytes = op.out_count * es;
         if (bytes == 0) return;
         const int root = op.desc.root;
-        const bool pieces = tuning_.broadcast_pieces;
         if (me == root) {
           for (int p = 0; p < n; ++p)
-            if (p != me) post_send(s, op.out, bytes, p, kStepTag, name, pieces);
+            if (p != me) post_send(s, op.out, bytes, p, kStepTag, name);
         } else {
-          post_recv(s, op.out, bytes, root, kStepTag, name, 0, pieces);
+          post_recv(s, op.out, bytes, root, kStepTag, name);
         }
         finish_step(s, name, seq, deadline);
         return;
