@@ -131,6 +131,28 @@ TEST_CASE("flight recorder: operations in issue order with their description and
   CHECK(contains(text, "#3 barrier() state=completed"));
 }
 
+// The recorder keeps raw TSC ticks where the kernel's clock is the TSC and converts them when the
+// record is read: its times must still be the wall clock's, at the clock's rate.
+TEST_CASE("flight recorder: times are the wall clock's, and a pause between operations shows at its length") {
+  auto c = make_comm();
+  std::vector<float> v(4, 1.f);
+  const auto before = std::chrono::system_clock::now();
+  c.all_reduce(v);
+  std::this_thread::sleep_for(40ms);
+  c.all_reduce(v);
+  const auto after = std::chrono::system_clock::now();
+  const auto fr = c.flight_record();
+  REQUIRE(fr.ops.size() == 2);
+  INFO(comm::to_string(fr));
+  const auto slack = 2ms;
+  CHECK(fr.ops[0].queued >= before - slack);
+  CHECK(fr.ops[1].ended <= after + slack);
+  CHECK(fr.ops[0].ended <= fr.ops[1].queued);
+  const auto gap = fr.ops[1].queued - fr.ops[0].ended;  // this rank's sleep, nothing else
+  CHECK(gap >= 40ms - slack);
+  CHECK(gap <= (after - before) + slack);
+}
+
 TEST_CASE("flight recorder: queued and started states while an operation waits for a peer") {
   COMM_REQUIRE_RANKS(2);
   auto c = make_comm();

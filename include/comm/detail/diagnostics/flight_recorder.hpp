@@ -5,8 +5,16 @@
 // operation when it is issued (under the lock that fixes its sequence number), started, completed
 // or failed. Nothing is allocated per operation (the slots are preallocated; an error text is
 // copied only on failure).
+//
+// Its timestamps are the largest part of an operation's fixed cost if taken with steady_clock:
+// each read is ~55 ns through the vDSO on a VM (benchmarks/RESULTS.md, "The engine core's per-call
+// cost"), against ~20 ns for the TSC. So where Linux itself keeps time with the TSC (clocksource
+// "tsc": invariant and synchronized across cores, or the kernel would not use it) the slots hold
+// raw TSC ticks, turned into steady_clock times only when a snapshot is taken (RecorderClock).
 
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -15,6 +23,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <comm/detail/base/env.hpp>
@@ -77,29 +86,117 @@ inline void write_text_file(const std::string& path, const std::string& text, in
   if (!f) throw BackendError("dump_flight_record", rank, "cannot write the flight record to '" + path + "'");
 }
 
+/// The flight recorder's clock: raw TSC ticks where the kernel's clocksource is the TSC, else
+/// steady_clock nanoseconds. A tick becomes a steady_clock time by the line through two
+/// (steady_clock, TSC) pairs: one taken when the process first recorded an operation, one when the
+/// snapshot is taken; a time between them is placed to within about the two reads' duration
+/// (~0.1 us), whatever their distance, and the order of times is kept.
+class RecorderClock {
+ public:
+  using Steady = std::chrono::steady_clock;
+
+  [[nodiscard]] static std::uint64_t now() noexcept {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (tsc()) return __builtin_ia32_rdtsc();
+#endif
+    return static_cast<std::uint64_t>(Steady::now().time_since_epoch().count());
+  }
+
+  /// Turns stamps of now() into steady_clock times; built once per snapshot.
+  class Reader {
+   public:
+    Reader() noexcept {
+      if (!tsc()) return;
+      const Anchor& a = anchor();
+      const Anchor b = Anchor::take();
+      base_ = a.steady;
+      from_ = a.ticks;
+      const double span = static_cast<double>(b.ticks - a.ticks);
+      per_tick_ = b.ticks > a.ticks ? static_cast<double>((b.steady - a.steady).count()) / span : 0.0;
+    }
+    [[nodiscard]] Steady::time_point operator()(std::uint64_t stamp) const noexcept {
+      if (!tsc()) return Steady::time_point(Steady::duration(static_cast<Steady::rep>(stamp)));
+      // Signed: a stamp taken on another core may read a few ticks before the anchor.
+      const double ticks = static_cast<double>(static_cast<std::int64_t>(stamp - from_));
+      return base_ + Steady::duration(static_cast<Steady::rep>(std::floor(ticks * per_tick_)));
+    }
+
+   private:
+    Steady::time_point base_{};
+    std::uint64_t from_ = 0;
+    double per_tick_ = 0.0;
+  };
+
+  /// The first (steady_clock, TSC) pair; taken at the first recorder's construction.
+  static void prime() noexcept {
+    if (tsc()) (void)anchor();
+  }
+
+ private:
+  struct Anchor {
+    Steady::time_point steady;
+    std::uint64_t ticks = 0;
+    static Anchor take() noexcept {
+      Anchor a;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+      a.ticks = __builtin_ia32_rdtsc();
+#endif
+      a.steady = Steady::now();
+      return a;
+    }
+  };
+  static const Anchor& anchor() noexcept {
+    static const Anchor a = Anchor::take();
+    return a;
+  }
+  /// Whether the kernel keeps time with the TSC (read once per process).
+  static bool tsc() noexcept {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
+    static const bool on = [] {
+      std::FILE* f = std::fopen("/sys/devices/system/clocksource/clocksource0/current_clocksource", "r");
+      if (f == nullptr) return false;
+      char buf[16] = {};
+      const std::size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+      std::fclose(f);
+      return trim(std::string_view(buf, n)) == "tsc";
+    }();
+    return on;
+#else
+    return false;
+#endif
+  }
+};
+
+/// The recorder's lock: every operation takes it twice (issued and started, ended) on the thread
+/// that runs it, and nobody else but an occasional snapshot. A pthread mutex costs ~55
+/// instructions and two atomic read-modify-writes per lock and unlock; this one one exchange and a
+/// store. A waiter yields: a snapshot (which copies the ring) may hold it for microseconds.
+class RecorderLock {
+ public:
+  void lock() noexcept {
+    while (busy_.exchange(true, std::memory_order_acquire))
+      while (busy_.load(std::memory_order_relaxed)) std::this_thread::yield();
+  }
+  void unlock() noexcept { busy_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> busy_{false};
+};
+
 class FlightRecorder {
   using Clock = std::chrono::steady_clock;
+  using Stamp = std::uint64_t;  // RecorderClock::now(); 0: not yet
 
  public:
-  explicit FlightRecorder(std::size_t capacity) : slots_(capacity) {}
+  explicit FlightRecorder(std::size_t capacity) : slots_(capacity) { RecorderClock::prime(); }
 
   [[nodiscard]] std::size_t capacity() const noexcept { return slots_.size(); }
 
   /// Operation `seq` was issued. Sequence numbers must be given in increasing order.
-  void issued(std::uint64_t seq, const OpDesc& d) noexcept {
-    if (slots_.empty()) return;
-    const auto now = Clock::now();
-    std::lock_guard lock(mu_);
-    Slot& s = slots_[seq % slots_.size()];
-    s.seq = seq;
-    s.desc = d;
-    s.state = OpState::queued;
-    s.queued = now;
-    s.started = s.ended = Clock::time_point{};
-    s.error.clear();  // keeps its capacity: no allocation
-    s.used = true;
-    total_ = seq + 1;
-  }
+  void issued(std::uint64_t seq, const OpDesc& d) noexcept { issue(seq, d, false); }
+  /// Operation `seq` was issued and starts at once (a blocking call with nothing queued before
+  /// it): one timestamp and one lock for both transitions.
+  void issued_started(std::uint64_t seq, const OpDesc& d) noexcept { issue(seq, d, true); }
 
   void started(std::uint64_t seq) noexcept { transition(seq, OpState::started, nullptr); }
   void completed(std::uint64_t seq) noexcept { transition(seq, OpState::completed, nullptr); }
@@ -113,11 +210,12 @@ class FlightRecorder {
     f.size = size;
     f.name = std::move(name);
     f.capacity = slots_.size();
+    const RecorderClock::Reader steady_of;
     const auto steady_now = Clock::now();
     const auto sys_now = std::chrono::system_clock::now();
-    auto wall = [&](Clock::time_point t) {
-      if (t == Clock::time_point{}) return OpRecord::time_point{};
-      return sys_now - std::chrono::duration_cast<std::chrono::system_clock::duration>(steady_now - t);
+    auto wall = [&](Stamp stamp) {
+      if (stamp == 0) return OpRecord::time_point{};
+      return sys_now - std::chrono::duration_cast<std::chrono::system_clock::duration>(steady_now - steady_of(stamp));
     };
     std::lock_guard lock(mu_);
     f.total_ops = total_;
@@ -150,14 +248,36 @@ class FlightRecorder {
     std::uint64_t seq = 0;
     OpDesc desc;
     OpState state = OpState::queued;
-    Clock::time_point queued, started, ended;
+    Stamp queued = 0, started = 0, ended = 0;
     std::string error;
     bool used = false;
   };
 
+  void issue(std::uint64_t seq, const OpDesc& d, bool start) noexcept {
+    if (slots_.empty()) return;
+    const Stamp now = stamp();
+    std::lock_guard lock(mu_);
+    Slot& s = slots_[seq % slots_.size()];
+    s.seq = seq;
+    s.desc = d;
+    s.state = start ? OpState::started : OpState::queued;
+    s.queued = now;
+    s.started = start ? now : 0;
+    s.ended = 0;
+    s.error.clear();  // keeps its capacity: no allocation
+    s.used = true;
+    total_ = seq + 1;
+  }
+
+  /// Never 0 (0 marks a transition not yet reached).
+  [[nodiscard]] static Stamp stamp() noexcept {
+    const Stamp t = RecorderClock::now();
+    return t != 0 ? t : 1;
+  }
+
   void transition(std::uint64_t seq, OpState to, const char* what) noexcept {
     if (slots_.empty()) return;
-    const auto now = Clock::now();
+    const Stamp now = stamp();
     std::lock_guard lock(mu_);
     Slot& s = slots_[seq % slots_.size()];
     if (!s.used || s.seq != seq) return;  // overwritten by a newer operation
@@ -174,7 +294,7 @@ class FlightRecorder {
     }
   }
 
-  mutable std::mutex mu_;
+  mutable RecorderLock mu_;
   std::vector<Slot> slots_;
   std::uint64_t total_ = 0;
 };

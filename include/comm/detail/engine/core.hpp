@@ -139,14 +139,14 @@ class EngineCore : public CommCore {
   template <class T, class Launch>
   auto all_gather(std::span<const T> in, std::span<T> out, Launch l, OpHooks hooks = {}) {
     Op op = make_op<T>(OpKind::all_gather, in.data(), out.data(), in.size(), out.size());
-    op.hooks = std::move(hooks);
+    set_hooks(op, std::move(hooks));
     return launch(op, l);
   }
 
   template <class T, class Launch>
   auto broadcast(std::span<T> data, int root, Launch l, OpHooks hooks = {}) {
     Op op = make_op<T>(OpKind::broadcast, nullptr, data.data(), 0, data.size(), root);
-    op.hooks = std::move(hooks);
+    set_hooks(op, std::move(hooks));
     return launch(op, l);
   }
 
@@ -154,7 +154,7 @@ class EngineCore : public CommCore {
   auto gather(std::span<const T> in, std::span<T> out, int root, Launch l, OpHooks hooks = {}) {
     // The input count: the output is only meaningful (and sized) on the root.
     Op op = make_op<T>(OpKind::gather, in.data(), out.data(), in.size(), out.size(), root);
-    op.hooks = std::move(hooks);
+    set_hooks(op, std::move(hooks));
     return launch(op, l);
   }
 
@@ -226,7 +226,7 @@ class EngineCore : public CommCore {
   auto barrier(Launch l, OpHooks hooks = {}) {
     Op op;
     op.desc = OpDesc{OpKind::barrier, OpDesc::none, OpDesc::none, -1, 0};
-    op.hooks = std::move(hooks);
+    set_hooks(op, std::move(hooks));
     return launch(op, l);
   }
 
@@ -451,9 +451,14 @@ class EngineCore : public CommCore {
   auto typed_reduction(OpKind kind, std::span<const T> in, std::span<T> out, int root, Red& red, Launch l,
                        OpHooks hooks) {
     Op op = make_op<T>(kind, in.data(), out.data(), in.size(), out.size(), root);
-    op.hooks = std::move(hooks);
+    set_hooks(op, std::move(hooks));
     set_typed_reduction<T, Launch>(op, red);
     return launch(op, l);
+  }
+
+  /// Hooks are rare (device staging): an empty pair is not moved (two std::function swaps a call).
+  static void set_hooks(Op& op, OpHooks&& hooks) noexcept {
+    if (hooks.before || hooks.after) op.hooks = std::move(hooks);
   }
 
   /// The record of a typed call (erased_op: desc.count follows the kind; `root`: root or peer).
@@ -463,21 +468,24 @@ class EngineCore : public CommCore {
     return erased_op(kind, dtype_of<T>, in, out, in_count, out_count, root);
   }
 
-  static void execute_thunk(void* self, Op& op, std::uint64_t id, std::uint64_t seq) {
-    static_cast<EngineCore*>(self)->execute(op, id, seq);
+  static void execute_thunk(void* self, Op& op, std::uint64_t id, std::uint64_t seq, bool started) {
+    static_cast<EngineCore*>(self)->execute(op, id, seq, started);
   }
-  static void issue_thunk(void* self, const Op& op, std::uint64_t id, std::uint64_t /*seq*/) {
-    static_cast<EngineCore*>(self)->recorder().issued(id, op.desc);
+  static void issue_thunk(void* self, const Op& op, std::uint64_t id, std::uint64_t /*seq*/, bool started) {
+    if (started)
+      static_cast<EngineCore*>(self)->recorder().issued_started(id, op.desc);
+    else
+      static_cast<EngineCore*>(self)->recorder().issued(id, op.desc);
   }
   static void abort_thunk(void* self, const std::string& why, std::chrono::milliseconds grace) {
     static_cast<EngineCore*>(self)->abort(why, grace);
   }
 
-  /// One operation: flight-recorder transitions, the desync check when on, the hooks and the
-  /// engine's part.
-  void execute(Op& op, std::uint64_t id, std::uint64_t seq) {
+  /// One operation: flight-recorder transitions (`started`: its start is recorded already), the
+  /// desync check when on, the hooks and the engine's part.
+  void execute(Op& op, std::uint64_t id, std::uint64_t seq, bool started) {
     const char* name = op_name(op.desc.kind);
-    recorder().started(id);
+    if (!started) recorder().started(id);
     const auto log_start = log_.start();  // one branch when the comms log is off
     try {
       if (op.desc.kind == OpKind::monitored_barrier) {

@@ -10,8 +10,11 @@
 // collective sequence number, which counts collectives only, so that it matches across ranks
 // that issue the same collectives whatever point-to-point operations some of them run in between.
 // Point-to-point operations get kP2PSeq | (their own count) instead. The owner's
-// `issue(op, id, seq)` runs under that lock too (the flight recorder's "queued"). Engines derive
-// their collective message tags from `seq`.
+// `issue(op, id, seq, started)` runs under that lock too (the flight recorder's "queued"; for an
+// operation that runs inline at once also its "started", so `execute(..., started)` need not
+// record it again). Engines derive their collective message tags from `seq`.
+// A blocking call with nothing queued takes the lock twice and signals the condition variable
+// only when a thread waits on it (waiters_): that is the whole cost of the queue on the fast path.
 // shutdown() lets the worker finish everything already queued, then joins it.
 //
 // Nothing here is a template: the queue holds one task type (an Op record and its Work state) and
@@ -34,8 +37,9 @@ namespace comm::detail {
 
 class OpQueue {
  public:
-  using ExecuteFn = void (*)(void* owner, Op& op, std::uint64_t id, std::uint64_t seq);
-  using IssueFn = void (*)(void* owner, const Op& op, std::uint64_t id, std::uint64_t seq);
+  /// `started`: the issue step recorded the start already (an inline operation).
+  using ExecuteFn = void (*)(void* owner, Op& op, std::uint64_t id, std::uint64_t seq, bool started);
+  using IssueFn = void (*)(void* owner, const Op& op, std::uint64_t id, std::uint64_t seq, bool started);
   /// The bit that marks a point-to-point operation's `seq`.
   static constexpr std::uint64_t kP2PSeq = std::uint64_t{1} << 63;
 
@@ -49,23 +53,25 @@ class OpQueue {
     std::uint64_t id = 0, seq = 0;
     {
       std::unique_lock lock(mu_);
-      if (!queue_.empty() || running_) cv_.wait(lock, [&] { return queue_.empty() && !running_; });
+      if (!queue_.empty() || running_) wait(lock, [&] { return queue_.empty() && !running_; });
       running_ = true;
       id = next_id_++;
       seq = next_seq(op);
-      issue_(owner_, op, id, seq);
+      issue_(owner_, op, id, seq, true);
     }
     struct Release {
       OpQueue* q;
       ~Release() {
+        bool wake = false;
         {
           std::lock_guard lock(q->mu_);
           q->running_ = false;
+          wake = q->waiters_ != 0;
         }
-        q->cv_.notify_all();
+        if (wake) q->cv_.notify_all();
       }
     } release{this};
-    execute_(owner_, op, id, seq);
+    execute_(owner_, op, id, seq, true);
   }
 
   /// Queues `op`; `state` is completed with its outcome (failed with what it threw).
@@ -74,7 +80,7 @@ class OpQueue {
       std::lock_guard lock(mu_);
       const std::uint64_t id = next_id_++;
       const std::uint64_t seq = next_seq(op);
-      issue_(owner_, op, id, seq);
+      issue_(owner_, op, id, seq, false);
       queue_.push_back(Task{std::move(op), std::move(state), id, seq});
       if (!worker_alive_) {
         // A worker that retired after idling has left serve() and needs no lock: join is immediate.
@@ -99,6 +105,7 @@ class OpQueue {
   /// Waits until nothing is running or queued, or until `deadline`; true when idle.
   bool wait_idle_until(std::chrono::steady_clock::time_point deadline) {
     std::unique_lock lock(mu_);
+    const Waiting w(waiters_);
     return cv_.wait_until(lock, deadline, [&] { return queue_.empty() && !running_; });
   }
 
@@ -114,6 +121,22 @@ class OpQueue {
     std::uint64_t seq = 0;
   };
 
+  /// Counts a thread waiting on cv_ (under mu_), so that the end of an inline operation signals
+  /// only when someone waits.
+  struct Waiting {
+    explicit Waiting(int& n) noexcept : n_(n) { ++n_; }
+    ~Waiting() { --n_; }
+    Waiting(const Waiting&) = delete;
+    Waiting& operator=(const Waiting&) = delete;
+    int& n_;
+  };
+
+  template <class Pred>
+  void wait(std::unique_lock<std::mutex>& lock, Pred pred) {
+    const Waiting w(waiters_);
+    cv_.wait(lock, pred);
+  }
+
   [[nodiscard]] std::uint64_t next_seq(const Op& op) noexcept {
     return is_p2p(op.desc.kind) ? (kP2PSeq | next_p2p_++) : next_seq_++;
   }
@@ -121,9 +144,13 @@ class OpQueue {
   void serve() {
     std::unique_lock lock(mu_);
     for (;;) {
-      const bool ready = cv_.wait_for(lock, kIdleExit, [&] {
-        return (!queue_.empty() && !running_) || (stopping_ && queue_.empty());
-      });
+      bool ready = false;
+      {
+        const Waiting w(waiters_);
+        ready = cv_.wait_for(lock, kIdleExit, [&] {
+          return (!queue_.empty() && !running_) || (stopping_ && queue_.empty());
+        });
+      }
       if (queue_.empty()) {
         if (!ready && running_) continue;  // an inline op is running: not idle
         worker_alive_ = false;  // stopping and drained, or idle for kIdleExit
@@ -136,7 +163,7 @@ class OpQueue {
       lock.unlock();
       std::exception_ptr error;
       try {
-        execute_(owner_, task.op, task.id, task.seq);
+        execute_(owner_, task.op, task.id, task.seq, false);
       } catch (...) {
         error = std::current_exception();
       }
@@ -162,6 +189,7 @@ class OpQueue {
   std::deque<Task> queue_;
   bool running_ = false;
   bool stopping_ = false;
+  int waiters_ = 0;  // threads in a wait on cv_ (under mu_)
   std::uint64_t next_id_ = 0;
   std::uint64_t next_seq_ = 0;
   std::uint64_t next_p2p_ = 0;

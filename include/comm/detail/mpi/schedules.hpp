@@ -60,20 +60,22 @@ struct Tuning {
 }
 
 /// One step of a schedule: its requests, and for each the peer, (receives) the bytes expected
-/// and the caller's tag for in-order processing.
+/// and the caller's tag for in-order processing. (The requests are one array, as MPI_Testall takes
+/// them; what comm keeps about each is one record beside it, so posting a message appends twice.)
 struct Step {
-  std::vector<MPI_Request> reqs;
-  std::vector<int> peers;
-  std::vector<std::size_t> expect;  // bytes; kSend for a send
-  std::vector<std::size_t> user;    // receives: passed to finish_step's on_recv (kSend: not)
-  std::vector<std::size_t> recvs;   // indices of the receives, in the order posted
-  std::vector<MPI_Status> status;
   static constexpr std::size_t kSend = ~std::size_t{0};
-  void clear() {
+  struct Info {
+    int peer = -1;
+    std::size_t expect = kSend;  // bytes; kSend for a send
+    std::size_t user = kSend;    // receives: passed to finish_step's on_recv (kSend: not)
+  };
+  std::vector<MPI_Request> reqs;
+  std::vector<Info> info;          // one per request
+  std::vector<std::size_t> recvs;  // indices of the receives, in the order posted
+  std::vector<MPI_Status> status;
+  void clear() noexcept {
     reqs.clear();
-    peers.clear();
-    expect.clear();
-    user.clear();
+    info.clear();
     recvs.clear();
   }
 };
@@ -141,9 +143,7 @@ class OwnSchedules {
                      self().rank());
       s.recvs.push_back(s.reqs.size());
       s.reqs.push_back(r);
-      s.peers.push_back(peer);
-      s.expect.push_back(len);
-      s.user.push_back(off + len < bytes ? Step::kSend : user);  // handed over with its last piece
+      s.info.push_back({peer, len, off + len < bytes ? Step::kSend : user});  // handed over with its last piece
       if (bytes == 0) break;
     }
   }
@@ -157,9 +157,7 @@ class OwnSchedules {
       COMM_MPI_CHECK(MPI_Isend(b + off, static_cast<int>(len), MPI_BYTE, peer, tag, self().comm(), &r), name,
                      self().rank());
       s.reqs.push_back(r);
-      s.peers.push_back(peer);
-      s.expect.push_back(Step::kSend);
-      s.user.push_back(0);
+      s.info.push_back({peer, Step::kSend, 0});
       if (bytes == 0) break;
     }
   }
@@ -168,12 +166,13 @@ class OwnSchedules {
   void check_length(const Step& s, std::size_t i, const MPI_Status& st, const char* name) {
     int got = 0;
     COMM_MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &got), name, self().rank());
-    if (static_cast<std::size_t>(got) != s.expect[i])
+    const Step::Info& m = s.info[i];
+    if (static_cast<std::size_t>(got) != m.expect)
       throw BackendError(name, self().rank(),
-                         "rank " + std::to_string(s.peers[i]) + " sent " + std::to_string(got) + " bytes where " +
-                             std::to_string(s.expect[i]) +
+                         "rank " + std::to_string(m.peer) + " sent " + std::to_string(got) + " bytes where " +
+                             std::to_string(m.expect) +
                              " were expected: the ranks called this operation with different counts",
-                         std::to_string(s.peers[i]));
+                         std::to_string(m.peer));
   }
 
   void finish_step(Step& s, const char* name, std::uint64_t seq, Deadline& deadline) {
@@ -203,7 +202,7 @@ class OwnSchedules {
           COMM_MPI_CHECK(MPI_Test(&s.reqs[i], &done, &s.status[i]), name, self().rank());
           if (done == 0) return false;
           check_length(s, i, s.status[i], name);
-          if (s.user[i] != Step::kSend) on_recv(s.user[i]);
+          if (s.info[i].user != Step::kSend) on_recv(s.info[i].user);
           ++next;
         }
       }
@@ -218,14 +217,14 @@ class OwnSchedules {
       std::size_t late = s.reqs.size();
       for (const bool sends : {false, true})
         for (std::size_t i = 0; i < s.reqs.size() && late == s.reqs.size(); ++i) {
-          if ((s.expect[i] == Step::kSend) != sends) continue;
+          if ((s.info[i].expect == Step::kSend) != sends) continue;
           int done = 0;
           MPI_Request_get_status(s.reqs[i], &done, MPI_STATUS_IGNORE);
           if (done == 0) late = i;
         }
-      const std::string peer = late < s.reqs.size() ? std::to_string(s.peers[late]) : std::string();
+      const std::string peer = late < s.reqs.size() ? std::to_string(s.info[late].peer) : std::string();
       const std::string what = late == s.reqs.size()                   ? std::string("its messages did not complete")
-                               : s.expect[late] != Step::kSend ? "no data from rank " + peer + " arrived"
+                               : s.info[late].expect != Step::kSend ? "no data from rank " + peer + " arrived"
                                                                 : "rank " + peer + " did not take this rank's data";
       throw Timeout(name, self().rank(),
                     "op #" + std::to_string(seq) + " did not complete within " +
