@@ -148,6 +148,29 @@ class SingleCopy {
     return v;
   }
 
+  /// Elements [lo, hi) of `out`: the reduction of this rank's `in` and every peer's input (the
+  /// first address of step `a`), read in cache-sized blocks into scratch.
+  void reduce_read(const Op& op, std::uint64_t a, const std::byte* in, std::byte* out, std::size_t lo, std::size_t hi) {
+    const std::size_t e = op.elem_size;
+    const int n = self().size();
+    const std::size_t k = std::max<std::size_t>(cma_.block / e, 1);
+    cma_tmp_.resize(static_cast<std::size_t>(n - 1) * k * e);
+    for (std::size_t off = lo; off < hi; off += k) {
+      const std::size_t c = std::min(k, hi - off);
+      std::size_t t = 0;
+      for (int p = 0; p < n; ++p) {
+        if (p == self().rank()) {
+          self().srcs_[static_cast<std::size_t>(p)] = in + off * e;
+          continue;
+        }
+        std::byte* tmp = cma_tmp_.data() + t++ * k * e;
+        cma_read(p, tmp, address_of(p, a, 0) + off * e, c * e);
+        self().srcs_[static_cast<std::size_t>(p)] = tmp;
+      }
+      self().reduce_from(op, out + off * e, c, true);
+    }
+  }
+
   /// all_reduce by cross-memory attach: step a (addresses), every rank reduces its slice from the
   /// peers' inputs read in blocks into cache-sized scratch; step b (slices reduced: from here a
   /// rank may overwrite its input, which may be its output); every rank reads the peers' slices
@@ -165,23 +188,7 @@ class SingleCopy {
     auto hi_of = [&](int p) { return std::min(count, lo_of(p) + q); };
     const std::uint64_t a = self().next_step();
     publish_addresses(a, {in, out});
-    const std::size_t k = std::max<std::size_t>(cma_.block / e, 1);
-    cma_tmp_.resize((un - 1) * k * e);
-    const std::size_t lo = lo_of(self().rank()), hi = hi_of(self().rank());
-    for (std::size_t off = lo; off < hi; off += k) {
-      const std::size_t c = std::min(k, hi - off);
-      std::size_t t = 0;
-      for (int p = 0; p < n; ++p) {
-        if (p == self().rank()) {
-          self().srcs_[static_cast<std::size_t>(p)] = in + off * e;
-          continue;
-        }
-        std::byte* tmp = cma_tmp_.data() + t++ * k * e;
-        cma_read(p, tmp, address_of(p, a, 0) + off * e, c * e);
-        self().srcs_[static_cast<std::size_t>(p)] = tmp;
-      }
-      self().reduce_from(op, out + off * e, c, true);
-    }
+    reduce_read(op, a, in, out, lo_of(self().rank()), hi_of(self().rank()));
     const std::uint64_t b = self().next_step();
     self().publish(b);
     self().wait_all(b);
@@ -212,32 +219,11 @@ class SingleCopy {
   /// need no buffer of the message's size, where reduce composed as an all_reduce gave each a
   /// scratch output (allocated and zeroed per call above 8 MiB) and a second all-gather phase.
   void cma_reduce(Op& op) {
-    const std::size_t e = op.elem_size;
-    const std::size_t count = op.in_count;
-    const int n = self().size();
     const int root = op.desc.root;
     const auto* in = static_cast<const std::byte*>(op.in);
     const std::uint64_t a = self().next_step();
     publish_addresses(a, {in});
-    if (self().rank() == root) {
-      auto* out = static_cast<std::byte*>(op.out);
-      const std::size_t k = std::max<std::size_t>(cma_.block / e, 1);
-      cma_tmp_.resize(static_cast<std::size_t>(n - 1) * k * e);
-      for (std::size_t off = 0; off < count; off += k) {
-        const std::size_t c = std::min(k, count - off);
-        std::size_t t = 0;
-        for (int p = 0; p < n; ++p) {
-          if (p == root) {
-            self().srcs_[static_cast<std::size_t>(p)] = in + off * e;
-            continue;
-          }
-          std::byte* tmp = cma_tmp_.data() + t++ * k * e;
-          cma_read(p, tmp, address_of(p, a, 0) + off * e, c * e);
-          self().srcs_[static_cast<std::size_t>(p)] = tmp;
-        }
-        self().reduce_from(op, out + off * e, c, true);
-      }
-    }
+    if (self().rank() == root) reduce_read(op, a, in, static_cast<std::byte*>(op.out), 0, op.in_count);
     const std::uint64_t b = self().next_step();
     self().publish(b);
     if (self().rank() != root) self().wait_step(root, b);

@@ -164,11 +164,13 @@ class Steps {
       const Unchecked& u = unchecked_[done];
       const bool due = all || u.step + kLag <= next;
       if (!due && !published_by_all(u.step)) break;
-      for (int p = 0; p < step_size_; ++p) {
-        if (p == step_rank_) continue;
-        wait_published(p, u.step);
-        if (!same(*header_fp(p, u.step), u.fp)) mismatch_found(u);
-      }
+      // Every peer's header first, then compare: a rank must not throw (and abort the
+      // communicator) while a peer has yet to publish the step, or that peer's own check, and
+      // the error table here, would read a slot that does not hold it.
+      for (int p = 0; p < step_size_; ++p)
+        if (p != step_rank_) wait_published(p, u.step);
+      for (int p = 0; p < step_size_; ++p)
+        if (p != step_rank_ && !same(*header_fp(p, u.step), u.fp)) mismatch_found(u);
     }
     unchecked_.erase(unchecked_.begin(), unchecked_.begin() + static_cast<std::ptrdiff_t>(done));
   }
