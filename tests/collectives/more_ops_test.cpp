@@ -427,10 +427,12 @@ TEST_CASE("long long and unsigned long long are the 64-bit element types on ever
 }
 
 #if defined(COMM_TEST_BACKEND_SHM)
+#include <sched.h>
 #include <support/env_guard.hpp>
 
 #include <algorithm>
 #include <string>
+#include <thread>
 
 namespace {
 bool shm_has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
@@ -599,5 +601,45 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
       CHECK(bad == -1);
     }
   }
+}
+// Two ranks that meet on one CPU of a host with a CPU for each: the waits notice it (each publish
+// records its CPU) and the higher rank moves itself off that CPU, restoring its affinity mask
+// (steps.hpp, spread()). Both ranks start pinned to one CPU here, then get their mask back.
+TEST_CASE("shm: two ranks made to share a CPU end on different CPUs, with their affinity masks kept") {
+  const auto& w = comm::test::world();
+  cpu_set_t mask;
+  REQUIRE(::sched_getaffinity(0, sizeof mask, &mask) == 0);
+  int first = -1;
+  for (int c = 0; c < CPU_SETSIZE && first < 0; ++c)
+    if (CPU_ISSET(c, &mask)) first = c;
+  // Only where the spin is long (a CPU for every rank) and both ranks may use the same CPUs.
+  if (w.size != 2 || CPU_COUNT(&mask) < 2 || std::thread::hardware_concurrency() < 2) return;
+  comm::test::ScopedEnv spread("COMM_SHM_SPREAD", "1");
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  REQUIRE(::sched_setaffinity(0, sizeof one, &one) == 0);
+  auto c = make_comm();
+  std::vector<int> firsts(2);
+  c.all_gather(std::span<const int>(&first, 1), std::span<int>(firsts));
+  REQUIRE(::sched_setaffinity(0, sizeof mask, &mask) == 0);
+  if (firsts[0] != firsts[1]) return;  // different masks: nothing shared to undo
+  std::vector<int> where(2, -1);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  int apart = 0;
+  for (int round = 0; apart == 0; ++round) {
+    std::vector<float> x(2, 1.f);
+    for (int i = 0; i < 200; ++i) c.all_reduce(x, ReduceOp::max);
+    const int cpu = ::sched_getcpu();
+    c.all_gather(std::span<const int>(&cpu, 1), std::span<int>(where));
+    int done = where[0] != where[1] || std::chrono::steady_clock::now() > until ? 1 : 0;
+    c.all_reduce(std::span<int>(&done, 1), ReduceOp::max);  // every rank leaves the loop together
+    if (done != 0) apart = where[0] != where[1] ? 1 : -1;
+  }
+  INFO("rank ", w.rank, " CPUs at the end: ", where[0], " and ", where[1]);
+  CHECK(apart == 1);
+  cpu_set_t now;
+  REQUIRE(::sched_getaffinity(0, sizeof now, &now) == 0);
+  CHECK(CPU_EQUAL(&now, &mask));
 }
 #endif

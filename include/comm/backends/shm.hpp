@@ -33,9 +33,10 @@
 ///   uses the segment. Under ptrace_scope 1 each rank allows it with
 ///   `prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)` (process-wide; COMM_SHM_CMA=0 avoids it).
 /// - **Waiting** spins briefly (long only while every rank has a core), then yields, then sleeps on
-///   a futex, so more ranks than cores still progress; a wait whose spin ran out halves the next
-///   spin (a wait served while spinning doubles it, up to `spin`), so ranks that share a core on a
-///   loaded host hand over quickly.
+///   a futex, so more ranks than cores still progress; a wait whose spin ran out keeps the full
+///   spin when the peer runs on another CPU and drops to 16 pauses when it last ran on this one,
+///   and two ranks that keep meeting on one CPU of a host with a CPU for each are moved apart
+///   (COMM_SHM_SPREAD; detail/shm/steps.hpp).
 /// - **Deadlines and faults:** every operation ends by `Options::timeout` with comm::Timeout
 ///   naming the operation, its sequence number, this rank and the rank it waited for (a stopped or
 ///   hung peer). A peer whose process exits (SIGKILL included) is noticed within about 10 ms of

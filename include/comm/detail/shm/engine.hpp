@@ -39,7 +39,8 @@
 //     of `chunk` bytes keep the working set in cache and let ranks run a step apart.
 //   - reduce_scatter, all_gather, gather: one step per chunk; broadcast: one step per chunk with
 //     the root one step ahead at most.
-// Waiting: spin (with pause) briefly (adaptive: halved after a spin that ran out), then yield for up to 2 ms, then sleep on a futex in the peer's
+// Waiting: spin (with pause; long where the peer runs on another CPU, short where it shares this
+// one: steps.hpp), then yield for up to 2 ms, then sleep on a futex in the peer's
 // control line with bounded slices; a publisher wakes only when a sleeper announced itself, so the fast path
 // has no syscall. In the sleeping phase the waiter checks the deadline, the abort words and whether
 // the peer's process still exists (pidfd, or kill(pid, 0) where pidfds are missing), so a SIGKILLed
@@ -246,10 +247,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
       }
       if (left == 0) break;
       if (moved) {
-        // The spin adapts as wait_published's does: a wait that ended while spinning doubles
-        // the next spin. A fixed spin_ cost 2000 pauses (~80 us) per message whenever the peer
-        // was off its core (a loaded host), since a spinner holds the core the peer needs.
-        if (idle > 0 && idle <= spin_now_) spin_now_ = std::min(spin_, std::max(spin_now_ * 2, 16));
+        note_cpu();  // the peers' spins on this rank follow where it runs (steps.hpp, spin_ran_out)
         idle = 0;
         yield_until = yield_until_reset();
         continue;
@@ -261,10 +259,12 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
         cpu_relax();
         continue;
       }
-      if (idle == spin_now_) spin_now_ = std::max(spin_now_ / 2, std::min(spin_, 16));  // spun in vain
       int peer = -1;
       for (std::size_t i = 0; i < n; ++i)
         if (!finished[i] && first_of(i)) peer = items[i].peer;
+      // Spun in vain: the next spin is short only if the peer shares this CPU (a long spin then
+      // holds the CPU the peer needs: 2000 pauses, ~60 us, per message).
+      if (idle == spin_now_) spin_ran_out(peer);
       const bool sleep = Clock::now() >= yield_until;
       if (!sleep) {
         std::this_thread::yield();

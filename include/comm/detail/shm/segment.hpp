@@ -52,8 +52,9 @@ namespace comm::detail::shm {
 
 inline constexpr std::size_t kLine = 64;
 
-/// The layout's version: 2 moved the step headers from the halves into the lanes.
-inline constexpr std::uint32_t kVersion = 2;
+/// The layout's version: 2 moved the step headers from the halves into the lanes, 3 added
+/// RankCtl::cpu.
+inline constexpr std::uint32_t kVersion = 3;
 
 struct alignas(kLine) Header {
   static constexpr std::uint64_t kMagic = 0x636f6d6d73686d31ull;  // "commshm1"
@@ -74,6 +75,7 @@ struct alignas(kLine) RankCtl {
   alignas(kLine) std::atomic<std::uint32_t> bell;      // futex word: bumped when a waiter may sleep
   std::atomic<std::uint32_t> sleepers;                 // waiters on this rank's steps
   alignas(kLine) std::atomic<std::uint32_t> left;      // the rank destroyed its communicator
+  alignas(kLine) std::atomic<std::int32_t> cpu;        // the CPU the rank last published from (-1: unknown)
 };
 
 /// A point-to-point channel's counters: the sender bumps `posted` after filling slot posted%2,
