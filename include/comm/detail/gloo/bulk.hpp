@@ -141,9 +141,10 @@ inline void ring_all_gather(const std::shared_ptr<::gloo::Context>& ctx, std::ui
 /// v+1. At 3 ranks it spreads the root's two copies over two ranks (the root sends the message
 /// once, the middle rank receives and forwards it in different threads), where the tree's root
 /// sends it twice; above, the chain's n-1 hops lose to the tree's log2(n). At 2 ranks nobody
-/// forwards, and the message goes whole: segments there only add messages (a receive-ready notice,
-/// a send and a wakeup each), about 10 % of the operation's CPU time at 4 MiB on the 2-core machine
-/// (benchmarks/RESULTS.md, "Gloo above the frames' limit", 2026-11-27, last subsection).
+/// forwards, and the message goes whole, as gloo's own broadcast sends it: segments there only add
+/// messages (a receive-ready notice, a send and a wakeup each). Measured on the loaded 2-core
+/// machine: 0-9 % less CPU time at 4 MiB, wall time within the noise (benchmarks/RESULTS.md,
+/// "Gloo above the frames' limit", 2026-11-27, last subsection).
 template <class Headers = NoHeaders>
 void chain_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t slot, const Deadline& deadline,
                      void* out, std::size_t bytes, int root, const Headers& headers = {}) {
