@@ -5,9 +5,9 @@
 // a dead peer then ends every survivor's operation at once, a send libgloo began writing included.
 //
 // Messages are cut into segments of kSegmentBytes (reduce_scatter.hpp) where forwarding one can
-// start before the next arrives (the ring, the chain, the tree); every receive is posted up front, so no
-// sender waits for a receive-ready notice, and gloo completes one slot's messages from one peer in
-// the order they were posted.
+// start before the next arrives (the ring, the chain, the tree; a 2-rank broadcast goes whole);
+// every receive is posted up front, so no sender waits for a receive-ready notice, and gloo
+// completes one slot's messages from one peer in the order they were posted.
 
 #include <algorithm>
 #include <cstddef>
@@ -140,7 +140,11 @@ inline void ring_all_gather(const std::shared_ptr<::gloo::Context>& ctx, std::ui
 /// Pipelined chain broadcast: relative rank v receives each segment from v-1 and forwards it to
 /// v+1. At 3 ranks it spreads the root's two copies over two ranks (the root sends the message
 /// once, the middle rank receives and forwards it in different threads), where the tree's root
-/// sends it twice; above, the chain's n-1 hops lose to the tree's log2(n).
+/// sends it twice; above, the chain's n-1 hops lose to the tree's log2(n). At 2 ranks nobody
+/// forwards, and the message goes whole, as gloo's own broadcast sends it: segments there only add
+/// messages (a receive-ready notice, a send and a wakeup each). Measured on the loaded 2-core
+/// machine: 0-9 % less CPU time at 4 MiB, wall time within the noise (benchmarks/RESULTS.md,
+/// "Gloo above the frames' limit", 2026-11-27, last subsection).
 template <class Headers = NoHeaders>
 void chain_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t slot, const Deadline& deadline,
                      void* out, std::size_t bytes, int root, const Headers& headers = {}) {
@@ -151,7 +155,7 @@ void chain_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t 
   const int prev = v == 0 ? -1 : (r + n - 1) % n;
   const int next = v + 1 < n ? (r + 1) % n : -1;
   auto buf = ctx->createUnboundBuffer(out, bytes);
-  const Segments seg{bytes, kSegmentBytes};
+  const Segments seg{bytes, n == 2 ? bytes : kSegmentBytes};
   if (prev >= 0) {
     headers.expect(prev);
     for (std::size_t j = 0; j < seg.count(); ++j) buf->recv(prev, slot, seg.offset(j), seg.length(j));
