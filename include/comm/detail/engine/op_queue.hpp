@@ -15,11 +15,16 @@
 // record it again). Engines derive their collective message tags from `seq`.
 // A blocking call with nothing queued takes the lock twice and signals the condition variable
 // only when a thread waits on it (waiters_): that is the whole cost of the queue on the fast path.
+// The lock is QueueLock (one exchange to take, a store to give back; a pthread mutex costs about
+// 60 instructions and two atomic read-modify-writes per round trip, twice per blocking call), so
+// the condition variable is a condition_variable_any: its waits are the slow path (async work
+// queued), where its own internal mutex does not matter.
 // shutdown() lets the worker finish everything already queued, then joins it.
 //
 // Nothing here is a template: the queue holds one task type (an Op record and its Work state) and
 // calls its owner through two function pointers, so it is compiled once per translation unit.
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -34,6 +39,21 @@
 #include <comm/work.hpp>
 
 namespace comm::detail {
+
+/// The queue's lock: held only for a few stores (issue, hand-over), by the caller's thread and the
+/// worker. A waiter yields, so a holder that was descheduled (or that starts the worker thread)
+/// costs time slices, not a spinning core.
+class QueueLock {
+ public:
+  void lock() noexcept {
+    while (busy_.exchange(true, std::memory_order_acquire))
+      while (busy_.load(std::memory_order_relaxed)) std::this_thread::yield();
+  }
+  void unlock() noexcept { busy_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> busy_{false};
+};
 
 class OpQueue {
  public:
@@ -52,7 +72,7 @@ class OpQueue {
   void run_inline(Op& op) {
     std::uint64_t id = 0, seq = 0;
     {
-      std::unique_lock lock(mu_);
+      std::unique_lock<QueueLock> lock(mu_);
       if (!queue_.empty() || running_) wait(lock, [&] { return queue_.empty() && !running_; });
       running_ = true;
       id = next_id_++;
@@ -64,7 +84,7 @@ class OpQueue {
       ~Release() {
         bool wake = false;
         {
-          std::lock_guard lock(q->mu_);
+          std::lock_guard<QueueLock> lock(q->mu_);
           q->running_ = false;
           wake = q->waiters_ != 0;
         }
@@ -77,7 +97,7 @@ class OpQueue {
   /// Queues `op`; `state` is completed with its outcome (failed with what it threw).
   void submit(Op&& op, std::shared_ptr<WorkState> state) {
     {
-      std::lock_guard lock(mu_);
+      std::lock_guard<QueueLock> lock(mu_);
       const std::uint64_t id = next_id_++;
       const std::uint64_t seq = next_seq(op);
       issue_(owner_, op, id, seq, false);
@@ -95,7 +115,7 @@ class OpQueue {
   /// Finishes the queued operations, then stops the worker. Idempotent.
   void shutdown() {
     {
-      std::lock_guard lock(mu_);
+      std::lock_guard<QueueLock> lock(mu_);
       stopping_ = true;
     }
     cv_.notify_all();
@@ -104,7 +124,7 @@ class OpQueue {
 
   /// Waits until nothing is running or queued, or until `deadline`; true when idle.
   bool wait_idle_until(std::chrono::steady_clock::time_point deadline) {
-    std::unique_lock lock(mu_);
+    std::unique_lock<QueueLock> lock(mu_);
     const Waiting w(waiters_);
     return cv_.wait_until(lock, deadline, [&] { return queue_.empty() && !running_; });
   }
@@ -132,7 +152,7 @@ class OpQueue {
   };
 
   template <class Pred>
-  void wait(std::unique_lock<std::mutex>& lock, Pred pred) {
+  void wait(std::unique_lock<QueueLock>& lock, Pred pred) {
     const Waiting w(waiters_);
     cv_.wait(lock, pred);
   }
@@ -142,7 +162,7 @@ class OpQueue {
   }
 
   void serve() {
-    std::unique_lock lock(mu_);
+    std::unique_lock<QueueLock> lock(mu_);
     for (;;) {
       bool ready = false;
       {
@@ -184,8 +204,8 @@ class OpQueue {
   void* owner_;
   ExecuteFn execute_;
   IssueFn issue_;
-  std::mutex mu_;
-  std::condition_variable cv_;
+  QueueLock mu_;
+  std::condition_variable_any cv_;
   std::deque<Task> queue_;
   bool running_ = false;
   bool stopping_ = false;
