@@ -9,8 +9,14 @@
 //     BYTES  comma list of message sizes in bytes (default 8,4096,65536,1048576)
 //
 // Prints "op bytes median_us" on rank 0: the median over calls of the slowest rank's time.
+// -DCOMM_WAIT_BENCH_BACKEND=comm::backends::Gloo (with -DCOMM_HAS_GLOO=1 -lgloo) times Gloo instead,
+// e.g. against an older commit's include/ (docs/RELIABILITY.md, the elastic layer's before/after).
 // benchmarks/RESULTS.md, "Where a rank waits", has the runs it was written for.
 #include <comm/comm.hpp>
+
+#ifndef COMM_WAIT_BENCH_BACKEND
+#define COMM_WAIT_BENCH_BACKEND comm::backends::Shm
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -40,8 +46,7 @@ std::vector<std::string> split(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  using Shm = comm::backends::Shm;
-  auto c = comm::Communicator<Shm>::from_env();
+  auto c = comm::Communicator<COMM_WAIT_BENCH_BACKEND>::from_env();
   const int iters = argc > 1 ? std::max(std::atoi(argv[1]), 10) : 1000;
   std::vector<std::string> ops = split(argc > 2 ? argv[2] : "all_reduce,broadcast,all_gather,gather,reduce,scatter");
   std::vector<std::size_t> sizes;
