@@ -27,6 +27,7 @@
 #include <vector>
 
 #include <comm/detail/base/env.hpp>
+#include <comm/detail/base/yield_lock.hpp>
 #include <comm/detail/base/logging.hpp>
 #include <comm/diagnostics.hpp>
 #include <comm/error.hpp>
@@ -168,20 +169,9 @@ class RecorderClock {
 };
 
 /// The recorder's lock: every operation takes it twice (issued and started, ended) on the thread
-/// that runs it, and nobody else but an occasional snapshot. A pthread mutex costs ~55
-/// instructions and two atomic read-modify-writes per lock and unlock; this one one exchange and a
-/// store. A waiter yields: a snapshot (which copies the ring) may hold it for microseconds.
-class RecorderLock {
- public:
-  void lock() noexcept {
-    while (busy_.exchange(true, std::memory_order_acquire))
-      while (busy_.load(std::memory_order_relaxed)) std::this_thread::yield();
-  }
-  void unlock() noexcept { busy_.store(false, std::memory_order_release); }
-
- private:
-  std::atomic<bool> busy_{false};
-};
+/// that runs it, and nobody else but an occasional snapshot (which copies the ring, so a waiter
+/// may yield for microseconds).
+using RecorderLock = YieldLock;
 
 class FlightRecorder {
   using Clock = std::chrono::steady_clock;

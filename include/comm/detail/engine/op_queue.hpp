@@ -15,8 +15,8 @@
 // record it again). Engines derive their collective message tags from `seq`.
 // A blocking call with nothing queued takes the lock twice and signals the condition variable
 // only when a thread waits on it (waiters_): that is the whole cost of the queue on the fast path.
-// The lock is QueueLock (one exchange to take, a store to give back; a pthread mutex costs about
-// 60 instructions and two atomic read-modify-writes per round trip, twice per blocking call), so
+// The lock is a YieldLock (base/yield_lock.hpp: one exchange to take, a store to give back, where a
+// pthread mutex costs about 60 instructions and two atomic read-modify-writes, twice per call), so
 // the condition variable is a condition_variable_any: its waits are the slow path (async work
 // queued), where its own internal mutex does not matter.
 // shutdown() lets the worker finish everything already queued, then joins it.
@@ -35,25 +35,15 @@
 #include <thread>
 #include <utility>
 
+#include <comm/detail/base/yield_lock.hpp>
 #include <comm/detail/engine/op.hpp>
 #include <comm/work.hpp>
 
 namespace comm::detail {
 
 /// The queue's lock: held only for a few stores (issue, hand-over), by the caller's thread and the
-/// worker. A waiter yields, so a holder that was descheduled (or that starts the worker thread)
-/// costs time slices, not a spinning core.
-class QueueLock {
- public:
-  void lock() noexcept {
-    while (busy_.exchange(true, std::memory_order_acquire))
-      while (busy_.load(std::memory_order_relaxed)) std::this_thread::yield();
-  }
-  void unlock() noexcept { busy_.store(false, std::memory_order_release); }
-
- private:
-  std::atomic<bool> busy_{false};
-};
+/// worker.
+using QueueLock = YieldLock;
 
 class OpQueue {
  public:
