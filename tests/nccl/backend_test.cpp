@@ -157,7 +157,7 @@ TEST_CASE("watchdog: a stuck operation ends with Timeout naming it and the rank;
   const auto t0 = std::chrono::steady_clock::now();
   std::string msg;
   try {
-    w.wait();
+    w.synchronize();  // a host wait: Work::wait on NCCL only orders the caller's stream
   } catch (const comm::Timeout& e) {
     msg = e.what();
   }

@@ -146,11 +146,11 @@ TEST_CASE("nvtx: range names") {
   CHECK(nvtx::type_name(200) == "none");
   // Truncated, always terminated.
   char buf[16];
-  CHECK(nvtx::format(buf, sizeof buf, "all_reduce", 1024, "float", 7) == 15);
+  CHECK(nvtx::format_label(buf, sizeof buf, "all_reduce", 1024, "float", 7) == 15);
   CHECK(std::string(buf) == "comm.all_reduce");
-  CHECK(nvtx::format(buf, 0, "all_reduce", 1, "float", 1) == 0);
+  CHECK(nvtx::format_label(buf, 0, "all_reduce", 1, "float", 1) == 0);
   char one[1] = {'x'};
-  CHECK(nvtx::format(one, 1, "all_reduce", 1, "float", 1) == 0);
+  CHECK(nvtx::format_label(one, 1, "all_reduce", 1, "float", 1) == 0);
   CHECK(one[0] == '\0');
 }
 

@@ -296,8 +296,16 @@ TEST_CASE("premul_sum on fp8: reduced where NCCL >= 2.24 and compute capability 
   int major = 0;
   NCCL_TEST_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c.backend().device()));
   if (COMM_NCCL_FP8_REDUCTIONS && comm::nccl::runtime_version() >= 22400 && major >= 9) {
-    c.all_reduce(d.span(), comm::op::premul_sum(0.5));
-    CHECK(static_cast<float>(d.download()[0]) == float(un));
+    try {
+      c.all_reduce(d.span(), comm::op::premul_sum(0.5));
+      CHECK(static_cast<float>(d.download()[0]) == float(un));
+    } catch (const comm::InvalidArgument& e) {
+      // NCCL 2.28's one-rank path has no fp8 kernel (seen on an H200): comm says so.
+      INFO(e.what());
+      CHECK(c.size() == 1);
+      CHECK(std::string(e.what()).find("fp8 on a communicator of one rank") != std::string::npos);
+      c.all_reduce(d.span());  // the communicator is still usable
+    }
   } else {
     CHECK_THROWS_AS(c.all_reduce(d.span(), comm::op::premul_sum(0.5)), comm::InvalidArgument);
   }

@@ -64,7 +64,7 @@ inline constexpr std::uint64_t no_seq = ~std::uint64_t{0};
 
 /// Writes "comm.<op> count=<n> type=<type> seq=<s>" (" staged" for no_seq) into `buf`, truncated
 /// to `cap` - 1 characters and always terminated; returns the length written.
-inline std::size_t format(char* buf, std::size_t cap, std::string_view op, std::uint64_t count, std::string_view type,
+inline std::size_t format_label(char* buf, std::size_t cap, std::string_view op, std::uint64_t count, std::string_view type,
                           std::uint64_t seq) noexcept {
   if (cap == 0) return 0;
   const int n =
@@ -85,7 +85,7 @@ inline std::size_t format(char* buf, std::size_t cap, std::string_view op, std::
 [[nodiscard]] inline std::string message(std::string_view op, std::uint64_t count, std::uint8_t dtype_code,
                                          std::uint64_t seq) {
   char buf[192];
-  const std::size_t n = format(buf, sizeof buf, op, count, type_name(dtype_code), seq);
+  const std::size_t n = format_label(buf, sizeof buf, op, count, type_name(dtype_code), seq);
   return std::string(buf, n);
 }
 
@@ -146,7 +146,7 @@ inline nvtxEventAttributes_t attributes(const char* text, std::uint64_t count) n
 [[gnu::cold, gnu::noinline]] inline void push(const char* op, std::uint64_t count, std::uint8_t type,
                                               std::uint64_t seq) noexcept {
   char buf[192];
-  (void)format(buf, sizeof buf, op, count, type_name(type), seq);
+  (void)format_label(buf, sizeof buf, op, count, type_name(type), seq);
   const nvtxEventAttributes_t a = attributes(buf, count);
   (void)nvtxDomainRangePushEx(domain(), &a);
 }
@@ -156,7 +156,7 @@ inline nvtxEventAttributes_t attributes(const char* text, std::uint64_t count) n
 [[gnu::cold, gnu::noinline]] inline std::uint64_t start(const char* op, std::uint64_t count, std::uint8_t type,
                                                         std::uint64_t seq) noexcept {
   char buf[192];
-  (void)format(buf, sizeof buf, op, count, type_name(type), seq);
+  (void)format_label(buf, sizeof buf, op, count, type_name(type), seq);
   const nvtxEventAttributes_t a = attributes(buf, count);
   return nvtxDomainRangeStartEx(domain(), &a);
 }

@@ -110,7 +110,8 @@ class Elastic {
     Lineage& lin = lineage("shrink");
     e.retire("the communicator was shrunk (rank " + std::to_string(e.rank()) + " called shrink())");
     // The operations still queued or running end with their error while the members agree; they
-    // have until the agreement is made (at most kRetireGrace more) to be gone.
+    // have until the agreement is made (at most kRetireGrace more) to be gone. NCCL's, whose
+    // kernels must be stopped first, have up to the timeout (detail/nccl/shrink.hpp).
     const auto retired_by = std::chrono::steady_clock::now() + kRetireGrace;
     const std::string k = lin.room + "e" + std::to_string(lin.epoch) + "/shrink" + std::to_string(lin.shrinks++) + "/";
     Store& base = *lin.base;

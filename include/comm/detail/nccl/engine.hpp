@@ -63,7 +63,10 @@ class Engine final : public NcclCore {
     const OpDesc d{OpKind::reduce, dtype_code<T>(), a.code, root, in.size()};
     return issue(d, l, in.empty(), [&](ncclComm_t c, cudaStream_t s) {
       return with_red_op(op, a, dt, c, [&](ncclRedOp_t o) {
-        return COMM_NCCL_CHECK(ncclReduce(in.data(), recv, in.size(), dt, o, root, c, s), op, rank(), c);
+        return in_pieces<T>(op, a, in.size(), [&](std::size_t at, std::size_t k) {
+          T* to = recv == nullptr ? nullptr : static_cast<T*>(recv) + at;
+          return COMM_NCCL_CHECK(ncclReduce(in.data() + at, to, k, dt, o, root, c, s), op, rank(), c);
+        });
       });
     });
   }
@@ -94,9 +97,11 @@ class Engine final : public NcclCore {
     const OpDesc d{scatter ? OpKind::reduce_scatter : OpKind::all_reduce, dtype_code<T>(), a.code, -1, out.size()};
     return issue(d, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
       return with_red_op(op, a, dt, c, [&](ncclRedOp_t o) {
-        return scatter
-                   ? COMM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), out.size(), dt, o, c, s), op, rank(), c)
-                   : COMM_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), out.size(), dt, o, c, s), op, rank(), c);
+        return in_pieces<T>(op, a, out.size(), [&](std::size_t at, std::size_t k) {
+          return scatter ? COMM_NCCL_CHECK(ncclReduceScatter(in.data() + at, out.data() + at, k, dt, o, c, s), op,
+                                           rank(), c)
+                         : COMM_NCCL_CHECK(ncclAllReduce(in.data() + at, out.data() + at, k, dt, o, c, s), op, rank(), c);
+        });
       });
     });
   }
@@ -341,10 +346,12 @@ class Engine final : public NcclCore {
     const OpDesc d{K, dtype_code<T>(), a.code, -1, ar ? in.size() : out.size()};
     return issue(d, l, out.empty(), [&](ncclComm_t c, cudaStream_t s) {
       return with_red_op(op, a, dt, c, [&](ncclRedOp_t o) {
-        if constexpr (ar)
-          return COMM_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), out.size(), dt, o, c, s), op, rank(), c);
-        else
-          return COMM_NCCL_CHECK(ncclReduceScatter(in.data(), out.data(), out.size(), dt, o, c, s), op, rank(), c);
+        return in_pieces<T>(op, a, out.size(), [&](std::size_t at, std::size_t k) {
+          if constexpr (ar)
+            return COMM_NCCL_CHECK(ncclAllReduce(in.data() + at, out.data() + at, k, dt, o, c, s), op, rank(), c);
+          else
+            return COMM_NCCL_CHECK(ncclReduceScatter(in.data() + at, out.data() + at, k, dt, o, c, s), op, rank(), c);
+        });
       });
     });
   }
@@ -366,6 +373,30 @@ class Engine final : public NcclCore {
     } destroy{pm, c};
     if (call(pm) == ncclInProgress) wait_enqueued(op);
     return ncclSuccess;
+  }
+
+  /// `call(offset, count)` over [0, n) elements: one call, or two on a communicator of one rank
+  /// where NCCL's one-rank kernel would leave elements of a pre-multiplied sum (avg, premul_sum)
+  /// unwritten (one_rank_kernel_covers in reduction.hpp). NCCL 2.28's one-rank path has no fp8
+  /// kernel at all and answers ncclInvalidArgument: the error then says so.
+  template <class T, class Call>
+  ncclResult_t in_pieces(const char* op, const RedArg& a, std::size_t n, Call&& call) {
+    const bool scaled = a.premul || a.code == static_cast<std::uint8_t>(ReduceOp::avg);
+    if (size() != 1 || !scaled) return call(0, n);
+    try {
+      const std::size_t head = one_rank_head(n, sizeof(T));
+      if (head == n) return call(0, n);
+      if (call(0, head) == ncclInProgress) wait_enqueued(op);
+      return call(head, n - head);
+    } catch (const InvalidArgument& e) {
+      if (!is_fp8(dtype_of<T>)) throw;
+      throw InvalidArgument(op, rank(),
+                            "NCCL " + version_string(runtime_version()) +
+                                " refused a pre-multiplied sum (avg, premul_sum) of fp8 on a communicator of one "
+                                "rank (its one-rank path has no fp8 kernel): use two or more ranks, or a wider "
+                                "type; NCCL said: " +
+                                e.what());
+    }
   }
 
   /// ncclGroupStart, `body` (ncclSend / ncclRecv calls), ncclGroupEnd; the group is closed when

@@ -305,6 +305,7 @@ class NcclCore : public WatchTarget, public CommCore, public DesyncCheck<NcclCor
     nvtx::ScopedRange range;
     std::shared_ptr<NcclOp> state = issue_state(d, is_async, empty, enqueue, range);
     if constexpr (is_async) {
+      if (host_wait) state->wait_on_host();  // an async barrier's Work::wait blocks, as torch's does
       return Work(std::move(state));
     } else {
       if (host_wait) wait_host(*state);

@@ -220,8 +220,12 @@ class Shrinkable {
     const bool mine = !exclude.empty() && can_shrink_natively();
     if (agree_all(store, rank, size, mine, timeout)) return true;
     end_retire();
+    // The watchdog's abort of the old communicator may outlast the grace (on an H200, with the
+    // grace as the bound, an operation queued behind a 300 ms host step was not yet failed when
+    // shrink returned). The pending operations must end before shrink returns: the communicator's
+    // timeout bounds the wait instead.
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(retired_by - Clock::now());
-    if (!wait_retired(std::max(left, std::chrono::milliseconds(0))))
+    if (!wait_retired(std::max(left, timeout)))
       detail::log(LogLevel::warn, "nccl: shrink on rank " + std::to_string(core().rank()) +
                               ": an operation of the old communicator still runs (it ends by its own deadline)");
     return false;
@@ -243,7 +247,9 @@ class Shrinkable {
       throw;
     }
     end_retire();
-    (void)wait_retired(std::chrono::milliseconds(2000));
+    if (!wait_retired(core().timeout()))
+      detail::log(LogLevel::warn, "nccl: shrink on rank " + std::to_string(core().rank()) +
+                                      ": an operation of the old communicator still runs (it ends by its own deadline)");
     int new_rank = -1, new_size = 0;
     try {
       COMM_NCCL_CHECK(ncclCommUserRank(child, &new_rank), op, rank, child);

@@ -233,7 +233,8 @@ class Watchdog {
   /// true when none is pending.
   bool wait_idle(Clock::time_point deadline) {
     std::unique_lock lock(mu_);
-    return idle_cv_.wait_until(lock, deadline, [&] { return pending_.empty() || (failure_ && aborted_); });
+    return idle_cv_.wait_until(lock, deadline,
+                              [&] { return !handling_ && (pending_.empty() || (failure_ && aborted_)); });
   }
 
   /// Number of operations not yet completed.
@@ -354,6 +355,7 @@ class Watchdog {
   /// the others with an error derived from it). Called with `lock` held; releases it meanwhile.
   void handle_failure(std::unique_lock<std::mutex>& lock) noexcept {
     aborted_ = true;
+    handling_ = true;  // pending_ is empty from here on, but its operations are not failed yet
     const auto cause = failure_;
     const auto culprit = culprit_;
     std::deque<Pending> victims;
@@ -379,6 +381,7 @@ class Watchdog {
     }
     target_.failure_handled(cause);
     lock.lock();
+    handling_ = false;
     idle_cv_.notify_all();
   }
 
@@ -395,6 +398,10 @@ class Watchdog {
   std::uint64_t culprit_ = kNoCulprit;
   std::atomic<bool> failed_flag_{false};
   bool aborted_ = false;
+  // handle_failure is aborting and failing the operations it took from pending_: wait_idle must
+  // not report idle before their Work says so (first seen on a GPU: shrink returned with its
+  // queued operation not yet failed).
+  bool handling_ = false;
   bool held_ = false;  // fail(cause, true) until release()
   bool stopping_ = false;
   std::thread thread_;

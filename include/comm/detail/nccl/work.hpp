@@ -100,11 +100,16 @@ class NcclOp final : public TrackedOp {
   }
 
   /// Work::wait: work the caller queues on its current stream (comm::nccl::current_stream() of the
-  /// waiting thread) runs after the operation; the host does not block.
+  /// waiting thread) runs after the operation; the host does not block, except for a barrier
+  /// (wait_on_host), whose point is that every rank has reached it.
   bool wait_on_stream() override {
+    if (host_wait_) return false;
     order_caller_stream();
     return true;
   }
+
+  /// Work::wait blocks the host until the operation completed (set before the Work is returned).
+  void wait_on_host() noexcept { host_wait_ = true; }
 
   /// After a host wait (Work::synchronize, wait_for): the dependency is already satisfied, but
   /// adding it keeps the stream rule true for the caller's stream in every case.
@@ -121,6 +126,7 @@ class NcclOp final : public TrackedOp {
   std::shared_ptr<EventPool> pool_;
   cudaStream_t stream_;
   cudaEvent_t event_ = nullptr;
+  bool host_wait_ = false;
 };
 
 }  // namespace comm::detail::nccl
