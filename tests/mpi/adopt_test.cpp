@@ -305,6 +305,20 @@ void count_mismatch(int n, int me) {
     }
   }
   MPI_Barrier(MPI_COMM_WORLD);
+  // The other way: the root sends 4 where the others receive 2 (MPI truncates the receive). Under
+  // MPICH 4.0 that error goes through MPI_COMM_WORLD's handler (tests/mpi/mpich_truncate.cpp).
+  {
+    auto c = Comm::adopt(MPI_COMM_WORLD);
+    std::vector<float> v(me == 0 ? 4 : 2, me == 0 ? 7.f : -1.f);
+    if (me == 0) {
+      c.broadcast(v, 0);
+    } else {
+      const auto msg = expect_throw<comm::BackendError>([&] { c.broadcast(v, 0); }, "count mismatch, longer");
+      EXPECT(contains(msg, "comm: broadcast on rank " + std::to_string(me)));
+      EXPECT(contains(msg, "rank 0 sent more than the 8 bytes expected"));
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 /// MPI below MPI_THREAD_MULTIPLE: blocking operations work, async ones are refused up front.

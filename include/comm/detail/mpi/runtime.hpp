@@ -74,6 +74,11 @@ inline int ensure_initialized(const char* op, int rank) {
     int provided = MPI_THREAD_SINGLE;
     COMM_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), op, rank);
     guard.set_mine();
+    // MPICH 4.0 raises an error of MPI_Test/MPI_Testall (a message longer than its receive)
+    // through MPI_COMM_WORLD's handler, not the request's communicator, whose MPI_ERRORS_RETURN
+    // comm sets: with the default handler the job aborts instead of failing the operation. MPI
+    // is comm's here, so its world returns errors too.
+    COMM_MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), op, rank);
     if (provided < MPI_THREAD_MULTIPLE)
       log(LogLevel::warn, std::string("comm: MPI provides only ") + thread_level_name(provided) +
                               ": MPI communicators will refuse async operations");

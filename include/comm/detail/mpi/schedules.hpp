@@ -175,6 +175,28 @@ class OwnSchedules {
                          std::to_string(m.peer));
   }
 
+  /// A failed MPI_Test (of request `i`) or MPI_Testall (`i` = the count: look in every status) of
+  /// step `s`. A receive shorter than the peer's message (ranks that called with different counts)
+  /// is said so, naming the peer; else MPI's error.
+  [[noreturn]] void step_failed(const Step& s, int rc, std::size_t i, const char* call, const char* name) {
+    const bool one = i < s.reqs.size();
+    // MPI_Testall's statuses hold the requests' errors only with MPI_ERR_IN_STATUS.
+    if (!one && rc != MPI_ERR_IN_STATUS) throw_mpi_error(rc, call, name, self().rank());
+    for (std::size_t j = one ? i : 0; j < (one ? i + 1 : s.reqs.size()); ++j) {
+      const int e = one ? rc : s.status[j].MPI_ERROR;
+      if (e == MPI_SUCCESS || e == MPI_ERR_PENDING) continue;
+      int cls = MPI_SUCCESS;
+      if (MPI_Error_class(e, &cls) == MPI_SUCCESS && cls == MPI_ERR_TRUNCATE && s.info[j].expect != Step::kSend)
+        throw EngineError(e, name, self().rank(),
+                          "rank " + std::to_string(s.info[j].peer) + " sent more than the " +
+                              std::to_string(s.info[j].expect) +
+                              " bytes expected: the ranks called this operation with different counts (" + call +
+                              ": " + error_text(e) + ")");
+      throw_mpi_error(e, call, name, self().rank());
+    }
+    throw_mpi_error(rc, call, name, self().rank());
+  }
+
   /// The bytes a completed receive of MPI_BYTE got. OpenMPI and MPICH keep it in their status as
   /// bytes (`_ucount`; `count_lo` and the high bits of `count_hi_and_cancelled`, as their
   /// MPI_Get_count reads it); reading it here saves MPI_Get_count's call and checks (~80
@@ -220,7 +242,8 @@ class OwnSchedules {
           fit();
           const std::size_t i = s.recvs[next];
           int done = 0;
-          COMM_MPI_CHECK(MPI_Test(&s.reqs[i], &done, &s.status[i]), name, self().rank());
+          if (const int rc = MPI_Test(&s.reqs[i], &done, &s.status[i]); rc != MPI_SUCCESS)
+            step_failed(s, rc, i, "MPI_Test", name);
           if (done == 0) return false;
           check_length(s, i, s.status[i], name);
           if (s.info[i].user != Step::kSend) on_recv(s.info[i].user);
@@ -228,8 +251,9 @@ class OwnSchedules {
         }
         fit();
       }
-      COMM_MPI_CHECK(MPI_Testall(static_cast<int>(s.reqs.size()), s.reqs.data(), &all, s.status.data()), name,
-                     self().rank());
+      if (const int rc = MPI_Testall(static_cast<int>(s.reqs.size()), s.reqs.data(), &all, s.status.data());
+          rc != MPI_SUCCESS)
+        step_failed(s, rc, s.reqs.size(), "MPI_Testall", name);
       return all != 0;
     };
     if (!test() && !poll(test, [&] { self().look_out(name); }, deadline)) {
