@@ -287,38 +287,41 @@ void failure(int n, int me) {
   MPI_Barrier(MPI_COMM_WORLD);  // the last rank waits here until the others are done failing
 }
 
-/// Ranks that disagree about a count (comm's own schedule, up to 8 ranks): the root broadcasts 2
-/// elements where the others expect 4; they get a BackendError naming the root and nothing is
-/// written past the 2 elements that came. The root's part completes.
+/// One broadcast from rank 0, which holds `root_n` elements where the others hold `other_n`: the
+/// others get a BackendError containing `want`, then `after(message, v)` checks more of it and
+/// what is left in their buffer. The root's part completes.
+template <class After>
+void broadcast_mismatch(int me, std::size_t root_n, std::size_t other_n, const std::string& want, After after) {
+  {
+    auto c = Comm::adopt(MPI_COMM_WORLD);
+    std::vector<float> v(me == 0 ? root_n : other_n, me == 0 ? 7.f : -1.f);
+    if (me == 0) {
+      c.broadcast(v, 0);
+    } else {
+      const std::string label = "count mismatch: " + want;
+      const auto msg = expect_throw<comm::BackendError>([&] { c.broadcast(v, 0); }, label.c_str());
+      EXPECT(contains(msg, "comm: broadcast on rank " + std::to_string(me)));
+      EXPECT(contains(msg, want));
+      after(msg, v);
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+/// Ranks that disagree about a count (comm's own schedule, up to 8 ranks). The root broadcasts 2
+/// elements where the others expect 4: they get a BackendError naming the root, and nothing is
+/// written past the 2 elements that came. The other way, 4 where the others receive 2 (MPI
+/// truncates the receive; under MPICH 4.0 that error goes through MPI_COMM_WORLD's handler:
+/// tests/mpi/mpich_truncate.cpp), the error says the root sent more.
 void count_mismatch(int n, int me) {
   if (n < 2) return;
-  {
-    auto c = Comm::adopt(MPI_COMM_WORLD);
-    std::vector<float> v(me == 0 ? 2 : 4, me == 0 ? 7.f : -1.f);
-    if (me == 0) {
-      c.broadcast(v, 0);
-    } else {
-      const auto msg = expect_throw<comm::BackendError>([&] { c.broadcast(v, 0); }, "count mismatch");
-      EXPECT(contains(msg, "comm: broadcast on rank " + std::to_string(me) + " (peer 0)"));
-      EXPECT(contains(msg, "rank 0 sent 8 bytes where 16 were expected"));
-      EXPECT(v[2] == -1.f && v[3] == -1.f);
-    }
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-  // The other way: the root sends 4 where the others receive 2 (MPI truncates the receive). Under
-  // MPICH 4.0 that error goes through MPI_COMM_WORLD's handler (tests/mpi/mpich_truncate.cpp).
-  {
-    auto c = Comm::adopt(MPI_COMM_WORLD);
-    std::vector<float> v(me == 0 ? 4 : 2, me == 0 ? 7.f : -1.f);
-    if (me == 0) {
-      c.broadcast(v, 0);
-    } else {
-      const auto msg = expect_throw<comm::BackendError>([&] { c.broadcast(v, 0); }, "count mismatch, longer");
-      EXPECT(contains(msg, "comm: broadcast on rank " + std::to_string(me)));
-      EXPECT(contains(msg, "rank 0 sent more than the 8 bytes expected"));
-    }
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
+  broadcast_mismatch(me, 2, 4, "rank 0 sent 8 bytes where 16 were expected",
+                     [&](const std::string& msg, const std::vector<float>& v) {
+                       EXPECT(contains(msg, "comm: broadcast on rank " + std::to_string(me) + " (peer 0)"));
+                       EXPECT(v[2] == -1.f && v[3] == -1.f);
+                     });
+  broadcast_mismatch(me, 4, 2, "rank 0 sent more than the 8 bytes expected",
+                     [](const std::string&, const std::vector<float>&) {});
 }
 
 /// MPI below MPI_THREAD_MULTIPLE: blocking operations work, async ones are refused up front.
