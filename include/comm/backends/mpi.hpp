@@ -10,7 +10,8 @@
 ///     process's in MPI_COMM_WORLD (comm::InvalidArgument otherwise: launch with `mpirun -np N`),
 ///     run the store's membership check, then duplicate MPI_COMM_WORLD. MPI is finalized at exit only
 ///     when comm initialized it; then MPI_COMM_WORLD also gets MPI_ERRORS_RETURN (MPICH 4.0 raises
-///     a truncated receive of comm's own communicators through the world's handler). The store is kept for monitored_barrier and subgroup keys.
+///     a truncated receive of comm's own communicators through the world's handler). The store is
+///     kept for monitored_barrier and subgroup keys.
 ///     `from_env()` needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (mpirun sets none of them:
 ///     export them, or use `adopt(MPI_COMM_WORLD)` or `comm::init_distributed()`, which discover
 ///     mpirun's own variables).

@@ -69,9 +69,9 @@
 ///   with it. `Work::wait()` makes the waiting thread's current stream wait for the operation and
 ///   returns at once (torch.distributed's rule): the host does not block; an error already known
 ///   is rethrown, a later one fails the communicator's next call. An async barrier's
-///   `Work::wait()` blocks the host until every rank entered it, as the blocking barrier does. `Work::synchronize()` blocks the
-///   host until the operation completed on the device (or throws its error; bounded by the
-///   timeout). `Work::is_completed()` tells without blocking.
+///   `Work::wait()` blocks the host until every rank entered it, as the blocking barrier does.
+///   `Work::synchronize()` blocks the host until the operation completed on the device (or throws
+///   its error; bounded by the timeout). `Work::is_completed()` tells without blocking.
 /// - **Host-blocking wait for everything issued:** `c.backend().synchronize()`.
 /// - Buffers must stay allocated until the operation has completed on the device.
 /// ```cpp

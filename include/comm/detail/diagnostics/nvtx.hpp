@@ -64,8 +64,8 @@ inline constexpr std::uint64_t no_seq = ~std::uint64_t{0};
 
 /// Writes "comm.<op> count=<n> type=<type> seq=<s>" (" staged" for no_seq) into `buf`, truncated
 /// to `cap` - 1 characters and always terminated; returns the length written.
-inline std::size_t format_label(char* buf, std::size_t cap, std::string_view op, std::uint64_t count, std::string_view type,
-                          std::uint64_t seq) noexcept {
+inline std::size_t format_label(char* buf, std::size_t cap, std::string_view op, std::uint64_t count,
+                                std::string_view type, std::uint64_t seq) noexcept {
   if (cap == 0) return 0;
   const int n =
       seq == no_seq
