@@ -8,7 +8,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,6 +28,15 @@ int main(int argc, char** argv) {
   auto store = std::make_shared<comm::FileStore>(argv[1]);
   auto c = comm::Communicator<comm::backends::Mpi>::create(store, rank, size);
   std::vector<float> data(rank == 0 ? 4 : 2, 1.0f);
+  // Neither rank may leave before rank 1 has judged, and both leave through MPI_Finalize (comm's
+  // exit guard): hydra tears the job down (SIGHUP) when a rank exits without it, which under load
+  // killed rank 1 before its receive had failed (CI, stop 30).
+  const auto finish = [&](bool ok) {
+    std::fflush(stdout);
+    store->set("verdict." + std::to_string(rank), ok ? "ok" : "bad");
+    store->wait({"verdict.0", "verdict.1"});
+    return ok ? 0 : 1;
+  };
   try {
     c.broadcast(data, 0);
   } catch (const comm::Error& e) {
@@ -37,10 +45,8 @@ int main(int argc, char** argv) {
                        what.find("different counts") != std::string::npos;
     std::printf("mpich_truncate: rank %d: %s\n", rank, e.what());
     if (rank == 1 && named) std::printf("mpich_truncate: OK\n");
-    std::fflush(stdout);
-    std::_Exit(rank == 1 && named ? 0 : 1);  // the communicator is unusable: no collective teardown
+    return finish(rank == 1 && named);
   }
   std::printf("mpich_truncate: rank %d: broadcast returned\n", rank);
-  std::fflush(stdout);
-  std::_Exit(rank == 0 ? 0 : 1);  // rank 1 must have thrown
+  return finish(rank == 0);  // rank 1 must have thrown
 }
