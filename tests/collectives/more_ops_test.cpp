@@ -547,9 +547,10 @@ TEST_CASE("shm: a mismatch among back-to-back small broadcasts reaches the root 
   }
 }
 
-// Large messages by cross-memory attach (process_vm_readv), from 4 KiB here; and a rank that turns
-// it off (COMM_SHM_CMA=0) or asks a larger threshold brings every rank to the same path, or the
-// results below would be wrong or the ranks would hang.
+// Large messages by cross-memory attach (process_vm_readv), from 4 KiB here (all_reduce, reduce,
+// broadcast, all_gather, all_to_all); and a rank that turns it off (COMM_SHM_CMA=0), asks a
+// larger threshold or a smaller reduce slice (the root then reduces alone) brings every rank to
+// the same path, or the results below would be wrong or the ranks would hang.
 TEST_CASE("shm: single-copy large messages, and every rank takes the path the least capable one allows") {
   const auto& w = comm::test::world();
   const int n = w.size;
@@ -557,13 +558,16 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
   struct Setting {
     const char* cma;
     const char* min;
+    const char* slice_max;  // reduce: above it the root reduces alone
   };
-  for (const Setting s : {Setting{"1", "4096"}, Setting{me == 0 ? "0" : "1", "4096"},
-                          Setting{"1", me == n - 1 ? "1048576" : "4096"}}) {
-    INFO("COMM_SHM_CMA=", s.cma, " COMM_SHM_CMA_MIN=", s.min);
+  for (const Setting s : {Setting{"1", "4096", "8388608"}, Setting{me == 0 ? "0" : "1", "4096", "8388608"},
+                          Setting{"1", me == n - 1 ? "1048576" : "4096", "8388608"},
+                          Setting{"1", "4096", me == 0 ? "4096" : "8388608"}}) {
+    INFO("COMM_SHM_CMA=", s.cma, " COMM_SHM_CMA_MIN=", s.min, " COMM_SHM_CMA_SLICE_MAX=", s.slice_max);
     comm::test::ScopedEnv e1("COMM_SHM_CMA", s.cma);
     comm::test::ScopedEnv e2("COMM_SHM_CMA_MIN", s.min);
     comm::test::ScopedEnv e3("COMM_SHM_CMA_BLOCK", "8192");
+    comm::test::ScopedEnv e4("COMM_SHM_CMA_SLICE_MAX", s.slice_max);
     auto c = make_comm();
     for (std::size_t count : {std::size_t{1000}, std::size_t{5000}, std::size_t{300001}}) {
       INFO("count ", count);
@@ -580,7 +584,8 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
         if (v[i] != sum || o[i] != base + static_cast<float>(n - 1)) bad = static_cast<long long>(i);
       }
       CHECK(bad == -1);
-      // reduce to the last rank (above the chunk: the root reads every input, no all-gather)
+      // reduce to the last rank (above the chunk: every rank reduces a slice and the root gathers
+      // them, or with a small slice maximum the root reads and reduces every input)
       std::vector<float> red(count, -1.f);
       c.reduce(std::span<const float>(in), std::span<float>(red), n - 1, ReduceOp::max);
       if (me == n - 1) {
@@ -598,6 +603,20 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
       bad = -1;
       for (std::size_t i = 0; i < g.size() && bad < 0; ++i)
         if (g[i] != static_cast<std::int32_t>(i / count)) bad = static_cast<long long>(i);
+      CHECK(bad == -1);
+      // all_to_all: element i of the block from rank q to rank p says (q, p, i), so a block read
+      // from the wrong peer or at the wrong offset is seen.
+      const auto un = static_cast<std::size_t>(n);
+      auto code = [&](std::size_t q, std::size_t p, std::size_t i) {
+        return static_cast<std::int32_t>((q * 16 + p) * 1000003 + i);
+      };
+      std::vector<std::int32_t> send(count * un), recv(count * un, -1);
+      for (std::size_t p = 0; p < un; ++p)
+        for (std::size_t i = 0; i < count; ++i) send[p * count + i] = code(static_cast<std::size_t>(me), p, i);
+      c.all_to_all(std::span<const std::int32_t>(send), std::span<std::int32_t>(recv));
+      bad = -1;
+      for (std::size_t j = 0; j < recv.size() && bad < 0; ++j)
+        if (recv[j] != code(j / count, static_cast<std::size_t>(me), j % count)) bad = static_cast<long long>(j);
       CHECK(bad == -1);
     }
   }

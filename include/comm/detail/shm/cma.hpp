@@ -44,19 +44,30 @@ namespace comm::detail::shm {
 struct CmaConfig {
   bool enabled = true;              // COMM_SHM_CMA=0 turns it off
   std::size_t min_bytes = 1 << 20;  // COMM_SHM_CMA_MIN: smallest buffer moved by it
-  std::size_t block = 64 << 10;     // COMM_SHM_CMA_BLOCK: bytes per read in a reduction
+  std::size_t block = 0;            // COMM_SHM_CMA_BLOCK: bytes per read in a reduction (0: block_for)
+  std::size_t slice_max = 8 << 20;  // COMM_SHM_CMA_SLICE_MAX: largest reduced slice a non-root keeps (reduce)
   static CmaConfig from_env() {
     CmaConfig c;
     if (auto v = env_nonneg_int("COMM_SHM_CMA")) c.enabled = *v != 0;
     if (auto v = env_nonneg_int("COMM_SHM_CMA_MIN")) c.min_bytes = std::max<std::size_t>(static_cast<std::size_t>(*v), 4096);
+    if (auto v = env_nonneg_int("COMM_SHM_CMA_SLICE_MAX")) c.slice_max = static_cast<std::size_t>(*v);
     if (auto v = env_nonneg_int("COMM_SHM_CMA_BLOCK"))
       c.block = std::clamp<std::size_t>(static_cast<std::size_t>(*v), 4096, std::size_t{64} << 20) / kLine * kLine;
     return c;
   }
+  /// Bytes per read in a reduction among `n` ranks: 1 MiB, less where n - 1 blocks of scratch would
+  /// pass 4 MiB, never under 64 KiB. Each read pins its pages and runs one syscall; at 2 ranks,
+  /// 1 MiB blocks took 1 MiB all_reduce from 169 to 125 us and 4 MiB from 670 to 450 us against
+  /// 64 KiB ones (benchmarks/RESULTS.md, "Single copy: all_to_all and larger reads").
+  [[nodiscard]] std::size_t block_for(int n) const noexcept {
+    if (block != 0) return block;
+    const std::size_t fit = (std::size_t{4} << 20) / static_cast<std::size_t>(std::max(n - 1, 1)) / kLine * kLine;
+    return std::clamp<std::size_t>(fit, std::size_t{64} << 10, std::size_t{1} << 20);
+  }
 };
 
-/// The single-copy path of `Engine` (shm::Engine): large all_reduce, broadcast, all_gather and
-/// reduce.
+/// The single-copy path of `Engine` (shm::Engine): large all_reduce, broadcast, all_gather,
+/// all_to_all and reduce.
 template <class Engine>
 class SingleCopy {
  protected:
@@ -80,16 +91,18 @@ class SingleCopy {
            v == cma_probe(pid);
     }
     self().ctl(self().rank()).cma_min = cma_.min_bytes;
+    self().ctl(self().rank()).cma_slice_max = cma_.slice_max;
     self().ctl(self().rank()).cma.store(ok ? 2 : 1, std::memory_order_relaxed);
     s = self().next_step();
     self().publish(s);
     self().wait_all(s);
     // Which path an operation takes must not depend on a rank's environment: the largest
-    // threshold wins (the path is not in the fingerprint).
+    // threshold and the smallest slice wins (the path is not in the fingerprint).
     cma_on_ = true;
     for (int p = 0; p < self().size(); ++p) {
       cma_on_ = cma_on_ && self().ctl(p).cma.load(std::memory_order_relaxed) == 2;
       cma_.min_bytes = std::max<std::size_t>(cma_.min_bytes, self().ctl(p).cma_min);
+      cma_.slice_max = std::min<std::size_t>(cma_.slice_max, self().ctl(p).cma_slice_max);
     }
   }
 
@@ -148,13 +161,14 @@ class SingleCopy {
     return v;
   }
 
-  /// Elements [lo, hi) of `out`: the reduction of this rank's `in` and every peer's input (the
-  /// first address of step `a`), read in cache-sized blocks into scratch.
-  void reduce_read(const Op& op, std::uint64_t a, const std::byte* in, std::byte* out, std::size_t lo, std::size_t hi) {
+  /// Elements [lo, hi) of the reduction of this rank's `in` and every peer's input (the first
+  /// address of step `a`), read in blocks into scratch, written to `dst` (element lo's place).
+  void reduce_read(const Op& op, std::uint64_t a, const std::byte* in, std::byte* dst, std::size_t lo, std::size_t hi) {
     const std::size_t e = op.elem_size;
     const int n = self().size();
-    const std::size_t k = std::max<std::size_t>(cma_.block / e, 1);
-    cma_tmp_.resize(static_cast<std::size_t>(n - 1) * k * e);
+    const std::size_t k = std::max<std::size_t>(std::min(cma_.block_for(n) / e, hi - lo), 1);
+    // Grown only: a resize up within the capacity would zero the new bytes on every call.
+    if (const std::size_t need = static_cast<std::size_t>(n - 1) * k * e; cma_tmp_.size() < need) cma_tmp_.resize(need);
     for (std::size_t off = lo; off < hi; off += k) {
       const std::size_t c = std::min(k, hi - off);
       std::size_t t = 0;
@@ -167,9 +181,22 @@ class SingleCopy {
         cma_read(p, tmp, address_of(p, a, 0) + off * e, c * e);
         self().srcs_[static_cast<std::size_t>(p)] = tmp;
       }
-      self().reduce_from(op, out + off * e, c, true);
+      self().reduce_from(op, dst + (off - lo) * e, c, true);
     }
   }
+
+  /// Rank p's slice of a reduction by cross-memory attach: elements [lo(p), hi(p)), whole cache
+  /// lines, the same on every rank (count, size and element size agree when the fingerprints do).
+  struct Slices {
+    std::size_t count, q;
+    Slices(std::size_t count_, int n, std::size_t e) : count(count_) {
+      const auto un = static_cast<std::size_t>(n);
+      const std::size_t align = std::max<std::size_t>(kLine / e, 1);
+      q = ((count + un - 1) / un + align - 1) / align * align;
+    }
+    [[nodiscard]] std::size_t lo(int p) const noexcept { return std::min(count, q * static_cast<std::size_t>(p)); }
+    [[nodiscard]] std::size_t hi(int p) const noexcept { return std::min(count, lo(p) + q); }
+  };
 
   /// all_reduce by cross-memory attach: step a (addresses), every rank reduces its slice from the
   /// peers' inputs read in blocks into cache-sized scratch; step b (slices reduced: from here a
@@ -181,20 +208,16 @@ class SingleCopy {
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
     const int n = self().size();
-    const auto un = static_cast<std::size_t>(n);
-    const std::size_t align = std::max<std::size_t>(kLine / e, 1);
-    const std::size_t q = ((count + un - 1) / un + align - 1) / align * align;
-    auto lo_of = [&](int p) { return std::min(count, q * static_cast<std::size_t>(p)); };
-    auto hi_of = [&](int p) { return std::min(count, lo_of(p) + q); };
+    const int me = self().rank();
+    const Slices sl(count, n, e);
     const std::uint64_t a = self().next_step();
     publish_addresses(a, {in, out});
-    reduce_read(op, a, in, out, lo_of(self().rank()), hi_of(self().rank()));
+    reduce_read(op, a, in, out + sl.lo(me) * e, sl.lo(me), sl.hi(me));
     const std::uint64_t b = self().next_step();
     self().publish(b);
     self().wait_all(b);
     for (int p = 0; p < n; ++p)
-      if (p != self().rank())
-        cma_read(p, out + lo_of(p) * e, address_of(p, a, 1) + lo_of(p) * e, (hi_of(p) - lo_of(p)) * e);
+      if (p != me) cma_read(p, out + sl.lo(p) * e, address_of(p, a, 1) + sl.lo(p) * e, (sl.hi(p) - sl.lo(p)) * e);
     const std::uint64_t c = self().next_step();
     self().publish(c);
     self().wait_all(c);
@@ -213,12 +236,47 @@ class SingleCopy {
     if (self().rank() == root) self().wait_all(b);
   }
 
-  /// reduce by cross-memory attach: step a (input addresses; symmetric), the root reads every
-  /// peer's input in cache-sized blocks and reduces them into its output, step b (the root is done
-  /// reading: the others, which waited for it, may return and reuse their inputs). The others
-  /// need no buffer of the message's size, where reduce composed as an all_reduce gave each a
-  /// scratch output (allocated and zeroed per call above 8 MiB) and a second all-gather phase.
+  /// reduce by cross-memory attach, as all_reduce's first half: step a (input addresses, and where
+  /// each rank's reduced slice will lie), every rank reduces its slice of every input (the root
+  /// into its output, the others into slice-sized scratch), step b (every slice reduced, no input
+  /// read any more), the root reads the others' slices into its output, step c (the others, which
+  /// waited for it, may return). The root alone reading and reducing every input left the others
+  /// idle: 1.4-1.7x OpenMPI's reduce at 2 ranks, 1-16 MiB. Where a slice passes slice_max, the
+  /// others would keep that much scratch: the root reduces alone (cma_reduce_at_root). slice_max
+  /// is the same on every rank (agree_cma: the smallest wins), so every rank takes one path.
   void cma_reduce(Op& op) {
+    const std::size_t e = op.elem_size;
+    const int n = self().size();
+    const int me = self().rank();
+    const int root = op.desc.root;
+    const Slices sl(op.in_count, n, e);
+    if (sl.q * e > cma_.slice_max) return cma_reduce_at_root(op);
+    const auto* in = static_cast<const std::byte*>(op.in);
+    auto* out = static_cast<std::byte*>(op.out);
+    std::byte* dst = out + sl.lo(me) * e;
+    if (me != root) {
+      if (cma_slice_.size() < sl.q * e) cma_slice_.resize(sl.q * e);
+      dst = cma_slice_.data();
+    }
+    const std::uint64_t a = self().next_step();
+    publish_addresses(a, {in, dst});
+    reduce_read(op, a, in, dst, sl.lo(me), sl.hi(me));
+    const std::uint64_t b = self().next_step();
+    self().publish(b);
+    self().wait_all(b);
+    if (me == root)
+      for (int p = 0; p < n; ++p)
+        if (p != me) cma_read(p, out + sl.lo(p) * e, address_of(p, a, 1), (sl.hi(p) - sl.lo(p)) * e);
+    const std::uint64_t c = self().next_step();
+    self().publish(c);
+    if (me != root) self().wait_step(root, c);
+  }
+
+  /// reduce of a large message by cross-memory attach: step a (input addresses; symmetric), the
+  /// root reads every peer's input in blocks and reduces them into its output, step b (the root is
+  /// done reading: the others, which waited for it, may return and reuse their inputs). The others
+  /// need no buffer of the message's size.
+  void cma_reduce_at_root(Op& op) {
     const int root = op.desc.root;
     const auto* in = static_cast<const std::byte*>(op.in);
     const std::uint64_t a = self().next_step();
@@ -250,9 +308,36 @@ class SingleCopy {
     self().wait_all(b);
   }
 
+  /// all_to_all by cross-memory attach: step a (input addresses), every rank reads its block of
+  /// every peer's input straight into that peer's block of its output, starting with the next
+  /// rank so that the ranks do not all read one peer at once; step b (every rank done reading).
+  /// The segment path copies each block twice (into the sender's payload, out to the receiver).
+  void cma_all_to_all(Op& op) {
+    const int n = self().size();
+    const int me = self().rank();
+    const std::size_t bytes = op.in_count / static_cast<std::size_t>(n) * op.elem_size;
+    const auto* in = static_cast<const std::byte*>(op.in);
+    auto* out = static_cast<std::byte*>(op.out);
+    const std::uint64_t a = self().next_step();
+    publish_addresses(a, {in});
+    const auto mine = static_cast<std::size_t>(me) * bytes;
+    for (int i = 0; i < n; ++i) {
+      const int p = (me + i) % n;
+      std::byte* dst = out + static_cast<std::size_t>(p) * bytes;
+      if (p == me)
+        Engine::copy(dst, in + mine, bytes);
+      else
+        cma_read(p, dst, address_of(p, a, 0) + mine, bytes);
+    }
+    const std::uint64_t b = self().next_step();
+    self().publish(b);
+    self().wait_all(b);
+  }
+
   CmaConfig cma_ = CmaConfig::from_env();
   bool cma_on_ = false;
-  std::vector<std::byte> cma_tmp_;       // cma_all_reduce's blocks read from the peers
+  std::vector<std::byte> cma_tmp_;       // reduce_read's blocks read from the peers
+  std::vector<std::byte> cma_slice_;     // cma_reduce: a non-root's reduced slice, read by the root
   std::uint64_t probe_ = cma_probe(static_cast<std::int64_t>(::getpid()));  // read by the peers at creation
 
  private:

@@ -28,8 +28,8 @@
 //     not a one-step rooted one, or at the latest kLag steps later, and throws the DesyncError
 //     before it publishes anything of that operation. Nothing is ever read from a peer in
 //     another operation.
-//   - Large all_reduce, all_gather, broadcast and reduce read the peers' buffers directly with
-//     process_vm_readv (single copy; see cma.hpp), framed by symmetric steps
+//   - Large all_reduce, all_gather, all_to_all, broadcast and reduce read the peers' buffers
+//     directly with process_vm_readv (single copy; see cma.hpp), framed by symmetric steps
 //     that carry the buffer addresses and say when a buffer may be overwritten or released.
 // Algorithms:
 //   - all_reduce, <= small_max bytes: one step; each rank reduces all inputs (n-input kernels,
@@ -513,6 +513,11 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
     const auto me = static_cast<std::size_t>(rank());
+    // The facade forbids overlapping buffers; a composed caller that passes them takes the
+    // segment path, which copies every block out before any is written.
+    const std::size_t bytes = op.in_count * e;
+    const auto i0 = reinterpret_cast<std::uintptr_t>(in), o0 = reinterpret_cast<std::uintptr_t>(out);
+    if (use_cma(bytes) && (i0 + bytes <= o0 || o0 + bytes <= i0)) return cma_all_to_all(op);
     const std::size_t k = per_step(e, un);
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();

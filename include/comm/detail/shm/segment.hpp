@@ -53,8 +53,8 @@ namespace comm::detail::shm {
 inline constexpr std::size_t kLine = 64;
 
 /// The layout's version: 2 moved the step headers from the halves into the lanes, 3 added
-/// RankCtl::cpu.
-inline constexpr std::uint32_t kVersion = 3;
+/// RankCtl::cpu, 4 RankCtl::cma_slice_max.
+inline constexpr std::uint32_t kVersion = 4;
 
 struct alignas(kLine) Header {
   static constexpr std::uint64_t kMagic = 0x636f6d6d73686d31ull;  // "commshm1"
@@ -72,6 +72,7 @@ struct alignas(kLine) RankCtl {
   std::uint64_t probe;        // cross-memory attach: the address of a word that holds cma_probe(pid)
   std::atomic<std::uint32_t> cma;  // 2: this rank read every peer's probe word, 1: it could not
   std::uint64_t cma_min;           // its COMM_SHM_CMA_MIN
+  std::uint64_t cma_slice_max;     // its COMM_SHM_CMA_SLICE_MAX
   alignas(kLine) std::atomic<std::uint32_t> bell;      // futex word: bumped when a waiter may sleep
   std::atomic<std::uint32_t> sleepers;                 // waiters on this rank's steps
   alignas(kLine) std::atomic<std::uint32_t> left;      // the rank destroyed its communicator
