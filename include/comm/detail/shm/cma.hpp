@@ -57,8 +57,9 @@ struct CmaConfig {
   }
   /// Bytes per read in a reduction among `n` ranks: 1 MiB, less where n - 1 blocks of scratch would
   /// pass 4 MiB, never under 64 KiB. Each read pins its pages and runs one syscall; at 2 ranks,
-  /// 1 MiB blocks took 1 MiB all_reduce from 169 to 125 us and 4 MiB from 670 to 450 us against
-  /// 64 KiB ones (benchmarks/RESULTS.md, "Single copy: all_to_all and larger reads").
+  /// 1 MiB blocks took 1 MiB all_reduce from 168 to 123 us and 4 MiB from 498 to 454 us against
+  /// 64 KiB ones (benchmarks/RESULTS.md, "Single copy: all_to_all, a reduce split over the ranks,
+  /// larger reads").
   [[nodiscard]] std::size_t block_for(int n) const noexcept {
     if (block != 0) return block;
     const std::size_t fit = (std::size_t{4} << 20) / static_cast<std::size_t>(std::max(n - 1, 1)) / kLine * kLine;
@@ -287,47 +288,37 @@ class SingleCopy {
     if (self().rank() != root) self().wait_step(root, b);
   }
 
-  /// all_gather by cross-memory attach: step a (input addresses), every rank reads every peer's
-  /// input into its block of the output, step b (every rank done reading).
-  void cma_all_gather(Op& op) {
-    const std::size_t bytes = op.in_count * op.elem_size;
-    const auto* in = static_cast<const std::byte*>(op.in);
-    auto* out = static_cast<std::byte*>(op.out);
-    const std::uint64_t a = self().next_step();
-    publish_addresses(a, {in});
-    for (int p = 0; p < self().size(); ++p) {
-      std::byte* dst = out + static_cast<std::size_t>(p) * bytes;
-      if (p == self().rank()) {
-        if (dst != in) Engine::move(dst, in, bytes);
-      } else {
-        cma_read(p, dst, address_of(p, a, 0), bytes);
-      }
-    }
-    const std::uint64_t b = self().next_step();
-    self().publish(b);
-    self().wait_all(b);
+  /// all_gather by cross-memory attach: every rank reads every peer's input into that peer's
+  /// block of its output (read_blocks).
+  void cma_all_gather(Op& op) { read_blocks(op, op.in_count * op.elem_size, 0, false); }
+
+  /// all_to_all by cross-memory attach: every rank reads its block of every peer's input straight
+  /// into that peer's block of its output, starting with the next rank so that the ranks do not
+  /// all read one peer at once (read_blocks). The segment path copies each block twice (into the
+  /// sender's payload, out to the receiver).
+  void cma_all_to_all(Op& op) {
+    const std::size_t bytes = op.in_count / static_cast<std::size_t>(self().size()) * op.elem_size;
+    read_blocks(op, bytes, static_cast<std::size_t>(self().rank()) * bytes, true);
   }
 
-  /// all_to_all by cross-memory attach: step a (input addresses), every rank reads its block of
-  /// every peer's input straight into that peer's block of its output, starting with the next
-  /// rank so that the ranks do not all read one peer at once; step b (every rank done reading).
-  /// The segment path copies each block twice (into the sender's payload, out to the receiver).
-  void cma_all_to_all(Op& op) {
+  /// Step a (input addresses), then block p of `out` (`bytes` each) from peer p's input at byte
+  /// `from`, this rank's own from its input at `from` (in place: already there), peers in order
+  /// from this rank's successor when `staggered`, else from rank 0; step b (every rank done
+  /// reading, so each may reuse its input).
+  void read_blocks(Op& op, std::size_t bytes, std::size_t from, bool staggered) {
     const int n = self().size();
     const int me = self().rank();
-    const std::size_t bytes = op.in_count / static_cast<std::size_t>(n) * op.elem_size;
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
     const std::uint64_t a = self().next_step();
     publish_addresses(a, {in});
-    const auto mine = static_cast<std::size_t>(me) * bytes;
     for (int i = 0; i < n; ++i) {
-      const int p = (me + i) % n;
+      const int p = staggered ? (me + i) % n : i;
       std::byte* dst = out + static_cast<std::size_t>(p) * bytes;
-      if (p == me)
-        Engine::copy(dst, in + mine, bytes);
-      else
-        cma_read(p, dst, address_of(p, a, 0) + mine, bytes);
+      if (p != me)
+        cma_read(p, dst, address_of(p, a, 0) + from, bytes);
+      else if (dst != in + from)
+        Engine::move(dst, in + from, bytes);
     }
     const std::uint64_t b = self().next_step();
     self().publish(b);
