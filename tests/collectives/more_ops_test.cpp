@@ -558,16 +558,20 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
   struct Setting {
     const char* cma;
     const char* min;
-    const char* slice_max;  // reduce: above it the root reduces alone
+    const char* slice_max;   // reduce: above it the root reduces alone
+    const char* rooted_min;  // broadcast, scatter (nullptr: by the host's cores)
   };
-  for (const Setting s : {Setting{"1", "4096", "8388608"}, Setting{me == 0 ? "0" : "1", "4096", "8388608"},
-                          Setting{"1", me == n - 1 ? "1048576" : "4096", "8388608"},
-                          Setting{"1", "4096", me == 0 ? "4096" : "8388608"}}) {
-    INFO("COMM_SHM_CMA=", s.cma, " COMM_SHM_CMA_MIN=", s.min, " COMM_SHM_CMA_SLICE_MAX=", s.slice_max);
+  for (const Setting s : {Setting{"1", "4096", "8388608", "4096"},
+                          Setting{me == 0 ? "0" : "1", "4096", "8388608", "4096"},
+                          Setting{"1", me == n - 1 ? "1048576" : "4096", "8388608", me == n - 1 ? "1048576" : "4096"},
+                          Setting{"1", "4096", me == 0 ? "4096" : "8388608", nullptr}}) {
+    INFO("COMM_SHM_CMA=", s.cma, " COMM_SHM_CMA_MIN=", s.min, " COMM_SHM_CMA_SLICE_MAX=", s.slice_max,
+         " COMM_SHM_CMA_ROOTED_MIN=", s.rooted_min ? s.rooted_min : "(unset)");
     comm::test::ScopedEnv e1("COMM_SHM_CMA", s.cma);
     comm::test::ScopedEnv e2("COMM_SHM_CMA_MIN", s.min);
     comm::test::ScopedEnv e3("COMM_SHM_CMA_BLOCK", "8192");
     comm::test::ScopedEnv e4("COMM_SHM_CMA_SLICE_MAX", s.slice_max);
+    comm::test::ScopedEnv e5("COMM_SHM_CMA_ROOTED_MIN", s.rooted_min);
     auto c = make_comm();
     for (std::size_t count : {std::size_t{1000}, std::size_t{5000}, std::size_t{300001}}) {
       INFO("count ", count);
@@ -597,6 +601,41 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
       std::vector<double> b(count, me == n - 1 ? 2.5 : 0.0);
       c.broadcast(b, n - 1);
       CHECK(std::all_of(b.begin(), b.end(), [](double x) { return x == 2.5; }));
+      const auto un = static_cast<std::size_t>(n);
+      // scatter from the last rank: element i of rank p's block says (p, i); the root's own block
+      // in place on every other count.
+      {
+        std::vector<std::int32_t> all(me == n - 1 ? count * un : 0);
+        for (std::size_t j = 0; j < all.size(); ++j) all[j] = static_cast<std::int32_t>((j / count) * 1000003 + j % count);
+        std::vector<std::int32_t> got(count, -1);
+        if (me == n - 1 && count % 2 == 0)
+          c.scatter(std::span<const std::int32_t>(all), std::span<std::int32_t>(all).subspan(un * count - count), n - 1);
+        else
+          c.scatter(std::span<const std::int32_t>(all), std::span<std::int32_t>(got), n - 1);
+        const std::int32_t* r = me == n - 1 && count % 2 == 0 ? all.data() + (un - 1) * count : got.data();
+        bad = -1;
+        for (std::size_t i = 0; i < count && bad < 0; ++i)
+          if (r[i] != static_cast<std::int32_t>(static_cast<std::size_t>(me) * 1000003 + i)) bad = static_cast<long long>(i);
+        CHECK(bad == -1);
+      }
+      // reduce_scatter: element j of rank q's input is q + j % 7 + (j / count), so rank p's block
+      // sums to n * (j % 7 + p) + n(n-1)/2 and a block reduced at the wrong offset is seen;
+      // out of place, then in place (the output is this rank's block of the input).
+      {
+        std::vector<float> rs(count * un);
+        for (std::size_t j = 0; j < rs.size(); ++j)
+          rs[j] = static_cast<float>(static_cast<std::size_t>(me) + j % 7 + j / count);
+        std::vector<float> rso(count, -1.f);
+        c.reduce_scatter(std::span<const float>(rs), std::span<float>(rso));
+        c.reduce_scatter(std::span<const float>(rs), std::span<float>(rs).subspan(static_cast<std::size_t>(me) * count, count));
+        bad = -1;
+        for (std::size_t i = 0; i < count && bad < 0; ++i) {
+          const std::size_t j = static_cast<std::size_t>(me) * count + i;
+          const float want = static_cast<float>(un * (j % 7 + static_cast<std::size_t>(me)) + un * (un - 1) / 2);
+          if (rso[i] != want || rs[j] != want) bad = static_cast<long long>(i);
+        }
+        CHECK(bad == -1);
+      }
       std::vector<std::int32_t> g(count * static_cast<std::size_t>(n), -1);
       std::vector<std::int32_t> mine(count, me);
       c.all_gather(std::span<const std::int32_t>(mine), std::span<std::int32_t>(g));
@@ -606,7 +645,6 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
       CHECK(bad == -1);
       // all_to_all: element i of the block from rank q to rank p says (q, p, i), so a block read
       // from the wrong peer or at the wrong offset is seen.
-      const auto un = static_cast<std::size_t>(n);
       auto code = [&](std::size_t q, std::size_t p, std::size_t i) {
         return static_cast<std::int32_t>((q * 16 + p) * 1000003 + i);
       };

@@ -43,17 +43,31 @@ namespace comm::detail::shm {
 /// on the smaller capability: see SingleCopy::agree_cma).
 struct CmaConfig {
   bool enabled = true;              // COMM_SHM_CMA=0 turns it off
-  std::size_t min_bytes = 1 << 20;  // COMM_SHM_CMA_MIN: smallest buffer moved by it
+  std::size_t min_bytes = 1 << 20;  // COMM_SHM_CMA_MIN: smallest buffer moved by it (but rooted_min)
   std::size_t block = 0;            // COMM_SHM_CMA_BLOCK: bytes per read in a reduction (0: block_for)
   std::size_t slice_max = 8 << 20;  // COMM_SHM_CMA_SLICE_MAX: largest reduced slice a non-root keeps (reduce)
+  std::size_t rooted_min = 0;       // COMM_SHM_CMA_ROOTED_MIN: broadcast, and scatter per rank (0: rooted_for)
   static CmaConfig from_env() {
     CmaConfig c;
     if (auto v = env_nonneg_int("COMM_SHM_CMA")) c.enabled = *v != 0;
     if (auto v = env_nonneg_int("COMM_SHM_CMA_MIN")) c.min_bytes = std::max<std::size_t>(static_cast<std::size_t>(*v), 4096);
+    if (auto v = env_nonneg_int("COMM_SHM_CMA_ROOTED_MIN"))
+      c.rooted_min = std::max<std::size_t>(static_cast<std::size_t>(*v), 4096);
     if (auto v = env_nonneg_int("COMM_SHM_CMA_SLICE_MAX")) c.slice_max = static_cast<std::size_t>(*v);
     if (auto v = env_nonneg_int("COMM_SHM_CMA_BLOCK"))
       c.block = std::clamp<std::size_t>(static_cast<std::size_t>(*v), 4096, std::size_t{64} << 20) / kLine * kLine;
     return c;
+  }
+  /// Smallest broadcast (scatter: block per rank) moved by a single copy among `n` ranks, given
+  /// whether every rank has a core of its own. Then from 64 KiB: one read by the kernel from the
+  /// root's buffer beat the segment's two copies at 2 ranks (broadcast 64 KiB 6.2 against 7.8-9.9
+  /// us, 256 KiB 19-20 against 25-31; a scatter's 32 KiB block lost, 3.0-7.7 against 2.2-2.3).
+  /// Where ranks share cores the root waits for readers that queue for one, and the segment, from
+  /// which the root returns at once, stays up to min_bytes (benchmarks/RESULTS.md, "Single copy
+  /// for broadcast, scatter and reduce_scatter").
+  [[nodiscard]] std::size_t rooted_for(bool own_core) const noexcept {
+    if (rooted_min != 0) return rooted_min;
+    return own_core ? std::size_t{64} << 10 : min_bytes;
   }
   /// Bytes per read in a reduction among `n` ranks: 1 MiB, less where n - 1 blocks of scratch would
   /// pass 4 MiB, never under 64 KiB. Each read pins its pages and runs one syscall; at 2 ranks,
@@ -67,8 +81,8 @@ struct CmaConfig {
   }
 };
 
-/// The single-copy path of `Engine` (shm::Engine): large all_reduce, broadcast, all_gather,
-/// all_to_all and reduce.
+/// The single-copy path of `Engine` (shm::Engine): large all_reduce, broadcast, scatter,
+/// all_gather, all_to_all, reduce and reduce_scatter.
 template <class Engine>
 class SingleCopy {
  protected:
@@ -93,6 +107,9 @@ class SingleCopy {
     }
     self().ctl(self().rank()).cma_min = cma_.min_bytes;
     self().ctl(self().rank()).cma_slice_max = cma_.slice_max;
+    const bool own_core = core_per_rank(self().size());
+    self().ctl(self().rank()).cma_own_core = own_core ? 1 : 0;
+    self().ctl(self().rank()).cma_rooted_min = cma_.rooted_for(own_core);
     self().ctl(self().rank()).cma.store(ok ? 2 : 1, std::memory_order_relaxed);
     s = self().next_step();
     self().publish(s);
@@ -100,7 +117,11 @@ class SingleCopy {
     // Which path an operation takes must not depend on a rank's environment: the largest
     // threshold and the smallest slice wins (the path is not in the fingerprint).
     cma_on_ = true;
+    cma_own_core_ = true;
+    cma_.rooted_min = 0;
     for (int p = 0; p < self().size(); ++p) {
+      cma_own_core_ = cma_own_core_ && self().ctl(p).cma_own_core == 1;
+      cma_.rooted_min = std::max<std::size_t>(cma_.rooted_min, self().ctl(p).cma_rooted_min);
       cma_on_ = cma_on_ && self().ctl(p).cma.load(std::memory_order_relaxed) == 2;
       cma_.min_bytes = std::max<std::size_t>(cma_.min_bytes, self().ctl(p).cma_min);
       cma_.slice_max = std::min<std::size_t>(cma_.slice_max, self().ctl(p).cma_slice_max);
@@ -114,6 +135,17 @@ class SingleCopy {
   }
 
   [[nodiscard]] bool use_cma(std::size_t bytes) const noexcept { return cma_on_ && bytes >= cma_.min_bytes && bytes != 0; }
+  /// For broadcast (the message) and scatter (a rank's block): the agreed rooted threshold.
+  [[nodiscard]] bool use_cma_rooted(std::size_t bytes) const noexcept {
+    return cma_on_ && bytes >= cma_.rooted_min && bytes != 0;
+  }
+  /// reduce_scatter (the whole input): only where every rank has a core. There it beat the
+  /// segment at 2 ranks, 1-4 MiB (72-73 against 78-81 us at 1 MiB), and kept its figures where the
+  /// segment's reads of freshly written halves slowed 3.5x (1 MiB 73 against 280 us); 4 ranks on 2
+  /// cores were up to 2.5x slower by it than by the segment (RESULTS.md, as above).
+  [[nodiscard]] bool use_cma_reduce_scatter(std::size_t bytes) const noexcept {
+    return cma_own_core_ && use_cma(bytes);
+  }
 
   /// Copies `bytes` from address `from` in peer `p`'s process into `to`.
   void cma_read(int p, void* to, std::uint64_t from, std::size_t bytes) {
@@ -237,6 +269,42 @@ class SingleCopy {
     if (self().rank() == root) self().wait_all(b);
   }
 
+  /// scatter by cross-memory attach, as broadcast: step a (the root's input address; symmetric),
+  /// each other rank reads its block of the root's input into its output, step b (the root waits
+  /// for every reader).
+  void cma_scatter(Op& op) {
+    const std::size_t bytes = op.out_count * op.elem_size;
+    const int root = op.desc.root;
+    const int me = self().rank();
+    const auto* in = static_cast<const std::byte*>(op.in);
+    const std::uint64_t a = self().next_step();
+    publish_addresses(a, {in});
+    const std::size_t at = static_cast<std::size_t>(me) * bytes;
+    if (me != root)
+      cma_read(root, op.out, address_of(root, a, 0) + at, bytes);
+    else if (op.out != in + at)
+      Engine::move(static_cast<std::byte*>(op.out), in + at, bytes);
+    const std::uint64_t b = self().next_step();
+    self().publish(b);
+    if (me == root) self().wait_all(b);
+  }
+
+  /// reduce_scatter by cross-memory attach, as all_reduce's first half with the slices the
+  /// caller's blocks: step a (input addresses), every rank reduces its block of every input, read
+  /// in blocks into scratch, into its output; step b (no input is read any more). The segment
+  /// path copies every block into the segment before a peer reads it.
+  void cma_reduce_scatter(Op& op) {
+    const std::size_t m = op.out_count;
+    const std::size_t lo = static_cast<std::size_t>(self().rank()) * m;
+    const auto* in = static_cast<const std::byte*>(op.in);
+    const std::uint64_t a = self().next_step();
+    publish_addresses(a, {in});
+    reduce_read(op, a, in, static_cast<std::byte*>(op.out), lo, lo + m);
+    const std::uint64_t b = self().next_step();
+    self().publish(b);
+    self().wait_all(b);
+  }
+
   /// reduce by cross-memory attach, as all_reduce's first half: step a (input addresses, and where
   /// each rank's reduced slice will lie), every rank reduces its slice of every input (the root
   /// into its output, the others into slice-sized scratch), step b (every slice reduced, no input
@@ -327,6 +395,7 @@ class SingleCopy {
 
   CmaConfig cma_ = CmaConfig::from_env();
   bool cma_on_ = false;
+  bool cma_own_core_ = false;  // every rank's host has a core for each rank (agree_cma)
   std::vector<std::byte> cma_tmp_;       // reduce_read's blocks read from the peers
   std::vector<std::byte> cma_slice_;     // cma_reduce: a non-root's reduced slice, read by the root
   std::uint64_t probe_ = cma_probe(static_cast<std::int64_t>(::getpid()));  // read by the peers at creation

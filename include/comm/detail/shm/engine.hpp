@@ -28,9 +28,10 @@
 //     not a one-step rooted one, or at the latest kLag steps later, and throws the DesyncError
 //     before it publishes anything of that operation. Nothing is ever read from a peer in
 //     another operation.
-//   - Large all_reduce, all_gather, all_to_all, broadcast and reduce read the peers' buffers
-//     directly with process_vm_readv (single copy; see cma.hpp), framed by symmetric steps
-//     that carry the buffer addresses and say when a buffer may be overwritten or released.
+//   - Large all_reduce, all_gather, all_to_all, broadcast, scatter, reduce and reduce_scatter read
+//     the peers' buffers directly with process_vm_readv (single copy; see cma.hpp), framed by
+//     symmetric steps that carry the buffer addresses and say when a buffer may be overwritten or
+//     released.
 // Algorithms:
 //   - all_reduce, <= small_max bytes: one step; each rank reduces all inputs (n-input kernels,
 //     reduce.hpp: half/bfloat16/fp8 accumulate in float).
@@ -436,6 +437,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const int n = size();
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
+    if (use_cma_reduce_scatter(static_cast<std::size_t>(n) * m * e)) return cma_reduce_scatter(op);
     const std::size_t k = per_step(e, static_cast<std::size_t>(n));
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
@@ -478,8 +480,9 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
   [[nodiscard]] bool one_step_rooted(const Op& op) const noexcept {
     const std::size_t e = op.elem_size;
     switch (op.desc.kind) {
-      case OpKind::broadcast: return !use_cma(op.out_count * e) && op.out_count <= per_step(e);
-      case OpKind::scatter: return op.out_count <= per_step(e, static_cast<std::size_t>(size()));
+      case OpKind::broadcast: return !use_cma_rooted(op.out_count * e) && op.out_count <= per_step(e);
+      case OpKind::scatter:
+        return !use_cma_rooted(op.out_count * e) && op.out_count <= per_step(e, static_cast<std::size_t>(size()));
       case OpKind::gather: return op.in_count <= per_step(e);
       case OpKind::reduce: return op.in_count * e <= layout_.chunk;
       default: return false;
@@ -543,6 +546,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const auto me = static_cast<std::size_t>(rank());
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
+    if (use_cma_rooted(m * e)) return cma_scatter(op);
     const std::size_t k = per_step(e, un);
     bool first = true;
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
@@ -563,7 +567,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const std::size_t m = op.out_count;
     const int root = op.desc.root;
     auto* data = static_cast<std::byte*>(op.out);
-    if (use_cma(m * e)) return cma_broadcast(op);
+    if (use_cma_rooted(m * e)) return cma_broadcast(op);
     const std::size_t k = per_step(e);
     bool first = true;
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {

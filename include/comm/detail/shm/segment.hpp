@@ -40,6 +40,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -52,9 +53,15 @@ namespace comm::detail::shm {
 
 inline constexpr std::size_t kLine = 64;
 
+/// Whether the host has a CPU for each of `n` ranks: waits spin only then (steps.hpp), and small
+/// broadcasts and scatters and reduce_scatter move by a single copy (cma.hpp).
+[[nodiscard]] inline bool core_per_rank(int n) noexcept {
+  return std::thread::hardware_concurrency() >= static_cast<unsigned>(n);
+}
+
 /// The layout's version: 2 moved the step headers from the halves into the lanes, 3 added
-/// RankCtl::cpu, 4 RankCtl::cma_slice_max.
-inline constexpr std::uint32_t kVersion = 4;
+/// RankCtl::cpu, 4 RankCtl::cma_slice_max, 5 RankCtl::cma_rooted_min and cma_own_core.
+inline constexpr std::uint32_t kVersion = 5;
 
 struct alignas(kLine) Header {
   static constexpr std::uint64_t kMagic = 0x636f6d6d73686d31ull;  // "commshm1"
@@ -71,8 +78,10 @@ struct alignas(kLine) RankCtl {
   std::int64_t pid;
   std::uint64_t probe;        // cross-memory attach: the address of a word that holds cma_probe(pid)
   std::atomic<std::uint32_t> cma;  // 2: this rank read every peer's probe word, 1: it could not
+  std::uint32_t cma_own_core;      // 1: its host has a core for every rank (core_per_rank)
   std::uint64_t cma_min;           // its COMM_SHM_CMA_MIN
   std::uint64_t cma_slice_max;     // its COMM_SHM_CMA_SLICE_MAX
+  std::uint64_t cma_rooted_min;    // its threshold for broadcast and scatter (CmaConfig::rooted_for)
   alignas(kLine) std::atomic<std::uint32_t> bell;      // futex word: bumped when a waiter may sleep
   std::atomic<std::uint32_t> sleepers;                 // waiters on this rank's steps
   alignas(kLine) std::atomic<std::uint32_t> left;      // the rank destroyed its communicator

@@ -360,9 +360,8 @@ class Steps {
 
   static int default_spin(int size) {
     // Spinning helps only while every rank has a core of its own.
-    const auto cores = static_cast<int>(std::thread::hardware_concurrency());
     if (auto v = env_nonneg_int("COMM_SHM_SPIN")) return *v;
-    return cores >= size ? 2000 : 16;
+    return core_per_rank(size) ? 2000 : 16;
   }
 
   static constexpr std::chrono::microseconds kYieldPhase{2000};
