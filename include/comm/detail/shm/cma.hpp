@@ -2,12 +2,12 @@
 // Cross-memory attach (single copy) for the Shm engine (shm/engine.hpp).
 //
 // Large messages: each rank publishes its buffers' addresses in a step and the peers read them
-// with process_vm_readv, one copy by the kernel from the owner's buffer into the reader's (where
-// the segment path copies into the segment and out again). The kernel allows it between
-// processes of one user unless Yama's ptrace_scope is 1 (then each rank allows it with
-// PR_SET_PTRACER_ANY, as Open MPI's vader does), 2 or 3, or a seccomp policy forbids the call:
-// every rank reads every peer's probe word once at creation, and the ranks use it only when all
-// succeeded, else the segment path.
+// with process_vm_readv (or write a reduced slice into them with process_vm_writev), one copy by
+// the kernel between the two processes' buffers (where the segment path copies into the segment
+// and out again). The kernel allows it between processes of one user unless Yama's ptrace_scope
+// is 1 (then each rank allows it with PR_SET_PTRACER_ANY, as Open MPI's vader does), 2 or 3, or a
+// seccomp policy forbids the calls: every rank reads and rewrites every peer's probe word once at
+// creation, and the ranks use it only when all succeeded, else the segment path.
 //
 // SingleCopy is a base of the engine (CRTP): its steps are the engine's steps (steps.hpp), so they
 // carry the fingerprints and the failure checks of every other step.
@@ -104,6 +104,9 @@ class SingleCopy {
       const std::int64_t pid = self().ctl(p).pid;
       ok = ::process_vm_readv(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0) == static_cast<ssize_t>(sizeof v) &&
            v == cma_probe(pid);
+      // all_reduce and reduce write their slices into the peers (the same permission, but a
+      // seccomp policy may tell the two calls apart): the word goes back unchanged.
+      ok = ok && ::process_vm_writev(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0) == static_cast<ssize_t>(sizeof v);
     }
     self().ctl(self().rank()).cma_min = cma_.min_bytes;
     self().ctl(self().rank()).cma_slice_max = cma_.slice_max;
@@ -149,11 +152,19 @@ class SingleCopy {
 
   /// Copies `bytes` from address `from` in peer `p`'s process into `to`.
   void cma_read(int p, void* to, std::uint64_t from, std::size_t bytes) {
-    auto* dst = static_cast<std::byte*>(to);
+    cma_copy(p, static_cast<std::byte*>(to), from, bytes, false);
+  }
+  /// Copies `bytes` from `from` into address `to` in peer `p`'s process.
+  void cma_write(int p, std::uint64_t to, const void* from, std::size_t bytes) {
+    cma_copy(p, const_cast<std::byte*>(static_cast<const std::byte*>(from)), to, bytes, true);
+  }
+  void cma_copy(int p, std::byte* mine, std::uint64_t theirs, std::size_t bytes, bool write) {
     while (bytes != 0) {
-      iovec local{dst, bytes};
-      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(from)), bytes};
-      const ssize_t got = ::process_vm_readv(static_cast<pid_t>(self().ctl(p).pid), &local, 1, &remote, 1, 0);
+      iovec local{mine, bytes};
+      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(theirs)), bytes};
+      const auto pid = static_cast<pid_t>(self().ctl(p).pid);
+      const ssize_t got = write ? ::process_vm_writev(pid, &local, 1, &remote, 1, 0)
+                                : ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
       if (got <= 0) {
         const int err = got < 0 ? errno : EIO;
         if (err == EINTR) continue;
@@ -161,16 +172,17 @@ class SingleCopy {
         const std::string op_no = "op #" + std::to_string(e.op_seq_);
         if (err == ESRCH)
           throw RemoteError(e.op_name_, e.rank(),
-                            "rank " + std::to_string(p) + " (pid " + std::to_string(e.ctl(p).pid) +
-                                ") exited while this rank read its buffer (" + op_no + ")",
+                            "rank " + std::to_string(p) + " (pid " + std::to_string(e.ctl(p).pid) + ") exited while this rank " +
+                                (write ? "wrote to" : "read") + " its buffer (" + op_no + ")",
                             "rank " + std::to_string(p));
         throw BackendError(e.op_name_, e.rank(),
-                           "process_vm_readv of " + std::to_string(bytes) + " bytes from rank " + std::to_string(p) +
-                               " failed: " + errno_text(err) + " (" + op_no + "; COMM_SHM_CMA=0 avoids it)",
+                           std::string(write ? "process_vm_writev" : "process_vm_readv") + " of " + std::to_string(bytes) +
+                               " bytes " + (write ? "to" : "from") + " rank " + std::to_string(p) + " failed: " +
+                               errno_text(err) + " (" + op_no + "; COMM_SHM_CMA=0 avoids it)",
                            "rank " + std::to_string(p));
       }
-      dst += got;
-      from += static_cast<std::uint64_t>(got);
+      mine += got;
+      theirs += static_cast<std::uint64_t>(got);
       bytes -= static_cast<std::size_t>(got);
     }
   }
@@ -232,9 +244,13 @@ class SingleCopy {
   };
 
   /// all_reduce by cross-memory attach: step a (addresses), every rank reduces its slice from the
-  /// peers' inputs read in blocks into cache-sized scratch; step b (slices reduced: from here a
-  /// rank may overwrite its input, which may be its output); every rank reads the peers' slices
-  /// of their outputs; step c (every rank is done reading the others).
+  /// peers' inputs read in blocks into cache-sized scratch and writes the result into every
+  /// peer's output; step b (every slice written, no input read any more). Nothing else touches
+  /// the region a rank writes: in place, a peer's input there was read only by the writer itself.
+  /// Writing the slice, which is in the writer's cache, instead of each rank reading the peers'
+  /// just-reduced slices took 2-rank 1 MiB from 124-151 to 111-114 us and 4-rank 1 MiB from
+  /// 1,168-1,272 to 561-563 us, and up to 5.7x where moving a line another core has just written
+  /// is slow (RESULTS.md, "all_reduce and reduce: write the reduced slices").
   void cma_all_reduce(Op& op) {
     const std::size_t e = op.elem_size;
     const std::size_t count = op.out_count;
@@ -245,15 +261,15 @@ class SingleCopy {
     const Slices sl(count, n, e);
     const std::uint64_t a = self().next_step();
     publish_addresses(a, {in, out});
-    reduce_read(op, a, in, out + sl.lo(me) * e, sl.lo(me), sl.hi(me));
+    std::byte* mine = out + sl.lo(me) * e;
+    reduce_read(op, a, in, mine, sl.lo(me), sl.hi(me));
+    for (int i = 1; i < n; ++i) {
+      const int p = (me + i) % n;
+      cma_write(p, address_of(p, a, 1) + sl.lo(me) * e, mine, (sl.hi(me) - sl.lo(me)) * e);
+    }
     const std::uint64_t b = self().next_step();
     self().publish(b);
     self().wait_all(b);
-    for (int p = 0; p < n; ++p)
-      if (p != me) cma_read(p, out + sl.lo(p) * e, address_of(p, a, 1) + sl.lo(p) * e, (sl.hi(p) - sl.lo(p)) * e);
-    const std::uint64_t c = self().next_step();
-    self().publish(c);
-    self().wait_all(c);
   }
 
   /// broadcast by cross-memory attach: step a (the root's address; symmetric), the others read the
@@ -305,14 +321,14 @@ class SingleCopy {
     self().wait_all(b);
   }
 
-  /// reduce by cross-memory attach, as all_reduce's first half: step a (input addresses, and where
-  /// each rank's reduced slice will lie), every rank reduces its slice of every input (the root
-  /// into its output, the others into slice-sized scratch), step b (every slice reduced, no input
-  /// read any more), the root reads the others' slices into its output, step c (the others, which
-  /// waited for it, may return). The root alone reading and reducing every input left the others
-  /// idle: 1.4-1.7x OpenMPI's reduce at 2 ranks, 1-16 MiB. Where a slice passes slice_max, the
-  /// others would keep that much scratch: the root reduces alone (cma_reduce_at_root). slice_max
-  /// is the same on every rank (agree_cma: the smallest wins), so every rank takes one path.
+  /// reduce by cross-memory attach, as all_reduce: step a (input addresses, and the root's
+  /// output), every rank reduces its slice of every input (the root into its output, the others
+  /// into slice-sized scratch, which they then write into the root's output), step b (every slice
+  /// in place, no input read any more). The root alone reading and reducing every input left the
+  /// others idle: 1.4-1.7x OpenMPI's reduce at 2 ranks, 1-16 MiB. Where a slice passes slice_max,
+  /// the others would keep that much scratch: the root reduces alone (cma_reduce_at_root).
+  /// slice_max is the same on every rank (agree_cma: the smallest wins), so every rank takes one
+  /// path.
   void cma_reduce(Op& op) {
     const std::size_t e = op.elem_size;
     const int n = self().size();
@@ -328,17 +344,12 @@ class SingleCopy {
       dst = cma_slice_.data();
     }
     const std::uint64_t a = self().next_step();
-    publish_addresses(a, {in, dst});
+    publish_addresses(a, {in, out});
     reduce_read(op, a, in, dst, sl.lo(me), sl.hi(me));
+    if (me != root) cma_write(root, address_of(root, a, 1) + sl.lo(me) * e, dst, (sl.hi(me) - sl.lo(me)) * e);
     const std::uint64_t b = self().next_step();
     self().publish(b);
     self().wait_all(b);
-    if (me == root)
-      for (int p = 0; p < n; ++p)
-        if (p != me) cma_read(p, out + sl.lo(p) * e, address_of(p, a, 1), (sl.hi(p) - sl.lo(p)) * e);
-    const std::uint64_t c = self().next_step();
-    self().publish(c);
-    if (me != root) self().wait_step(root, c);
   }
 
   /// reduce of a large message by cross-memory attach: step a (input addresses; symmetric), the
@@ -397,7 +408,7 @@ class SingleCopy {
   bool cma_on_ = false;
   bool cma_own_core_ = false;  // every rank's host has a core for each rank (agree_cma)
   std::vector<std::byte> cma_tmp_;       // reduce_read's blocks read from the peers
-  std::vector<std::byte> cma_slice_;     // cma_reduce: a non-root's reduced slice, read by the root
+  std::vector<std::byte> cma_slice_;     // cma_reduce: a non-root's reduced slice, then written to the root
   std::uint64_t probe_ = cma_probe(static_cast<std::int64_t>(::getpid()));  // read by the peers at creation
 
  private:
