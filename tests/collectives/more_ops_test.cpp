@@ -618,6 +618,22 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
           if (r[i] != static_cast<std::int32_t>(static_cast<std::size_t>(me) * 1000003 + i)) bad = static_cast<long long>(i);
         CHECK(bad == -1);
       }
+      // gather to rank 0, the mirror: element i of rank q's block says (q, i); the root's own
+      // input in place on every other count.
+      {
+        std::vector<std::int32_t> mine(count), all(me == 0 ? count * un : 0, -1);
+        for (std::size_t i = 0; i < count; ++i) mine[i] = static_cast<std::int32_t>(static_cast<std::size_t>(me) * 1000003 + i);
+        if (me == 0 && count % 2 == 0) {
+          std::copy(mine.begin(), mine.end(), all.begin());
+          c.gather(std::span<const std::int32_t>(all).first(count), std::span<std::int32_t>(all), 0);
+        } else {
+          c.gather(std::span<const std::int32_t>(mine), std::span<std::int32_t>(all), 0);
+        }
+        bad = -1;
+        for (std::size_t j = 0; j < all.size() && bad < 0; ++j)
+          if (all[j] != static_cast<std::int32_t>((j / count) * 1000003 + j % count)) bad = static_cast<long long>(j);
+        CHECK(bad == -1);
+      }
       // reduce_scatter: element j of rank q's input is q + j % 7 + (j / count), so rank p's block
       // sums to n * (j % 7 + p) + n(n-1)/2 and a block reduced at the wrong offset is seen;
       // out of place, then in place (the output is this rank's block of the input).

@@ -46,7 +46,7 @@ struct CmaConfig {
   std::size_t min_bytes = 1 << 20;  // COMM_SHM_CMA_MIN: smallest buffer moved by it (but rooted_min)
   std::size_t block = 0;            // COMM_SHM_CMA_BLOCK: bytes per read in a reduction (0: block_for)
   std::size_t slice_max = 8 << 20;  // COMM_SHM_CMA_SLICE_MAX: largest reduced slice a non-root keeps (reduce)
-  std::size_t rooted_min = 0;       // COMM_SHM_CMA_ROOTED_MIN: broadcast, and scatter per rank (0: rooted_for)
+  std::size_t rooted_min = 0;       // COMM_SHM_CMA_ROOTED_MIN: broadcast; scatter, gather per rank (0: rooted_for)
   static CmaConfig from_env() {
     CmaConfig c;
     if (auto v = env_nonneg_int("COMM_SHM_CMA")) c.enabled = *v != 0;
@@ -58,7 +58,7 @@ struct CmaConfig {
       c.block = std::clamp<std::size_t>(static_cast<std::size_t>(*v), 4096, std::size_t{64} << 20) / kLine * kLine;
     return c;
   }
-  /// Smallest broadcast (scatter: block per rank) moved by a single copy among `n` ranks, given
+  /// Smallest broadcast (scatter, gather: block per rank) moved by a single copy, given
   /// whether every rank has a core of its own. Then from 64 KiB: one read by the kernel from the
   /// root's buffer beat the segment's two copies at 2 ranks (broadcast 64 KiB 6.2 against 7.8-9.9
   /// us, 256 KiB 19-20 against 25-31; a scatter's 32 KiB block lost, 3.0-7.7 against 2.2-2.3).
@@ -138,7 +138,7 @@ class SingleCopy {
   }
 
   [[nodiscard]] bool use_cma(std::size_t bytes) const noexcept { return cma_on_ && bytes >= cma_.min_bytes && bytes != 0; }
-  /// For broadcast (the message) and scatter (a rank's block): the agreed rooted threshold.
+  /// For broadcast (the message), scatter and gather (a rank's block): the agreed rooted threshold.
   [[nodiscard]] bool use_cma_rooted(std::size_t bytes) const noexcept {
     return cma_on_ && bytes >= cma_.rooted_min && bytes != 0;
   }
@@ -300,6 +300,28 @@ class SingleCopy {
       cma_read(root, op.out, address_of(root, a, 0) + at, bytes);
     else if (op.out != in + at)
       Engine::move(static_cast<std::byte*>(op.out), in + at, bytes);
+    const std::uint64_t b = self().next_step();
+    self().publish(b);
+    if (me == root) self().wait_all(b);
+  }
+
+  /// gather by cross-memory attach: step a (the root's output address; symmetric), every other
+  /// rank writes its input into its block of the root's output, step b (the root waits for every
+  /// writer; a writer is done with its input when its write returns). The writers copy at once,
+  /// each on its own core, where the root reading every block would copy them one after another.
+  void cma_gather(Op& op) {
+    const std::size_t bytes = op.in_count * op.elem_size;
+    const int me = self().rank();
+    const int root = op.desc.root;
+    const auto* in = static_cast<const std::byte*>(op.in);
+    auto* out = static_cast<std::byte*>(op.out);
+    const std::uint64_t a = self().next_step();
+    publish_addresses(a, {out});
+    const std::size_t at = static_cast<std::size_t>(me) * bytes;
+    if (me != root)
+      cma_write(root, address_of(root, a, 0) + at, in, bytes);
+    else if (out + at != in)
+      Engine::move(out + at, in, bytes);
     const std::uint64_t b = self().next_step();
     self().publish(b);
     if (me == root) self().wait_all(b);

@@ -28,10 +28,10 @@
 //     not a one-step rooted one, or at the latest kLag steps later, and throws the DesyncError
 //     before it publishes anything of that operation. Nothing is ever read from a peer in
 //     another operation.
-//   - Large all_reduce, all_gather, all_to_all, broadcast, scatter, reduce and reduce_scatter read
-//     the peers' buffers directly with process_vm_readv (single copy; see cma.hpp), framed by
-//     symmetric steps that carry the buffer addresses and say when a buffer may be overwritten or
-//     released.
+//   - Large all_reduce, all_gather, all_to_all, broadcast, scatter, gather, reduce and
+//     reduce_scatter read the peers' buffers directly with process_vm_readv, or write a reduced
+//     slice into them with process_vm_writev (single copy; see cma.hpp), framed by symmetric
+//     steps that carry the buffer addresses and say when a buffer may be overwritten or released.
 // Algorithms:
 //   - all_reduce, <= small_max bytes: one step; each rank reduces all inputs (n-input kernels,
 //     reduce.hpp: half/bfloat16/fp8 accumulate in float).
@@ -483,7 +483,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
       case OpKind::broadcast: return !use_cma_rooted(op.out_count * e) && op.out_count <= per_step(e);
       case OpKind::scatter:
         return !use_cma_rooted(op.out_count * e) && op.out_count <= per_step(e, static_cast<std::size_t>(size()));
-      case OpKind::gather: return op.in_count <= per_step(e);
+      case OpKind::gather: return !use_cma_rooted(op.in_count * e) && op.in_count <= per_step(e);
       case OpKind::reduce: return op.in_count * e <= layout_.chunk;
       default: return false;
     }
@@ -585,6 +585,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const int root = op.desc.root;
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
+    if (use_cma_rooted(m * e)) return cma_gather(op);
     const std::size_t k = per_step(e);
     bool first = true;
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {

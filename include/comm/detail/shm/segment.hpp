@@ -54,7 +54,7 @@ namespace comm::detail::shm {
 inline constexpr std::size_t kLine = 64;
 
 /// Whether the host has a CPU for each of `n` ranks: waits spin only then (steps.hpp), and small
-/// broadcasts and scatters and reduce_scatter move by a single copy (cma.hpp).
+/// broadcasts, scatters and gathers and reduce_scatter move by a single copy (cma.hpp).
 [[nodiscard]] inline bool core_per_rank(int n) noexcept {
   return std::thread::hardware_concurrency() >= static_cast<unsigned>(n);
 }
