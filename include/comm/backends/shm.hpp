@@ -21,16 +21,19 @@
 ///   with no lock and no system call on the fast path; all_reduce up to `small_max` bytes in one
 ///   step, above that a direct reduce-scatter + all-gather through the segment in chunks of
 ///   `chunk_bytes`; half/bfloat16/fp8 reductions accumulate in float across all ranks and round
-///   once. broadcast, scatter, gather and reduce whose buffer fits one chunk take one step without
-///   a rendezvous: the root of a broadcast or scatter publishes and returns, a non-root of a gather
-///   or reduce likewise. Steps of at most 16 KiB go through a ring of 16 slots per rank, so a root
+///   once. broadcast, scatter, gather and reduce whose buffer fits one chunk (broadcast, scatter
+///   and gather: below the single-copy threshold) take one step without a rendezvous: the root of
+///   a broadcast or scatter publishes and returns, a non-root of a gather or reduce likewise. Steps of at most 16 KiB go through a ring of 16 slots per rank, so a root
 ///   of back-to-back small rooted operations runs up to 8 of them ahead of its slowest reader, as
 ///   an MPI's eager protocol lets it.
-/// - **Single copy:** all_reduce, all_gather, broadcast and reduce of at least COMM_SHM_CMA_MIN bytes
-///   (1 MiB) read the peers' buffers directly with `process_vm_readv` (cross-memory attach): one
-///   copy by the kernel instead of two through the segment. Every rank tries it on every peer at
-///   creation; if any rank cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp) every rank
-///   uses the segment. Under ptrace_scope 1 each rank allows it with
+/// - **Single copy:** all_reduce, all_gather, all_to_all and reduce of at least COMM_SHM_CMA_MIN
+///   bytes (1 MiB), reduce_scatter from 1 MiB where the host has a core for every rank, and
+///   broadcast, scatter and gather from COMM_SHM_CMA_ROOTED_MIN (64 KiB of a message or of one
+///   rank's block where the host has a core for every rank, else COMM_SHM_CMA_MIN) move between
+///   the ranks' own buffers with `process_vm_readv` and `process_vm_writev` (cross-memory
+///   attach): one copy by the kernel instead of two through the segment. Every rank tries it on
+///   every peer at creation; if any rank cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp)
+///   every rank uses the segment. Under ptrace_scope 1 each rank allows it with
 ///   `prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)` (process-wide; COMM_SHM_CMA=0 avoids it).
 /// - **Waiting** spins briefly (long only while every rank has a core), then yields, then sleeps on
 ///   a futex, so more ranks than cores still progress; a wait whose spin ran out keeps the full
