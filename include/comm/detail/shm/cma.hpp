@@ -272,37 +272,30 @@ class SingleCopy {
     self().wait_all(b);
   }
 
-  /// broadcast by cross-memory attach: step a (the root's address; symmetric), the others read the
-  /// root's buffer into theirs, step b (the root waits for every reader).
-  void cma_broadcast(Op& op) {
-    const std::size_t bytes = op.out_count * op.elem_size;
+  /// broadcast by cross-memory attach: the others read the root's buffer into theirs (read_root).
+  void cma_broadcast(Op& op) { read_root(op, op.out, 0); }
+
+  /// scatter by cross-memory attach: each rank takes its block of the root's input (read_root).
+  void cma_scatter(Op& op) {
+    read_root(op, op.in, static_cast<std::size_t>(self().rank()) * op.out_count * op.elem_size);
+  }
+
+  /// Step a (`buffer`'s address on the root; symmetric), each other rank reads `op.out`'s bytes
+  /// from the root's buffer at byte `at` (the root moves them itself unless they are already
+  /// there), step b (the root waits for every reader).
+  void read_root(Op& op, const void* buffer, std::size_t at) {
     const int root = op.desc.root;
+    const std::size_t bytes = op.out_count * op.elem_size;
+    const auto* from = static_cast<const std::byte*>(buffer) + at;
     const std::uint64_t a = self().next_step();
-    publish_addresses(a, {op.out});
-    if (self().rank() != root) cma_read(root, op.out, address_of(root, a, 0), bytes);
+    publish_addresses(a, {buffer});
+    if (self().rank() != root)
+      cma_read(root, op.out, address_of(root, a, 0) + at, bytes);
+    else if (op.out != from)
+      Engine::move(static_cast<std::byte*>(op.out), from, bytes);
     const std::uint64_t b = self().next_step();
     self().publish(b);
     if (self().rank() == root) self().wait_all(b);
-  }
-
-  /// scatter by cross-memory attach, as broadcast: step a (the root's input address; symmetric),
-  /// each other rank reads its block of the root's input into its output, step b (the root waits
-  /// for every reader).
-  void cma_scatter(Op& op) {
-    const std::size_t bytes = op.out_count * op.elem_size;
-    const int root = op.desc.root;
-    const int me = self().rank();
-    const auto* in = static_cast<const std::byte*>(op.in);
-    const std::uint64_t a = self().next_step();
-    publish_addresses(a, {in});
-    const std::size_t at = static_cast<std::size_t>(me) * bytes;
-    if (me != root)
-      cma_read(root, op.out, address_of(root, a, 0) + at, bytes);
-    else if (op.out != in + at)
-      Engine::move(static_cast<std::byte*>(op.out), in + at, bytes);
-    const std::uint64_t b = self().next_step();
-    self().publish(b);
-    if (me == root) self().wait_all(b);
   }
 
   /// gather by cross-memory attach: step a (the root's output address; symmetric), every other
