@@ -26,10 +26,11 @@
 ///   a broadcast or scatter publishes and returns, a non-root of a gather or reduce likewise. Steps of at most 16 KiB go through a ring of 16 slots per rank, so a root
 ///   of back-to-back small rooted operations runs up to 8 of them ahead of its slowest reader, as
 ///   an MPI's eager protocol lets it.
-/// - **Single copy:** all_reduce, all_gather, all_to_all and reduce of at least COMM_SHM_CMA_MIN
-///   bytes (1 MiB), reduce_scatter from 1 MiB where the host has a core for every rank, and
-///   broadcast, scatter and gather from COMM_SHM_CMA_ROOTED_MIN (64 KiB of a message or of one
-///   rank's block where the host has a core for every rank, else COMM_SHM_CMA_MIN) move between
+/// - **Single copy:** all_reduce, all_gather, all_to_all and reduce (above the chunk) of at least
+///   COMM_SHM_CMA_MIN bytes (64 KiB where the host has a core for every rank, else 1 MiB), reduce_scatter from
+///   COMM_SHM_CMA_MIN where the host has a core for every rank, and broadcast, scatter and gather
+///   from COMM_SHM_CMA_ROOTED_MIN (64 KiB of a message or of one rank's block where the host has a
+///   core for every rank, else COMM_SHM_CMA_MIN) move between
 ///   the ranks' own buffers with `process_vm_readv` and `process_vm_writev` (cross-memory
 ///   attach): one copy by the kernel instead of two through the segment. Every rank tries it on
 ///   every peer at creation; if any rank cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp)

@@ -43,9 +43,9 @@ namespace comm::detail::shm {
 /// on the smaller capability: see SingleCopy::agree_cma).
 struct CmaConfig {
   bool enabled = true;              // COMM_SHM_CMA=0 turns it off
-  std::size_t min_bytes = 1 << 20;  // COMM_SHM_CMA_MIN: smallest buffer moved by it (but rooted_min)
+  std::size_t min_bytes = 0;        // COMM_SHM_CMA_MIN: smallest buffer moved by it (but rooted_min; 0: min_for)
   std::size_t block = 0;            // COMM_SHM_CMA_BLOCK: bytes per read in a reduction (0: block_for)
-  std::size_t slice_max = 8 << 20;  // COMM_SHM_CMA_SLICE_MAX: largest reduced slice a non-root keeps (reduce)
+  std::size_t slice_max = SIZE_MAX;  // COMM_SHM_CMA_SLICE_MAX: largest slice a non-root reduces (reduce)
   std::size_t rooted_min = 0;       // COMM_SHM_CMA_ROOTED_MIN: broadcast; scatter, gather per rank (0: rooted_for)
   static CmaConfig from_env() {
     CmaConfig c;
@@ -58,16 +58,30 @@ struct CmaConfig {
       c.block = std::clamp<std::size_t>(static_cast<std::size_t>(*v), 4096, std::size_t{64} << 20) / kLine * kLine;
     return c;
   }
+  /// Smallest all_reduce, all_gather, all_to_all, reduce (above the chunk, which the one-step
+  /// segment reduce keeps: a single copy of 64-256 KiB was 1.3-1.6x slower on a quiet machine)
+  /// and reduce_scatter buffer moved by a single copy, given whether every rank has a core of its
+  /// own. Then from 64 KiB: at 2 ranks the
+  /// segment's reads of data a peer has just written slow 3-5x at times on this VM (the "slow
+  /// hour"), single copy's reads do not, and single copy was also the faster from 64-128 KiB when
+  /// the segment was not slowed (all_reduce 128 KiB 16.5 against 21.6 us, all_gather 256 KiB 13.1
+  /// against 19-20, all_to_all 128 KiB 9.7 against 14.1). Where ranks share cores the readers
+  /// queue for them, and the segment wins up to 1 MiB (benchmarks/RESULTS.md, "Single copy from
+  /// 64 KiB where every rank has a core").
+  [[nodiscard]] std::size_t min_for(bool own_core) const noexcept {
+    if (min_bytes != 0) return min_bytes;
+    return own_core ? std::size_t{64} << 10 : std::size_t{1} << 20;
+  }
   /// Smallest broadcast (scatter, gather: block per rank) moved by a single copy, given
   /// whether every rank has a core of its own. Then from 64 KiB: one read by the kernel from the
   /// root's buffer beat the segment's two copies at 2 ranks (broadcast 64 KiB 6.2 against 7.8-9.9
   /// us, 256 KiB 19-20 against 25-31; a scatter's 32 KiB block lost, 3.0-7.7 against 2.2-2.3).
   /// Where ranks share cores the root waits for readers that queue for one, and the segment, from
-  /// which the root returns at once, stays up to min_bytes (benchmarks/RESULTS.md, "Single copy
-  /// for broadcast, scatter and reduce_scatter").
+  /// which the root returns at once, stays up to min_for(false) (benchmarks/RESULTS.md, "Single
+  /// copy for broadcast, scatter and reduce_scatter").
   [[nodiscard]] std::size_t rooted_for(bool own_core) const noexcept {
     if (rooted_min != 0) return rooted_min;
-    return own_core ? std::size_t{64} << 10 : min_bytes;
+    return own_core ? std::size_t{64} << 10 : min_for(false);
   }
   /// Bytes per read in a reduction among `n` ranks: 1 MiB, less where n - 1 blocks of scratch would
   /// pass 4 MiB, never under 64 KiB. Each read pins its pages and runs one syscall; at 2 ranks,
@@ -108,9 +122,9 @@ class SingleCopy {
       // seccomp policy may tell the two calls apart): the word goes back unchanged.
       ok = ok && ::process_vm_writev(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0) == static_cast<ssize_t>(sizeof v);
     }
-    self().ctl(self().rank()).cma_min = cma_.min_bytes;
-    self().ctl(self().rank()).cma_slice_max = cma_.slice_max;
     const bool own_core = core_per_rank(self().size());
+    self().ctl(self().rank()).cma_min = cma_.min_for(own_core);
+    self().ctl(self().rank()).cma_slice_max = cma_.slice_max;
     self().ctl(self().rank()).cma_own_core = own_core ? 1 : 0;
     self().ctl(self().rank()).cma_rooted_min = cma_.rooted_for(own_core);
     self().ctl(self().rank()).cma.store(ok ? 2 : 1, std::memory_order_relaxed);
@@ -122,6 +136,7 @@ class SingleCopy {
     cma_on_ = true;
     cma_own_core_ = true;
     cma_.rooted_min = 0;
+    cma_.min_bytes = 0;
     for (int p = 0; p < self().size(); ++p) {
       cma_own_core_ = cma_own_core_ && self().ctl(p).cma_own_core == 1;
       cma_.rooted_min = std::max<std::size_t>(cma_.rooted_min, self().ctl(p).cma_rooted_min);
@@ -207,13 +222,18 @@ class SingleCopy {
   }
 
   /// Elements [lo, hi) of the reduction of this rank's `in` and every peer's input (the first
-  /// address of step `a`), read in blocks into scratch, written to `dst` (element lo's place).
-  void reduce_read(const Op& op, std::uint64_t a, const std::byte* in, std::byte* dst, std::size_t lo, std::size_t hi) {
+  /// address of step `a`), read in blocks into scratch, written to `dst` (element lo's place), or
+  /// with `dst` null to one block of scratch; `done(off, c, at)` runs after each block (elements
+  /// [off, off + c), reduced at `at`), while it is still in this core's cache.
+  template <class Done>
+  void reduce_read(const Op& op, std::uint64_t a, const std::byte* in, std::byte* dst, std::size_t lo, std::size_t hi,
+                   Done&& done) {
     const std::size_t e = op.elem_size;
     const int n = self().size();
     const std::size_t k = std::max<std::size_t>(std::min(cma_.block_for(n) / e, hi - lo), 1);
+    const auto blocks = static_cast<std::size_t>(dst == nullptr ? n : n - 1);
     // Grown only: a resize up within the capacity would zero the new bytes on every call.
-    if (const std::size_t need = static_cast<std::size_t>(n - 1) * k * e; cma_tmp_.size() < need) cma_tmp_.resize(need);
+    if (const std::size_t need = blocks * k * e; cma_tmp_.size() < need) cma_tmp_.resize(need);
     for (std::size_t off = lo; off < hi; off += k) {
       const std::size_t c = std::min(k, hi - off);
       std::size_t t = 0;
@@ -226,8 +246,13 @@ class SingleCopy {
         cma_read(p, tmp, address_of(p, a, 0) + off * e, c * e);
         self().srcs_[static_cast<std::size_t>(p)] = tmp;
       }
-      self().reduce_from(op, dst + (off - lo) * e, c, true);
+      std::byte* at = dst != nullptr ? dst + (off - lo) * e : cma_tmp_.data() + static_cast<std::size_t>(n - 1) * k * e;
+      self().reduce_from(op, at, c, true);
+      done(off, c, at);
     }
+  }
+  void reduce_read(const Op& op, std::uint64_t a, const std::byte* in, std::byte* dst, std::size_t lo, std::size_t hi) {
+    reduce_read(op, a, in, dst, lo, hi, [](std::size_t, std::size_t, const std::byte*) {});
   }
 
   /// Rank p's slice of a reduction by cross-memory attach: elements [lo(p), hi(p)), whole cache
@@ -244,8 +269,10 @@ class SingleCopy {
   };
 
   /// all_reduce by cross-memory attach: step a (addresses), every rank reduces its slice from the
-  /// peers' inputs read in blocks into cache-sized scratch and writes the result into every
-  /// peer's output; step b (every slice written, no input read any more). Nothing else touches
+  /// peers' inputs read in blocks into cache-sized scratch and writes each reduced block into
+  /// every peer's output while it is still in cache (the whole slice at the end was read back
+  /// from memory once it outgrew the cache: 2-rank 64 MiB 14.8-19.7 against 11.8-15.3 ms); step
+  /// b (every slice written, no input read any more). Nothing else touches
   /// the region a rank writes: in place, a peer's input there was read only by the writer itself.
   /// Writing the slice, which is in the writer's cache, instead of each rank reading the peers'
   /// just-reduced slices took 2-rank 1 MiB from 124-151 to 111-114 us and 4-rank 1 MiB from
@@ -261,12 +288,12 @@ class SingleCopy {
     const Slices sl(count, n, e);
     const std::uint64_t a = self().next_step();
     publish_addresses(a, {in, out});
-    std::byte* mine = out + sl.lo(me) * e;
-    reduce_read(op, a, in, mine, sl.lo(me), sl.hi(me));
-    for (int i = 1; i < n; ++i) {
-      const int p = (me + i) % n;
-      cma_write(p, address_of(p, a, 1) + sl.lo(me) * e, mine, (sl.hi(me) - sl.lo(me)) * e);
-    }
+    reduce_read(op, a, in, out + sl.lo(me) * e, sl.lo(me), sl.hi(me), [&](std::size_t off, std::size_t c, const std::byte* at) {
+      for (int i = 1; i < n; ++i) {
+        const int p = (me + i) % n;
+        cma_write(p, address_of(p, a, 1) + off * e, at, c * e);
+      }
+    });
     const std::uint64_t b = self().next_step();
     self().publish(b);
     self().wait_all(b);
@@ -338,12 +365,12 @@ class SingleCopy {
 
   /// reduce by cross-memory attach, as all_reduce: step a (input addresses, and the root's
   /// output), every rank reduces its slice of every input (the root into its output, the others
-  /// into slice-sized scratch, which they then write into the root's output), step b (every slice
-  /// in place, no input read any more). The root alone reading and reducing every input left the
-  /// others idle: 1.4-1.7x OpenMPI's reduce at 2 ranks, 1-16 MiB. Where a slice passes slice_max,
-  /// the others would keep that much scratch: the root reduces alone (cma_reduce_at_root).
-  /// slice_max is the same on every rank (agree_cma: the smallest wins), so every rank takes one
-  /// path.
+  /// block by block into scratch, each block written into the root's output while it is in
+  /// cache), step b (every slice in place, no input read any more). The root alone reading and
+  /// reducing every input left the others idle: 1.4-1.7x OpenMPI's reduce at 2 ranks, 1-16 MiB.
+  /// Where a slice passes slice_max (COMM_SHM_CMA_SLICE_MAX; no limit by default, since a non-root
+  /// holds one block at a time) the root reduces alone (cma_reduce_at_root). slice_max is the
+  /// same on every rank (agree_cma: the smallest wins), so every rank takes one path.
   void cma_reduce(Op& op) {
     const std::size_t e = op.elem_size;
     const int n = self().size();
@@ -353,15 +380,12 @@ class SingleCopy {
     if (sl.q * e > cma_.slice_max) return cma_reduce_at_root(op);
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
-    std::byte* dst = out + sl.lo(me) * e;
-    if (me != root) {
-      if (cma_slice_.size() < sl.q * e) cma_slice_.resize(sl.q * e);
-      dst = cma_slice_.data();
-    }
     const std::uint64_t a = self().next_step();
     publish_addresses(a, {in, out});
-    reduce_read(op, a, in, dst, sl.lo(me), sl.hi(me));
-    if (me != root) cma_write(root, address_of(root, a, 1) + sl.lo(me) * e, dst, (sl.hi(me) - sl.lo(me)) * e);
+    reduce_read(op, a, in, me == root ? out + sl.lo(me) * e : nullptr, sl.lo(me), sl.hi(me),
+                [&](std::size_t off, std::size_t c, const std::byte* at) {
+                  if (me != root) cma_write(root, address_of(root, a, 1) + off * e, at, c * e);
+                });
     const std::uint64_t b = self().next_step();
     self().publish(b);
     self().wait_all(b);
@@ -423,7 +447,6 @@ class SingleCopy {
   bool cma_on_ = false;
   bool cma_own_core_ = false;  // every rank's host has a core for each rank (agree_cma)
   std::vector<std::byte> cma_tmp_;       // reduce_read's blocks read from the peers
-  std::vector<std::byte> cma_slice_;     // cma_reduce: a non-root's reduced slice, then written to the root
   std::uint64_t probe_ = cma_probe(static_cast<std::int64_t>(::getpid()));  // read by the peers at creation
 
  private:
