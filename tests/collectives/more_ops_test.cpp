@@ -602,6 +602,19 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
       std::vector<double> b(count, me == n - 1 ? 2.5 : 0.0);
       c.broadcast(b, n - 1);
       CHECK(std::all_of(b.begin(), b.end(), [](double x) { return x == 2.5; }));
+      // Bytes whose share per reader (a broadcast's readers take n - 1 parts each, every one
+      // starting at its own) is a whole number of cache lines plus a remainder: the last bytes
+      // must arrive too. Element i says i, so a part read to the wrong place shows.
+      for (std::size_t bytes : {std::size_t{8193}, std::size_t{12289}, count + 1}) {
+        std::vector<std::uint8_t> u(bytes);
+        for (std::size_t i = 0; i < bytes; ++i) u[i] = me == 0 ? static_cast<std::uint8_t>(i * 7 + 1) : 0;
+        c.broadcast(u, 0);
+        long long wrong = -1;
+        for (std::size_t i = 0; i < bytes && wrong < 0; ++i)
+          if (u[i] != static_cast<std::uint8_t>(i * 7 + 1)) wrong = static_cast<long long>(i);
+        INFO("uint8 broadcast of ", bytes, " bytes, first wrong at ", wrong);
+        CHECK(wrong == -1);
+      }
       const auto un = static_cast<std::size_t>(n);
       // scatter from the last rank: element i of rank p's block says (p, i); the root's own block
       // in place on every other count.
