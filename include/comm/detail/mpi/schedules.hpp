@@ -38,6 +38,8 @@ namespace comm::detail::mpi {
 
 /// Scratch above this size is given back after an operation (smaller stays for the next one).
 inline constexpr std::size_t kScratchKeep = std::size_t{8} << 20;
+/// Every receive slot of a schedule starts on a cache line (recv_slots).
+inline constexpr std::size_t kSlotAlign = 64;
 
 /// Sizes the own schedules are picked by, per MPI library (its eager limit on one node: the
 /// largest message sent without a rendezvous round trip). Measured on both libraries
@@ -284,12 +286,23 @@ class OwnSchedules {
     s.clear();
   }
 
-  /// The receive buffer of a schedule: `slots` slots of `bytes` bytes. It lives in pending_, which
-  /// a failure leaks with the requests that may still write it.
-  std::byte* recv_slots(std::size_t slots, std::size_t bytes) {
+  /// The receive buffer of a schedule: `count` slots of at least `bytes` bytes, each starting on
+  /// a cache line. It lives in pending_, which a failure leaks with the requests that may still
+  /// write it. Why aligned: slots of `bytes` back to back put a 1 MiB all_reduce's second chunk
+  /// 4 bytes past a line (the chunk is a block's share plus one element), and its receive and
+  /// reduction then took 178 us where the blocking MPI_Allreduce took 108, every run that the
+  /// vector landed so (aligned: 111 us; benchmarks/RESULTS.md, "Mpi: receive slots on cache lines").
+  struct Slots {
+    std::byte* base;
+    std::size_t stride;
+    [[nodiscard]] std::byte* at(std::size_t i) const noexcept { return base + i * stride; }
+  };
+  Slots recv_slots(std::size_t count, std::size_t bytes) {
+    const std::size_t stride = (bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
     auto& b = self().pending_->recv;
-    if (b.size() < slots * bytes) b.resize(slots * bytes);
-    return b.data();
+    if (b.size() < count * stride + kSlotAlign) b.resize(count * stride + kSlotAlign);
+    const auto misaligned = reinterpret_cast<std::uintptr_t>(b.data()) % kSlotAlign;
+    return {b.data() + (misaligned == 0 ? 0 : kSlotAlign - misaligned), stride};
   }
 
   void release_slots() {
@@ -322,25 +335,25 @@ class OwnSchedules {
         if (bytes <= tuning_.exchange_max) {
           // Every rank sends its whole input to every other, then reduces all inputs in rank order
           // (the same order on every rank, so every rank has the same result).
-          std::byte* slots = recv_slots(static_cast<std::size_t>(n), bytes);
+          const Slots slots = recv_slots(static_cast<std::size_t>(n), bytes);
           for (int p = 0; p < n; ++p)
             if (p != me) post_send(s, in, bytes, p, kStepTag, name);
           for (int p = 0; p < n; ++p)
-            if (p != me) post_recv(s, slots + slot_of(p) * bytes, bytes, p, kStepTag, name);
+            if (p != me) post_recv(s, slots.at(slot_of(p)), bytes, p, kStepTag, name);
           finish_step(s, name, seq, deadline);
           if (n == 2) {
             // a (op) b == b (op) a bit for bit (the ops are commutative): no order to keep.
             if (in != out) std::memcpy(out, in, bytes);
-            reduce_local(slots, out, count, red, name);
+            reduce_local(slots.at(0), out, count, red, name);
             return finish_reduction(op, count);
           }
           // In place, this rank's input is the output: keep it in the last slot before reducing.
           const std::byte* own = in;
           if (in == out && me != 0) {
-            std::memcpy(slots + static_cast<std::size_t>(n - 1) * bytes, in, bytes);
-            own = slots + static_cast<std::size_t>(n - 1) * bytes;
+            std::memcpy(slots.at(static_cast<std::size_t>(n - 1)), in, bytes);
+            own = slots.at(static_cast<std::size_t>(n - 1));
           }
-          auto src = [&](int p) { return p == me ? own : slots + slot_of(p) * bytes; };
+          auto src = [&](int p) { return p == me ? own : slots.at(slot_of(p)); };
           if (src(0) != out) std::memcpy(out, src(0), bytes);
           for (int p = 1; p < n; ++p) reduce_local(src(p), out, count, red, name);
         } else {
@@ -423,8 +436,8 @@ class OwnSchedules {
     const std::size_t nc = chunks(len);
     const std::size_t depth = std::min(nc, kDepth);
     const std::size_t chunk_bytes = (len / nc + 1) * es;
-    std::byte* slots = recv_slots((un - 1) * depth, chunk_bytes);
-    auto slot = [&](int p, std::size_t c) { return slots + (slot_of(p) * depth + c % depth) * chunk_bytes; };
+    const Slots slots = recv_slots((un - 1) * depth, chunk_bytes);
+    auto slot = [&](int p, std::size_t c) { return slots.at(slot_of(p) * depth + c % depth); };
     auto post = [&](std::size_t c, int p) {
       const std::size_t clo = len * c / nc, clen = len * (c + 1) / nc - clo;
       post_recv(s, slot(p, c), clen * es, p, kStepTag, name, c * un + static_cast<std::size_t>(p));
