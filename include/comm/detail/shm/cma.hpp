@@ -72,16 +72,18 @@ struct CmaConfig {
     if (min_bytes != 0) return min_bytes;
     return own_core ? std::size_t{64} << 10 : std::size_t{1} << 20;
   }
-  /// Smallest broadcast (scatter, gather: block per rank) moved by a single copy, given
-  /// whether every rank has a core of its own. Then from 64 KiB: one read by the kernel from the
-  /// root's buffer beat the segment's two copies at 2 ranks (broadcast 64 KiB 6.2 against 7.8-9.9
-  /// us, 256 KiB 19-20 against 25-31; a scatter's 32 KiB block lost, 3.0-7.7 against 2.2-2.3).
-  /// Where ranks share cores the root waits for readers that queue for one, and the segment, from
-  /// which the root returns at once, stays up to min_for(false) (benchmarks/RESULTS.md, "Single
-  /// copy for broadcast, scatter and reduce_scatter").
-  [[nodiscard]] std::size_t rooted_for(bool own_core) const noexcept {
+  /// Smallest broadcast (scatter, gather: block per rank) moved by a single copy: 64 KiB. Where
+  /// every rank has a core, one read by the kernel from the root's buffer beat the segment's two
+  /// copies at 2 ranks (broadcast 64 KiB 6.2 against 7.8-9.9 us, 256 KiB 19-20 against 25-31; a
+  /// scatter's 32 KiB block lost, 3.0-7.7 against 2.2-2.3). Where ranks share cores it was 1 MiB,
+  /// for the segment lets the root return at once; measured again with 4 ranks on 2 cores the
+  /// segment's copies slowed 2-6x in most rounds and single copy did not (gather 1 MiB 51 against
+  /// 57-329 us, scatter 1 MiB 57 against 92-274, broadcast 256 KiB 58 against 55-206), while the
+  /// symmetric operations kept the segment's lead there (min_for). (benchmarks/RESULTS.md, "Single
+  /// copy for broadcast, scatter and reduce_scatter"; "Rooted single copy from 64 KiB on shared cores".)
+  [[nodiscard]] std::size_t rooted_for() const noexcept {
     if (rooted_min != 0) return rooted_min;
-    return own_core ? std::size_t{64} << 10 : min_for(false);
+    return std::size_t{64} << 10;
   }
   /// Bytes per read in a reduction among `n` ranks: 1 MiB, less where n - 1 blocks of scratch would
   /// pass 4 MiB, never under 64 KiB. Each read pins its pages and runs one syscall; at 2 ranks,
@@ -126,7 +128,7 @@ class SingleCopy {
     self().ctl(self().rank()).cma_min = cma_.min_for(own_core);
     self().ctl(self().rank()).cma_slice_max = cma_.slice_max;
     self().ctl(self().rank()).cma_own_core = own_core ? 1 : 0;
-    self().ctl(self().rank()).cma_rooted_min = cma_.rooted_for(own_core);
+    self().ctl(self().rank()).cma_rooted_min = cma_.rooted_for();
     self().ctl(self().rank()).cma.store(ok ? 2 : 1, std::memory_order_relaxed);
     s = self().next_step();
     self().publish(s);
