@@ -96,6 +96,8 @@ class OwnSchedules {
   /// as soon as it arrived (while it is still in cache) and in the same order on every chunk.
   static constexpr std::size_t kChunk = std::size_t{256} << 10;
   static constexpr std::size_t kDepth = 4;
+  /// all_gather: blocks of at least this many bytes are copied into place after the exchange.
+  static constexpr std::size_t kCopyAfter = std::size_t{256} << 10;
   /// Tags on the data communicator: the schedules' two steps (MPI keeps the messages of one
   /// source and tag in order, so consecutive operations never mix).
   static constexpr int kStepTag = 1;
@@ -395,12 +397,19 @@ class OwnSchedules {
         auto* out = static_cast<std::byte*>(op.out);
         std::byte* mine = out + static_cast<std::size_t>(me) * bytes;
         const auto* in = static_cast<const std::byte*>(op.in);
+        // A small own block is copied while the messages travel, a large one after them: MPICH
+        // moves a large message through its shared-memory cells while both ranks make progress,
+        // and the copy beside it held a 2-rank 1 MiB all_gather at 75-77 us against 56-58 after it
+        // (OpenMPI: the same either way; benchmarks/RESULTS.md, "Mpi all_gather: the own block
+        // after the exchange").
+        const bool copy_after = bytes >= kCopyAfter;
         for (int p = 0; p < n; ++p)
           if (p != me) post_send(s, in, bytes, p, kStepTag, name);
         for (int p = 0; p < n; ++p)
           if (p != me) post_recv(s, out + static_cast<std::size_t>(p) * bytes, bytes, p, kStepTag, name);
-        if (in != mine) std::memcpy(mine, in, bytes);
+        if (!copy_after && in != mine) std::memcpy(mine, in, bytes);
         finish_step(s, name, seq, deadline);
+        if (copy_after && in != mine) std::memcpy(mine, in, bytes);
         return;
       }
       case OpKind::broadcast: {
