@@ -208,8 +208,8 @@ void sigstop_battery(const BackendCase& b) {
 void mismatch_battery(const BackendCase& b) {
   // What each mismatch does on Gloo without the desync check (Shm: a DesyncError on every rank):
   enum class Expect {
-    desync,      // DesyncError on both ranks, naming both calls: checked frames, or the fingerprint
-                 // exchange Gloo runs before the operations it does not run on frames
+    desync,      // DesyncError on both ranks, naming both calls: checked frames, header frames, or
+                 // the fingerprint exchange Gloo runs before the other large operations
     desync_one,  // DesyncError on the rank that received the other's message; the other gets
                  // RemoteError when that rank fails the communicator
     timeout,     // neither receives anything (both think they are the root): each ends with
@@ -238,7 +238,7 @@ void mismatch_battery(const BackendCase& b) {
       {"dtype of the same size (int32 vs float)", with({"--dtype", "int32"}), with({"--dtype", "float"}),
        Expect::desync},
       {"reduction (sum vs max)", with({"--reduce", "sum"}), with({"--reduce", "max"}), Expect::desync},
-      // Too large for frames: Gloo exchanges fingerprints before the operation.
+      // Too large for frames: each rank checks the header frame of the rank it receives from.
       {"count, large (1M vs 2M floats)", with({"--count", "1048576"}), with({"--count", "2097152"}), Expect::desync},
       {"reduce_scatter count (4 vs 8 floats)", with({"--op", "reduce_scatter", "--count", "4"}),
        with({"--op", "reduce_scatter", "--count", "8"}), Expect::desync},

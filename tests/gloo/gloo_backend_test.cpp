@@ -255,13 +255,13 @@ TEST_CASE("point-to-point: a mismatched message's payload never lands in the rec
   }
 }
 
-TEST_CASE("large broadcast, gather, all_gather: a mismatched count is a DesyncError on the receiver, no byte lands") {
+TEST_CASE("large all_reduce, reduce_scatter, broadcast, gather, all_gather: a mismatched count is a DesyncError on the receiver, no byte lands") {
   // Above the frames' limit these check header frames instead of exchanging fingerprints first
   // (engine.hpp, headed()): the rank that receives from the mismatched one throws DesyncError,
   // the others end with an error or complete with data from ranks that agree with them.
   COMM_REQUIRE_RANKS(2);
   const std::size_t count = std::size_t{1} << 18;  // 1 MiB of floats: above the frames' 256 KiB
-  for (const std::string op : {"broadcast", "gather", "all_gather"}) {
+  for (const std::string op : {"all_reduce", "reduce_scatter", "broadcast", "gather", "all_gather"}) {
     INFO(op);
     comm::backends::Gloo::Options o;
     o.timeout = 5s;
@@ -277,8 +277,12 @@ TEST_CASE("large broadcast, gather, all_gather: a mismatched count is a DesyncEr
         c.broadcast(std::span<float>(out).first(mine), 0);
       else if (op == "gather")
         c.gather(std::span<const float>(in), c.rank() == 0 ? std::span<float>(out) : std::span<float>(), 0);
-      else
+      else if (op == "all_gather")
         c.all_gather(std::span<const float>(in), std::span<float>(out));
+      else if (op == "all_reduce")
+        c.all_reduce(std::span<float>(in));  // in place: nothing of a peer's may be added in
+      else  // reduce_scatter of blocks of `mine` (above the frames' limit at any size)
+        c.reduce_scatter(std::span<const float>(std::vector<float>(n * mine, 1.0f)), std::span<float>(out).first(mine));
     } catch (const comm::DesyncError& e) {
       desync = failed = true;
       CHECK(std::string(e.what()).find(" called ") != std::string::npos);
@@ -308,16 +312,87 @@ TEST_CASE("large broadcast, gather, all_gather: a mismatched count is a DesyncEr
       CHECK(failed);
       CHECK(untouched(0, mine));
       CHECK(untouched(2 * mine, out.size()));
+    } else if (op == "all_reduce" || op == "reduce_scatter") {
+      // Every rank waits on a chain of peers that ends at a rank which saw the disagreement, so
+      // every rank fails. Rank 1 hears from rank 0 (its left neighbour in the ring; its last
+      // peer in recursive halving) before anything of rank 0's is added in.
+      CHECK(failed);
+      if (c.rank() == 1) {
+        CHECK(desync);
+        if (op == "all_reduce")
+          CHECK(std::count(in.begin(), in.end(), 3.0f) == static_cast<std::ptrdiff_t>(in.size()));
+        else
+          CHECK(untouched(0, mine));
+      }
     }
   }
 }
 
-TEST_CASE("a large broadcast, gather or all_gather against a large all_reduce: every rank ends at once") {
-  // An all_reduce rank that gets a header frame in its fingerprint exchange fails the
-  // communicator at once (engine.hpp, exchange_fingerprints): a broadcast root, whose sends nobody
-  // will ever receive, and the ranks waiting on either end with RemoteError, not at their timeout.
+TEST_CASE("large all_reduce, reduce_scatter: ranks whose settings pick different algorithms get a DesyncError") {
+  // The pick is part of a headed operation's fingerprint (engine.hpp): without it, rank 0's
+  // recursive doubling (or ring) and rank 1's ring (or halving) would send on slots the other
+  // never receives on, and both would wait for their timeout.
   COMM_REQUIRE_RANKS(2);
-  for (const std::string op : {"broadcast", "gather", "all_gather"}) {
+  const std::size_t count = std::size_t{1} << 18;  // 1 MiB of floats: above the frames' limit
+  const auto n = static_cast<std::size_t>(comm::test::world().size);
+  for (const std::string op : {"all_reduce", "reduce_scatter"}) {
+    INFO(op);
+    // At 4 ranks rank 0's ring and the others' halving share only some pairs: ranks that never
+    // hear from a rank of the other pick wait for their timeout (docs/BACKENDS.md).
+    if (op == "reduce_scatter" && n > 2 && (n & (n - 1)) == 0) continue;
+    comm::backends::Gloo::Options o;
+    o.timeout = 5s;
+    std::optional<ScopedEnv> env;  // read when the communicator is made
+    if (comm::test::world().rank == 0) {
+      if (op == "all_reduce")
+        env.emplace("COMM_GLOO_ALLREDUCE_SMALL", "4194304");  // recursive doubling up to 4 MiB
+      else
+        env.emplace("COMM_GLOO_RS_HALVING_MAX", "0");  // never halving
+    }
+    auto c = make_comm(o);
+    env.reset();
+    std::vector<float> v(n * count, 1.0f), out(count);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string what;
+    bool desync = false, timeout = false, failed = false;
+    try {
+      if (op == "all_reduce")
+        c.all_reduce(std::span<float>(v).first(count));
+      else  // 512 KiB per rank: halving by default at 2 ranks (input up to 1 MiB)
+        c.reduce_scatter(std::span<const float>(v).first(n * count / 2), std::span<float>(out).first(count / 2));
+    } catch (const comm::DesyncError& e) {
+      desync = failed = true;
+      what = e.what();
+    } catch (const comm::Timeout&) {
+      timeout = failed = true;
+    } catch (const comm::Error&) {
+      failed = true;
+    }
+    CHECK_FALSE(timeout);
+    CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+    // At 2 ranks each hears from the other (ring: its neighbour; doubling and halving: its
+    // partner). Above, the ranks next to one of the other pick throw DesyncError and the rest
+    // hear of it (RemoteError), in an order the closes decide. At 3 ranks reduce_scatter is the
+    // ring whatever the setting: nobody disagrees.
+    if (op == "reduce_scatter" && n == 3) {
+      CHECK_FALSE(failed);
+    } else {
+      CHECK(failed);
+      if (n == 2) {
+        CHECK(desync);
+        CHECK(what.find("chose different algorithms") != std::string::npos);
+      }
+    }
+  }
+}
+
+TEST_CASE("a large headed operation against a large reduce: every rank ends at once") {
+  // A reduce rank (a large reduce exchanges fingerprints first) that gets a header frame in its
+  // fingerprint exchange fails the communicator at once (engine.hpp, exchange_fingerprints): a
+  // broadcast root, whose sends nobody will ever receive, and the ranks waiting on either end
+  // with RemoteError, not at their timeout.
+  COMM_REQUIRE_RANKS(2);
+  for (const std::string op : {"broadcast", "gather", "all_gather", "all_reduce", "reduce_scatter"}) {
     INFO(op);
     comm::backends::Gloo::Options o;
     o.timeout = 5s;
@@ -328,13 +403,17 @@ TEST_CASE("a large broadcast, gather or all_gather against a large all_reduce: e
     bool timeout = false, failed = false;
     try {
       if (c.rank() != 0)
-        c.all_reduce(std::span<float>(v));
+        c.reduce(std::span<const float>(v), c.rank() == 1 ? std::span<float>(out).first(count) : std::span<float>(), 1);
       else if (op == "broadcast")
         c.broadcast(std::span<float>(v), 0);
       else if (op == "gather")
         c.gather(std::span<const float>(v), std::span<float>(out), 0);
-      else
+      else if (op == "all_gather")
         c.all_gather(std::span<const float>(v), std::span<float>(out));
+      else if (op == "all_reduce")
+        c.all_reduce(std::span<float>(v));
+      else
+        c.reduce_scatter(std::span<const float>(out), std::span<float>(v));
     } catch (const comm::Timeout&) {
       timeout = failed = true;
     } catch (const comm::Error&) {

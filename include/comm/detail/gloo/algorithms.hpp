@@ -23,7 +23,9 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <gloo/common/error.h>
@@ -62,17 +64,41 @@ using Scratch = std::vector<std::byte>;
 
 inline constexpr std::uint8_t kExchangeSlotPrefix = 0x23;
 inline constexpr std::uint8_t kHalvingSlotPrefix = 0x24;
+// The same in headed operations (engine.hpp, headed()): hashed from the fingerprint (hashed_slot).
+inline constexpr std::uint8_t kHeadedHalvingSlotPrefix = 0x30;
+inline constexpr std::uint8_t kHeadedExchangeSlotPrefix = 0x33;
 
 [[nodiscard]] inline std::byte* scratch_bytes(Scratch& s, std::size_t n) {
   if (s.size() < n) s.resize(n);
   return s.data();
 }
 
+/// The slot of recursive doubling for operation tag `tag`.
+[[nodiscard]] inline std::uint64_t doubling_slot(std::uint32_t tag) noexcept {
+  return static_cast<std::uint64_t>(::gloo::Slot::build(kExchangeSlotPrefix, tag));
+}
+
+/// The ranks that recursive doubling exchanges with (it sends to and receives from the same).
+[[nodiscard]] inline std::vector<int> doubling_peers(int n, int r) {
+  std::vector<int> peers;
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  if (r >= p) {
+    peers.push_back(r - p);
+    return peers;
+  }
+  if (r < n - p) peers.push_back(r + p);
+  for (int mask = 1; mask < p; mask <<= 1) peers.push_back(r ^ mask);
+  return peers;
+}
+
 /// All-reduce by recursive doubling (an exchange of the whole buffer with rank r ^ 2^k in step k);
-/// at 2 ranks that is the single exchange. `in` null: in place in `out`.
-inline void doubling_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
-                                const Deadline& deadline, const void* in, void* out, std::size_t bytes,
-                                std::size_t elem_size, const ReduceFunc& reduce, Scratch& scratch) {
+/// at 2 ranks that is the single exchange. `in` null: in place in `out`. With `headers`, a
+/// peer's is checked before this rank waits for its message (OnceHeaders announced it).
+template <class Headers = NoHeaders>
+void doubling_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t slot, const Deadline& deadline,
+                         const void* in, void* out, std::size_t bytes, std::size_t elem_size,
+                         const ReduceFunc& reduce, Scratch& scratch, const Headers& headers = {}) {
   const int n = ctx->size;
   const int r = ctx->rank;
   const std::size_t count = bytes / elem_size;
@@ -89,11 +115,13 @@ inline void doubling_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std
                                                                 ctx->createUnboundBuffer(recv, bytes)};
   int ci = 0;
   int ri = 1;
-  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kExchangeSlotPrefix, tag));
   auto step = [&](int peer, bool send, bool receive) {
     if (receive) ubufs[ri]->recv(peer, slot, 0, bytes);
     if (send) ubufs[ci]->send(peer, slot, 0, bytes);
-    if (receive) wait_recv(*ubufs[ri], deadline);
+    if (receive) {
+      headers.check(peer);
+      wait_recv(*ubufs[ri], deadline);
+    }
     if (send) wait_send(*ubufs[ci], deadline);
     if (!receive) return;
     if (r < peer) {
@@ -110,6 +138,7 @@ inline void doubling_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std
     step(r - p, true, false);
     // The final result comes back from r - p.
     ubufs[ri]->recv(r - p, slot, 0, bytes);
+    headers.check(r - p);
     wait_recv(*ubufs[ri], deadline);
     ci = ri;
   } else {
@@ -123,26 +152,84 @@ inline void doubling_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std
   if (ci != 0) std::memcpy(out, bufs[ci], bytes);
 }
 
+/// The slots of an all_reduce: tagged, or (headed) hashed from the fingerprint. The ring's
+/// remainder exchange uses the doubling slot (an operation runs one algorithm or the other).
+struct ArSlots {
+  std::uint64_t doubling;
+  RingSlots reduce_scatter;
+  std::uint64_t all_gather;
+  [[nodiscard]] static ArSlots of_tag(std::uint32_t tag) noexcept {
+    return {doubling_slot(tag), RingSlots::of_tag(tag),
+            static_cast<std::uint64_t>(::gloo::Slot::build(kRingAllGatherSlotPrefix, tag))};
+  }
+};
+
+/// The last `rest` (< n) elements of an all_reduce that the ring's equal chunks leave over:
+/// every rank sends its copy to every other and folds all n in rank order (so every rank's
+/// result is bit-identical). Posted before the ring and finished after its reduce-scatter, the
+/// exchange rides along with the ring: recursive doubling of the remainder instead cost its
+/// log2(n) latencies after it, three at 3 ranks (1.11-1.14x raw gloo at 1 MiB, 0.88-0.90x at a
+/// count the ranks divide; benchmarks/RESULTS.md, 2026-11-28).
+class RemainderExchange {
+ public:
+  RemainderExchange(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t slot, std::byte* tail,
+                    std::size_t bytes)
+      : n_(ctx->size), r_(ctx->rank), tail_(tail), bytes_(bytes), copies_(static_cast<std::size_t>(n_) * bytes) {
+    std::memcpy(copies_.data() + static_cast<std::size_t>(r_) * bytes, tail, bytes);
+    buf_ = ctx->createUnboundBuffer(copies_.data(), copies_.size());
+    for (int q = 0; q < n_; ++q)
+      if (q != r_) buf_->recv(q, slot, static_cast<std::size_t>(q) * bytes, bytes);
+    for (int q = 0; q < n_; ++q)
+      if (q != r_) buf_->send(q, slot, static_cast<std::size_t>(r_) * bytes, bytes);
+  }
+
+  template <class Headers>
+  void finish(const Deadline& deadline, std::size_t elem_size, const ReduceFunc& reduce, const Headers& headers) {
+    for (int q = 0; q < n_; ++q)
+      if (q != r_) headers.check(q);
+    for (int i = 1; i < n_; ++i) wait_recv(*buf_, deadline);
+    for (int i = 1; i < n_; ++i) wait_send(*buf_, deadline);
+    std::memcpy(tail_, copies_.data(), bytes_);
+    for (int q = 1; q < n_; ++q)
+      reduce(tail_, tail_, copies_.data() + static_cast<std::size_t>(q) * bytes_, bytes_ / elem_size);
+  }
+
+ private:
+  int n_, r_;
+  std::byte* tail_;
+  std::size_t bytes_;
+  std::vector<std::byte> copies_;
+  std::unique_ptr<::gloo::transport::UnboundBuffer> buf_;
+};
+
 /// Bandwidth-optimal all_reduce: comm's ring reduce-scatter of the first n*floor(count/n)
 /// elements in place (rank r ends with chunk r reduced), the remainder (fewer than n elements) by
-/// recursive doubling, then a ring all-gather of the chunks. 2(n-1)/n of the buffer in and out of
-/// each rank, and every wait on the communicator's gate (gloo's own ring would not be woken when a
-/// peer dies mid-send: waits.hpp).
-inline void ring_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
-                            const void* in, void* out, std::size_t count, std::size_t elem_size,
-                            const ReduceFunc& reduce, Scratch& scratch) {
+/// an exchange that travels with it (RemainderExchange), then a ring all-gather of the chunks.
+/// 2(n-1)/n of the buffer in and out of each rank, and every wait on the communicator's gate
+/// (gloo's own ring would not be woken when a peer dies mid-send: waits.hpp). With `headers`
+/// (OnceHeaders: the left neighbour, and every rank when there is a remainder), the all-gather
+/// needs no check of its own: its receives are posted after the reduce-scatter checked the left
+/// neighbour, the only rank that sends to this one.
+template <class Headers = NoHeaders>
+void ring_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, const ArSlots& slots, const Deadline& deadline,
+                     const void* in, void* out, std::size_t count, std::size_t elem_size, const ReduceFunc& reduce,
+                     Scratch& scratch, const Headers& headers = {}) {
   const auto n = static_cast<std::size_t>(ctx->size);
   auto* o = static_cast<std::byte*>(out);
   if (in != nullptr && in != out) std::memcpy(out, in, count * elem_size);
   const std::size_t m = count / n;
   const std::size_t chunk = m * elem_size;
   const std::size_t rest = count - n * m;
+  std::optional<RemainderExchange> tail;
+  if (rest > 0) tail.emplace(ctx, slots.doubling, o + n * chunk, rest * elem_size);
   if (m > 0)
-    ring_reduce_scatter(ctx, tag, deadline, o, o + static_cast<std::size_t>(ctx->rank) * chunk, m, elem_size, reduce,
-                        scratch);
-  if (rest > 0)
-    doubling_all_reduce(ctx, tag, deadline, nullptr, o + n * chunk, rest * elem_size, elem_size, reduce, scratch);
-  if (m > 0) ring_all_gather(ctx, tag, deadline, o, chunk);
+    ring_reduce_scatter(ctx, slots.reduce_scatter, deadline, o, o + static_cast<std::size_t>(ctx->rank) * chunk, m,
+                        elem_size, reduce, scratch, headers);
+  if (tail) tail->finish(deadline, elem_size, reduce, headers);
+  if (m > 0) {
+    RingAllGather ag(ctx, slots.all_gather, deadline, o, chunk, kSegmentBytes);
+    ag.run();
+  }
 }
 
 inline constexpr std::uint8_t kRingReduceGatherSlotPrefix = 0x2b;
@@ -181,7 +268,7 @@ inline void ring_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32
     } else {
       buf = ctx->createUnboundBuffer(mine, chunk);
     }
-    ring_reduce_scatter_hooked(ctx, tag, deadline, src, mine, m, elem_size, reduce, scratch,
+    ring_reduce_scatter_hooked(ctx, RingSlots::of_tag(tag), deadline, src, mine, m, elem_size, reduce, scratch,
                                [&](std::size_t off, std::size_t len) {
                                  if (is_root) return;
                                  buf->send(root, slot, off, len);
@@ -189,7 +276,8 @@ inline void ring_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32
                                });
   }
   if (rest_bytes > 0)
-    doubling_all_reduce(ctx, tag, deadline, src + n * chunk, rest_out, rest_bytes, elem_size, reduce, scratch);
+    doubling_all_reduce(ctx, doubling_slot(tag), deadline, src + n * chunk, rest_out, rest_bytes, elem_size, reduce,
+                        scratch);
   for (; pending > 0; --pending) {
     if (is_root)
       wait_recv(*buf, deadline);
@@ -198,26 +286,67 @@ inline void ring_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32
   }
 }
 
-/// all_reduce of `count` elements: `in` null means in place in `out`.
-inline void run_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
-                           const void* in, void* out, std::size_t count, std::size_t elem_size,
-                           const ReduceFunc& reduce, const AlgorithmConfig& cfg, Scratch& scratch) {
+/// all_reduce's algorithms. Each rank picks by its own settings (COMM_GLOO_ALLREDUCE_SMALL); a
+/// headed operation puts the pick in its fingerprint, so ranks that pick differently disagree.
+enum class ArAlgorithm : std::uint32_t { doubling = 1, ring = 2 };
+
+[[nodiscard]] inline ArAlgorithm ar_algorithm(int n, std::size_t bytes, const AlgorithmConfig& cfg) noexcept {
+  return n == 1 || bytes <= (n == 2 ? cfg.exchange_max : cfg.doubling_max) ? ArAlgorithm::doubling : ArAlgorithm::ring;
+}
+
+/// all_reduce of `count` elements by `algo`: `in` null means in place in `out`. With `headers`
+/// (HeaderFrames), every rank this one receives from is expected and this rank announced to every
+/// one it sends to, once (OnceHeaders): the left neighbour and the doubling peers.
+template <class Headers = NoHeaders>
+void run_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, ArAlgorithm algo, const ArSlots& slots,
+                    const Deadline& deadline, const void* in, void* out, std::size_t count, std::size_t elem_size,
+                    const ReduceFunc& reduce, Scratch& scratch, const Headers& headers = {}) {
   const std::size_t bytes = count * elem_size;
-  const int n = ctx->size;
-  if (n == 1 || bytes <= (n == 2 ? cfg.exchange_max : cfg.doubling_max)) {
-    doubling_all_reduce(ctx, tag, deadline, in, out, bytes, elem_size, reduce, scratch);
-    return;
+  if constexpr (std::is_same_v<Headers, NoHeaders>) {
+    if (algo == ArAlgorithm::doubling)
+      doubling_all_reduce(ctx, slots.doubling, deadline, in, out, bytes, elem_size, reduce, scratch);
+    else
+      ring_all_reduce(ctx, slots, deadline, in, out, count, elem_size, reduce, scratch);
+  } else {
+    const int n = ctx->size;
+    const int r = ctx->rank;
+    std::vector<int> from, to;
+    const bool ring = algo == ArAlgorithm::ring;
+    if (ring && count >= static_cast<std::size_t>(n)) {
+      from.push_back((r + n - 1) % n);
+      to.push_back((r + 1) % n);
+    }
+    if (ring && count % static_cast<std::size_t>(n) != 0) {  // the remainder goes to and from every rank
+      for (int q = 0; q < n; ++q)
+        if (q != r && std::find(from.begin(), from.end(), q) == from.end()) from.push_back(q);
+      for (int q = 0; q < n; ++q)
+        if (q != r && std::find(to.begin(), to.end(), q) == to.end()) to.push_back(q);
+    }
+    if (!ring)
+      for (int q : doubling_peers(n, r)) {
+        if (std::find(from.begin(), from.end(), q) == from.end()) from.push_back(q);
+        if (std::find(to.begin(), to.end(), q) == to.end()) to.push_back(q);
+      }
+    const OnceHeaders<Headers> once(headers, n, from, to);
+    if (!ring)
+      doubling_all_reduce(ctx, slots.doubling, deadline, in, out, bytes, elem_size, reduce, scratch, once);
+    else
+      ring_all_reduce(ctx, slots, deadline, in, out, count, elem_size, reduce, scratch, once);
+    once.finish();
   }
-  ring_all_reduce(ctx, tag, deadline, in, out, count, elem_size, reduce, scratch);
 }
 
 /// Reduce-scatter by recursive halving (power-of-two worlds): in step k this rank keeps half of
 /// the chunks it is still responsible for, sends the other half to rank r ^ (n/2^(k+1)) and
 /// reduces that rank's copy of its own half into it: log2(n) messages, (n-1)/n of the input sent.
-/// Scratch: the input's size (half for partial results, half for receives).
-inline void halving_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
-                                   const Deadline& deadline, const void* in, void* out, std::size_t count,
-                                   std::size_t elem_size, const ReduceFunc& reduce, Scratch& scratch) {
+/// Scratch: the input's size (half for partial results, half for receives). With `headers`, this
+/// rank announces itself to each of its log2(n) peers at once and checks a peer's before it waits
+/// for that peer's message, so every partial result it receives came through ranks that agree.
+template <class Headers = NoHeaders>
+void halving_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t slot,
+                            const Deadline& deadline, const void* in, void* out, std::size_t count,
+                            std::size_t elem_size, const ReduceFunc& reduce, Scratch& scratch,
+                            const Headers& headers = {}) {
   const int n = ctx->size;
   const int r = ctx->rank;
   const std::size_t cb = count * elem_size;
@@ -227,7 +356,8 @@ inline void halving_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, 
   auto in_buf = ctx->createUnboundBuffer(const_cast<void*>(in), static_cast<std::size_t>(n) * cb);
   auto acc_buf = ctx->createUnboundBuffer(acc, half_bytes);
   auto tmp_buf = ctx->createUnboundBuffer(tmp, half_bytes);
-  const auto slot = static_cast<std::uint64_t>(::gloo::Slot::build(kHalvingSlotPrefix, tag));
+  for (int mask = n / 2; mask >= 1; mask /= 2) headers.expect(r ^ mask);
+  for (int mask = n / 2; mask >= 1; mask /= 2) headers.announce(r ^ mask);
   // `src` holds chunks [src_lo, src_lo + width) that this rank still reduces.
   const auto* src = static_cast<const std::byte*>(in);
   ::gloo::transport::UnboundBuffer* src_buf = in_buf.get();
@@ -241,6 +371,7 @@ inline void halving_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, 
     const std::size_t bytes = static_cast<std::size_t>(half) * cb;
     tmp_buf->recv(peer, slot, 0, bytes);
     src_buf->send(peer, slot, static_cast<std::size_t>(other - src_lo) * cb, bytes);
+    headers.check(peer);
     wait_recv(*tmp_buf, deadline);
     wait_send(*src_buf, deadline);
     void* dst = mask == 1 ? out : static_cast<void*>(acc);
@@ -250,20 +381,38 @@ inline void halving_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, 
     src_lo = mine;
     width = half;
   }
+  for (int mask = n / 2; mask >= 1; mask /= 2) headers.announced(r ^ mask);
 }
 
-/// reduce_scatter: `in` holds size*count elements; `out` (count elements) may be `in + rank*count`.
-inline void run_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
-                               const Deadline& deadline, const void* in, void* out, std::size_t count,
-                               std::size_t elem_size, const ReduceFunc& reduce, const AlgorithmConfig& cfg,
-                               Scratch& scratch) {
-  const int n = ctx->size;
+/// reduce_scatter's algorithms. Each rank picks by its own settings (COMM_GLOO_RS_HALVING_MAX);
+/// a headed operation puts the pick in its fingerprint, so ranks that pick differently disagree.
+enum class RsAlgorithm : std::uint32_t { halving = 1, ring = 2 };
+
+[[nodiscard]] inline RsAlgorithm rs_algorithm(int n, std::size_t count, std::size_t elem_size,
+                                              const AlgorithmConfig& cfg) noexcept {
   const std::size_t in_bytes = static_cast<std::size_t>(n) * count * elem_size;
-  if (n > 1 && (n & (n - 1)) == 0 && in_bytes <= cfg.halving_max) {
-    halving_reduce_scatter(ctx, tag, deadline, in, out, count, elem_size, reduce, scratch);
-    return;
+  return n > 1 && (n & (n - 1)) == 0 && in_bytes <= cfg.halving_max ? RsAlgorithm::halving : RsAlgorithm::ring;
+}
+
+/// The slots of a reduce_scatter: tagged, or (headed) hashed from the fingerprint.
+struct RsSlots {
+  std::uint64_t halving;
+  RingSlots ring;
+  [[nodiscard]] static RsSlots of_tag(std::uint32_t tag) noexcept {
+    return {static_cast<std::uint64_t>(::gloo::Slot::build(kHalvingSlotPrefix, tag)), RingSlots::of_tag(tag)};
   }
-  ring_reduce_scatter(ctx, tag, deadline, in, out, count, elem_size, reduce, scratch);
+};
+
+/// reduce_scatter by `algo`: `in` holds size*count elements; `out` (count elements) may be
+/// `in + rank*count`.
+template <class Headers = NoHeaders>
+void run_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, RsAlgorithm algo, const RsSlots& slots,
+                        const Deadline& deadline, const void* in, void* out, std::size_t count, std::size_t elem_size,
+                        const ReduceFunc& reduce, Scratch& scratch, const Headers& headers = {}) {
+  if (algo == RsAlgorithm::halving)
+    halving_reduce_scatter(ctx, slots.halving, deadline, in, out, count, elem_size, reduce, scratch, headers);
+  else
+    ring_reduce_scatter(ctx, slots.ring, deadline, in, out, count, elem_size, reduce, scratch, headers);
 }
 
 }  // namespace comm::detail::gloo

@@ -58,17 +58,6 @@ struct Segments {
   return (static_cast<std::uint64_t>(prefix) << 56) | (x & ((std::uint64_t{1} << 56) - 1));
 }
 
-/// The header messages of the rooted algorithms below: without them (the fingerprints were
-/// exchanged first) nothing. With them (HeaderFrames, checked.hpp) each sender announces the
-/// operation's fingerprint to each of its receivers, and a receiver checks its sender's before it
-/// waits for a byte of payload, which travels on a slot hashed from the fingerprint.
-struct NoHeaders {
-  void expect(int) const noexcept {}
-  void announce(int) const noexcept {}
-  void check(int) const noexcept {}
-  void announced(int) const noexcept {}
-};
-
 /// Ring all-gather in place: `out` holds n chunks of `chunk_bytes`, this rank's already in its
 /// slot. In step s, rank r forwards chunk (r-s) mod n to rank r+1 and receives chunk (r-s-1) mod n
 /// from rank r-1, segment by segment: (n-1)/n of the output in and out of each rank.
@@ -130,12 +119,6 @@ class RingAllGather {
   std::unique_ptr<::gloo::transport::UnboundBuffer> buf_;
   std::size_t own_sent_ = 0, sends_ = 0;
 };
-
-inline void ring_all_gather(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag, const Deadline& deadline,
-                            void* out, std::size_t chunk_bytes) {
-  RingAllGather ag(ctx, tag, deadline, out, chunk_bytes, kSegmentBytes);
-  ag.run();
-}
 
 /// Pipelined chain broadcast: relative rank v receives each segment from v-1 and forwards it to
 /// v+1. At 3 ranks it spreads the root's two copies over two ranks (the root sends the message

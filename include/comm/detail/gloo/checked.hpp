@@ -10,14 +10,17 @@
 //     sends on that slot, so nothing a peer sends can overflow it. The fingerprint of each message
 //     is compared with this rank's before its payload is used: a mismatch is a DesyncError naming
 //     both calls. Cost: 32 bytes per message and a copy of the payload in and out of the frame.
-//   - Large broadcast, gather and all_gather send header frames (HeaderFrames: the fingerprint
-//     alone) to each rank they send payload to, on the same slot; the payload travels on a slot
-//     hashed from the fingerprint (bulk.hpp), so it lands only where the header checks out.
+//   - Large all_reduce, reduce_scatter, broadcast, gather and all_gather send header frames
+//     (HeaderFrames: the fingerprint alone) to each rank they send payload to, on the same slot;
+//     the payload travels on a slot hashed from the fingerprint (bulk.hpp), so it lands only
+//     where the header checks out.
 //   - The other operations exchange fingerprints first (one message latency; the engine core's
 //     desync exchange), through the same frames and slot, so a peer in any regime is caught.
 //
-// The fingerprint's spare word carries the payload length: ranks whose settings choose different
-// algorithms for the same call (COMM_GLOO_ALLREDUCE_SMALL on one rank only) disagree there too.
+// The fingerprint's spare word carries the payload length, or in a header frame the algorithm an
+// all_reduce or reduce_scatter picked: ranks whose settings choose different algorithms for the
+// same call (COMM_GLOO_ALLREDUCE_SMALL or COMM_GLOO_RS_HALVING_MAX on one rank only) disagree
+// there too.
 
 #include <cstddef>
 #include <cstdint>
@@ -102,7 +105,9 @@ class FramedOp {
         payload_(payload),
         op_(op),
         rank_(ctx->rank) {
-    fp_.reserved = static_cast<std::uint32_t>(payload);
+    // Header frames (no payload) keep what the caller put there: the algorithm of a headed
+    // all_reduce or reduce_scatter, which its ranks pick by their own settings.
+    if (payload != 0) fp_.reserved = static_cast<std::uint32_t>(payload);
     frames.reserve(ctx, nframes);
     frames.begin_op();
   }
@@ -155,8 +160,10 @@ class FramedOp {
                       " called " + mine;
     if (got.seq == fp_.seq) msg += " at op #" + std::to_string(fp_.seq);
     if (theirs == mine)
-      msg += " (messages of " + std::to_string(got.reserved) + " and " + std::to_string(fp_.reserved) +
-             " bytes: the ranks chose different algorithms; do their COMM_GLOO_ALLREDUCE_SMALL settings differ?)";
+      msg += " (the ranks chose different algorithms, " + std::to_string(got.reserved) + " and " +
+             std::to_string(fp_.reserved) +
+             " in the fingerprint's spare word; do their COMM_GLOO_ALLREDUCE_SMALL or COMM_GLOO_RS_HALVING_MAX "
+             "settings differ?)";
     return msg;
   }
 

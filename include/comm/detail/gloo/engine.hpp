@@ -5,9 +5,9 @@
 //
 // Ranks that disagree about an operation must never reach libgloo with it (a longer message than
 // the posted receive terminates the process): small operations run on checked frames; large
-// broadcast, gather and all_gather send header frames beside payload on slots hashed from the
-// fingerprint (headed()); the others exchange fingerprints first (checked.hpp), whether or not the
-// desync check is on.
+// all_reduce, reduce_scatter, broadcast, gather and all_gather send header frames beside payload
+// on slots hashed from the fingerprint (headed()); the others exchange fingerprints first
+// (checked.hpp), whether or not the desync check is on.
 //
 // The fingerprint exchange: every rank sends its own 32 bytes to every other rank at once (one
 // message latency), in frames up to kCheckedMaxRanks; above, directly on a slot of its own up to
@@ -179,7 +179,20 @@ class Engine : public EngineCore<Engine> {
           if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
           return;
         }
-        run_all_reduce(ctx, tag, deadline, in, op.out, op.out_count, op.elem_size, fn, algorithms_, scratch_);
+        const ArAlgorithm algo = ar_algorithm(size(), op.out_count * op.elem_size, algorithms_);
+        if (headed(op)) {
+          Fingerprint fp = fingerprint(seq, op.desc);
+          // The pick is part of the fingerprint that the headers carry and the slots hash.
+          fp.reserved = static_cast<std::uint32_t>(algo);
+          const FramedOp f = frames_for(tag, fp, static_cast<std::size_t>(size()), 0, op_name(op.desc.kind));
+          const ArSlots slots{hashed_slot(kHeadedExchangeSlotPrefix, &fp), headed_ring_slots(fp),
+                              hashed_slot(kHeadedAllGatherSlotPrefix, &fp)};
+          run_all_reduce(ctx, algo, slots, deadline, in, op.out, op.out_count, op.elem_size, fn, scratch_,
+                         HeaderFrames(f, rank()));
+        } else {
+          run_all_reduce(ctx, algo, ArSlots::of_tag(tag), deadline, in, op.out, op.out_count, op.elem_size, fn,
+                         scratch_);
+        }
         if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
         return;
       }
@@ -193,7 +206,18 @@ class Engine : public EngineCore<Engine> {
           if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
           return;
         }
-        run_reduce_scatter(ctx, tag, deadline, op.in, op.out, op.out_count, op.elem_size, fn, algorithms_, scratch_);
+        const RsAlgorithm algo = rs_algorithm(size(), op.out_count, op.elem_size, algorithms_);
+        if (headed(op)) {
+          Fingerprint fp = fingerprint(seq, op.desc);
+          fp.reserved = static_cast<std::uint32_t>(algo);  // as all_reduce's
+          const FramedOp f = frames_for(tag, fp, static_cast<std::size_t>(size()), 0, op_name(op.desc.kind));
+          const RsSlots slots{hashed_slot(kHeadedHalvingSlotPrefix, &fp), headed_ring_slots(fp)};
+          run_reduce_scatter(ctx, algo, slots, deadline, op.in, op.out, op.out_count, op.elem_size, fn, scratch_,
+                             HeaderFrames(f, rank()));
+        } else {
+          run_reduce_scatter(ctx, algo, RsSlots::of_tag(tag), deadline, op.in, op.out, op.out_count, op.elem_size, fn,
+                             scratch_);
+        }
         // Defensive: every algorithm's scratch is bounded (a few MiB), but never hold more.
         if (scratch_.capacity() > kScratchKeep) Scratch().swap(scratch_);
         if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
@@ -423,7 +447,9 @@ class Engine : public EngineCore<Engine> {
   }
 
   /// Whether `op`, above the frames' limit, checks its peers with header frames instead of a
-  /// fingerprint exchange first (broadcast, gather: HeaderFrames, bulk.hpp): every receiver checks
+  /// fingerprint exchange first (all_reduce, reduce_scatter, broadcast, gather, all_gather:
+  /// HeaderFrames, bulk.hpp, algorithms.hpp; the exchange cost a message latency, up to 1.2-1.4x
+  /// raw gloo at 1 MiB on 2 ranks, benchmarks/RESULTS.md 2026-11-28): every receiver checks
   /// the fingerprint of each rank it receives from before it waits for a byte of payload, and the
   /// payload travels on a slot hashed from the fingerprint, so a rank that disagrees sends it
   /// where nobody waits. A mismatch is a DesyncError on the receiver that saw it (the communicator
@@ -432,11 +458,22 @@ class Engine : public EngineCore<Engine> {
   /// on (its exchange runs anyway), nor above kCheckedMaxRanks ranks (no frames).
   [[nodiscard]] bool headed(const Op& op) const noexcept {
     if (size() == 1 || size() > kCheckedMaxRanks || desync_check() || framed(op)) return false;
+    // The 2-rank ring reduce_scatter (input above COMM_GLOO_RS_HALVING_MAX) keeps the exchange:
+    // at 16 MiB it measured faster with the ranks started in step (one binary, 6 rounds: 0.61x
+    // raw gloo with a barrier in front of the header frames, 0.70x without; RESULTS 2026-11-28).
+    if (op.desc.kind == OpKind::reduce_scatter && size() == 2 &&
+        rs_algorithm(size(), op.out_count, op.elem_size, algorithms_) == RsAlgorithm::ring)
+      return false;
     return headed_kind(static_cast<std::uint8_t>(op.desc.kind));
+  }
+  /// A headed ring reduce-scatter's slots, hashed from `fp` (which carries the algorithm).
+  [[nodiscard]] static RingSlots headed_ring_slots(const Fingerprint& fp) noexcept {
+    return {hashed_slot(kHeadedRingInSlotPrefix, &fp), hashed_slot(kHeadedRingPartialSlotPrefix, &fp)};
   }
   [[nodiscard]] static bool headed_kind(std::uint8_t kind) noexcept {
     const auto k = static_cast<OpKind>(kind);
-    return k == OpKind::broadcast || k == OpKind::gather || k == OpKind::all_gather;
+    return k == OpKind::broadcast || k == OpKind::gather || k == OpKind::all_gather || k == OpKind::reduce_scatter ||
+           k == OpKind::all_reduce;
   }
 
   /// The messages of one framed operation, on the device its tag picks (as perform's).

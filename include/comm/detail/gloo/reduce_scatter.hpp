@@ -39,6 +39,9 @@ using ReduceFunc = std::function<void(void*, const void*, const void*, std::size
 /// Slot prefix for comm's own algorithms (gloo's built-in collectives use 0x01..0x08).
 inline constexpr std::uint8_t kRingReduceScatterSlotPrefix = 0x21;
 inline constexpr std::uint8_t kRingPartialSlotPrefix = 0x25;
+// The same in headed operations (engine.hpp, headed()): hashed from the fingerprint (hashed_slot).
+inline constexpr std::uint8_t kHeadedRingInSlotPrefix = 0x31;
+inline constexpr std::uint8_t kHeadedRingPartialSlotPrefix = 0x32;
 inline constexpr std::size_t kSegmentBytes = std::size_t{512} << 10;
 /// Segments that go through all steps together (bounds the scratch: 2 x this many segments).
 inline constexpr std::size_t kBlockSegments = 4;
@@ -47,14 +50,70 @@ inline constexpr std::size_t kBlockSegments = 4;
 /// CPU-bound there, and more data in flight only moves the same copies around.
 inline constexpr std::size_t kRecvDepth = 2;
 
+/// The header messages of comm's algorithms (here and in bulk.hpp): without them (the
+/// fingerprints were exchanged first) nothing. With them (HeaderFrames, checked.hpp) each sender
+/// announces the operation's fingerprint to each of its receivers, and a receiver checks its
+/// sender's before it waits for a byte of payload, which travels on a slot hashed from the
+/// fingerprint.
+struct NoHeaders {
+  void expect(int) const noexcept {}
+  void announce(int) const noexcept {}
+  void check(int) const noexcept {}
+  void announced(int) const noexcept {}
+};
+
+/// The headers of an operation made of several exchanges (the ring all_reduce: a ring
+/// reduce-scatter, the remainder's exchange with every rank, a ring all-gather): each peer's
+/// header is expected and this rank's announced once, up front (`from`, `to`); a peer's is
+/// checked before the first wait for its payload; finish() waits for the announcements.
+template <class Headers>
+class OnceHeaders {
+ public:
+  OnceHeaders(const Headers& h, int n, const std::vector<int>& from, const std::vector<int>& to)
+      : h_(h), to_(to), checked_(static_cast<std::size_t>(n), false) {
+    for (int q : from) h_.expect(q);
+    for (int q : to_) h_.announce(q);
+  }
+  void expect(int) const noexcept {}
+  void announce(int) const noexcept {}
+  void check(int peer) const {
+    if (checked_[static_cast<std::size_t>(peer)]) return;
+    h_.check(peer);
+    checked_[static_cast<std::size_t>(peer)] = true;
+  }
+  void announced(int) const noexcept {}
+  void finish() const {
+    for (int q : to_) h_.announced(q);
+  }
+
+ private:
+  const Headers& h_;
+  std::vector<int> to_;
+  mutable std::vector<bool> checked_;
+};
+
+/// The two slots of a ring reduce-scatter: the first step's messages (from the input) and the
+/// partial results'.
+struct RingSlots {
+  std::uint64_t in, acc;
+  /// The slots of operation tag `tag`.
+  [[nodiscard]] static RingSlots of_tag(std::uint32_t tag) noexcept {
+    return {static_cast<std::uint64_t>(::gloo::Slot::build(kRingReduceScatterSlotPrefix, tag)),
+            static_cast<std::uint64_t>(::gloo::Slot::build(kRingPartialSlotPrefix, tag))};
+  }
+};
+
 /// `in` holds size*count elements of `elem_size` bytes; `out` (count elements) may be exactly
 /// `in + rank*count` (in-place). `scratch` is reused across calls (grown as needed).
-/// `on_final(offset, bytes)` runs once a segment of `out` holds its final value.
-template <class OnFinal>
-void ring_reduce_scatter_hooked(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
+/// `on_final(offset, bytes)` runs once a segment of `out` holds its final value. With `headers`,
+/// this rank announces itself to its right neighbour and checks its left one's before it waits
+/// for the first message: every partial result that reaches a rank came through ranks that agree
+/// with it.
+template <class OnFinal, class Headers = NoHeaders>
+void ring_reduce_scatter_hooked(const std::shared_ptr<::gloo::Context>& ctx, RingSlots slots,
                                 const Deadline& deadline, const void* in, void* out, std::size_t count,
                                 std::size_t elem_size, const ReduceFunc& reduce, std::vector<std::byte>& scratch,
-                                OnFinal&& on_final) {
+                                OnFinal&& on_final, const Headers& headers = {}) {
   const int n = ctx->size;
   const int r = ctx->rank;
   const std::size_t chunk_bytes = count * elem_size;
@@ -84,8 +143,7 @@ void ring_reduce_scatter_hooked(const std::shared_ptr<::gloo::Context>& ctx, std
   std::byte* tmp = scratch.data();
   std::byte* acc = scratch.data() + depth * slot_bytes;
 
-  const auto in_slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingReduceScatterSlotPrefix, tag));
-  const auto acc_slot = static_cast<std::uint64_t>(::gloo::Slot::build(kRingPartialSlotPrefix, tag));
+  const std::uint64_t in_slot = slots.in, acc_slot = slots.acc;
   auto in_buf = ctx->createUnboundBuffer(const_cast<std::byte*>(in_bytes), static_cast<std::size_t>(n) * chunk_bytes);
   std::vector<std::unique_ptr<::gloo::transport::UnboundBuffer>> tmp_buf(depth);
   for (std::size_t i = 0; i < depth; ++i) tmp_buf[i] = ctx->createUnboundBuffer(tmp + i * slot_bytes, slot_bytes);
@@ -110,9 +168,12 @@ void ring_reduce_scatter_hooked(const std::shared_ptr<::gloo::Context>& ctx, std
 
   std::vector<std::size_t> last_reader(2 * w, 0);  // per acc position: 1 + the acc send that read it
   std::size_t in_sends = 0, acc_sends_posted = 0, acc_sends_done = 0;
+  headers.expect(left);
   for (std::size_t u = 0; u < depth; ++u) post_recv(u);
+  headers.announce(right);
   for (std::size_t j = 0; j < k; ++j, ++in_sends)
     in_buf->send(right, in_slot, send_chunk(0) * chunk_bytes + j * seg_bytes, seg_len(j));
+  headers.check(left);
 
   for (std::size_t u = 0; u < units; ++u) {
     const Unit x = unit(u);
@@ -135,15 +196,17 @@ void ring_reduce_scatter_hooked(const std::shared_ptr<::gloo::Context>& ctx, std
       on_final(x.j * seg_bytes, len);
     }
   }
+  headers.announced(right);
   for (; in_sends > 0; --in_sends) wait_send(*in_buf, deadline);
   for (; acc_sends_done < acc_sends_posted; ++acc_sends_done) wait_send(*acc_buf, deadline);
 }
 
-inline void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, std::uint32_t tag,
-                                const Deadline& deadline, const void* in, void* out, std::size_t count,
-                                std::size_t elem_size, const ReduceFunc& reduce, std::vector<std::byte>& scratch) {
-  ring_reduce_scatter_hooked(ctx, tag, deadline, in, out, count, elem_size, reduce, scratch,
-                             [](std::size_t, std::size_t) {});
+template <class Headers = NoHeaders>
+void ring_reduce_scatter(const std::shared_ptr<::gloo::Context>& ctx, RingSlots slots, const Deadline& deadline,
+                         const void* in, void* out, std::size_t count, std::size_t elem_size,
+                         const ReduceFunc& reduce, std::vector<std::byte>& scratch, const Headers& headers = {}) {
+  ring_reduce_scatter_hooked(ctx, slots, deadline, in, out, count, elem_size, reduce, scratch,
+                             [](std::size_t, std::size_t) {}, headers);
 }
 
 }  // namespace comm::detail::gloo
