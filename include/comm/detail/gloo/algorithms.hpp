@@ -311,21 +311,24 @@ void run_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, ArAlgorithm alg
     const int n = ctx->size;
     const int r = ctx->rank;
     std::vector<int> from, to;
+    auto add = [](std::vector<int>& v, int q) {
+      if (std::find(v.begin(), v.end(), q) == v.end()) v.push_back(q);
+    };
     const bool ring = algo == ArAlgorithm::ring;
     if (ring && count >= static_cast<std::size_t>(n)) {
-      from.push_back((r + n - 1) % n);
-      to.push_back((r + 1) % n);
+      add(from, (r + n - 1) % n);
+      add(to, (r + 1) % n);
     }
-    if (ring && count % static_cast<std::size_t>(n) != 0) {  // the remainder goes to and from every rank
+    if (ring && count % static_cast<std::size_t>(n) != 0)  // the remainder goes to and from every rank
       for (int q = 0; q < n; ++q)
-        if (q != r && std::find(from.begin(), from.end(), q) == from.end()) from.push_back(q);
-      for (int q = 0; q < n; ++q)
-        if (q != r && std::find(to.begin(), to.end(), q) == to.end()) to.push_back(q);
-    }
+        if (q != r) {
+          add(from, q);
+          add(to, q);
+        }
     if (!ring)
       for (int q : doubling_peers(n, r)) {
-        if (std::find(from.begin(), from.end(), q) == from.end()) from.push_back(q);
-        if (std::find(to.begin(), to.end(), q) == to.end()) to.push_back(q);
+        add(from, q);
+        add(to, q);
       }
     const OnceHeaders<Headers> once(headers, n, from, to);
     if (!ring)
