@@ -4,8 +4,9 @@
 // names so that every wait of an operation goes through the communicator's WaitGate (waits.hpp):
 // a dead peer then ends every survivor's operation at once, a send libgloo began writing included.
 //
-// Messages are cut into segments of kSegmentBytes (reduce_scatter.hpp) where forwarding one can
-// start before the next arrives (the ring, the chain, the tree; a 2-rank broadcast goes whole);
+// Messages are cut into segments (forward_segment: quarters, at least kSegmentBytes) where
+// forwarding one can start before the next arrives (the ring, the chain, the tree; a 2-rank
+// broadcast goes whole);
 // every receive is posted up front, so no sender waits for a receive-ready notice, and gloo
 // completes one slot's messages from one peer in the order they were posted.
 
@@ -42,6 +43,17 @@ struct Segments {
   [[nodiscard]] std::size_t length(std::size_t j) const noexcept { return std::min(size, bytes - j * size); }
 };
 
+/// The segment size of a message that ranks forward as it arrives (the chain, the tree, the
+/// all-gather ring): a quarter of it, at least kSegmentBytes. Every segment costs a message, the
+/// receiver's ready notice and a wake-up of the forwarding thread; with three or four ranks on two
+/// cores, 512 KiB segments made a 16 MiB broadcast 1.11-1.16x raw gloo's whole messages, quarters
+/// 0.97-1.02x (benchmarks/RESULTS.md, 2026-11-28). Four segments keep most of what the pipeline
+/// gains where links are the limit: a forward starts after a quarter of the message.
+[[nodiscard]] constexpr std::size_t forward_segment(std::size_t bytes) noexcept {
+  constexpr std::size_t kPage = 4096;
+  return std::max(kSegmentBytes, (bytes / 4 + kPage - 1) / kPage * kPage);
+}
+
 /// A slot of `prefix` (gloo's Slot layout: the top byte) whose lower 56 bits hash the 32 bytes at
 /// `what` (a fingerprint, a point-to-point header): ranks that agree about them meet on it, a rank
 /// that does not sends where no receive of the others waits (but for a 2^-56 chance).
@@ -58,6 +70,11 @@ struct Segments {
   return (static_cast<std::uint64_t>(prefix) << 56) | (x & ((std::uint64_t{1} << 56) - 1));
 }
 
+/// RingAllGather's default `after_first`: nothing to post.
+struct NoHook {
+  void operator()() const noexcept {}
+};
+
 /// Ring all-gather in place: `out` holds n chunks of `chunk_bytes`, this rank's already in its
 /// slot. In step s, rank r forwards chunk (r-s) mod n to rank r+1 and receives chunk (r-s-1) mod n
 /// from rank r-1, segment by segment: (n-1)/n of the output in and out of each rank.
@@ -71,9 +88,11 @@ class RingAllGather {
                 std::size_t chunk_bytes, std::size_t seg_bytes)
       : RingAllGather(ctx, static_cast<std::uint64_t>(::gloo::Slot::build(kRingAllGatherSlotPrefix, tag)), deadline,
                       out, chunk_bytes, seg_bytes) {}
-  /// The same on slot `slot` (a hashed one: hashed_slot).
+  /// The same on slot `slot` (a hashed one: hashed_slot). `after_first` runs once the first
+  /// receive is posted (where a header's goes: post_headed_recvs).
+  template <class AfterFirst = NoHook>
   RingAllGather(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t slot, const Deadline& deadline, void* out,
-                std::size_t chunk_bytes, std::size_t seg_bytes)
+                std::size_t chunk_bytes, std::size_t seg_bytes, const AfterFirst& after_first = {})
       : n_(ctx->size), r_(ctx->rank), deadline_(deadline), chunk_bytes_(chunk_bytes), seg_{chunk_bytes, seg_bytes} {
     if (n_ == 1 || chunk_bytes == 0) return;
     right_ = (r_ + 1) % n_;
@@ -81,7 +100,10 @@ class RingAllGather {
     buf_ = ctx->createUnboundBuffer(out, static_cast<std::size_t>(n_) * chunk_bytes);
     const int left = (r_ + n_ - 1) % n_;
     for (int s = 1; s < n_; ++s)
-      for (std::size_t j = 0; j < seg_.count(); ++j) buf_->recv(left, slot_, chunk_at(s) + seg_.offset(j), seg_.length(j));
+      for (std::size_t j = 0; j < seg_.count(); ++j) {
+        buf_->recv(left, slot_, chunk_at(s) + seg_.offset(j), seg_.length(j));
+        if (s == 1 && j == 0) after_first();
+      }
   }
 
   /// Sends, in order, this rank's segments that start before byte `end` of its chunk.
@@ -120,6 +142,25 @@ class RingAllGather {
   std::size_t own_sent_ = 0, sends_ = 0;
 };
 
+/// Posts the receives of `seg` from `peer`, with the header's right behind the first segment's:
+/// the sender sends its header right behind its first segment too. On gloo's pairs a peer's
+/// messages arrive in the order they were sent, and a sender holds each until the receiver's
+/// notice for it has come (the notices travel in the order the receives were posted), so the
+/// header lands after the first segment whoever is ahead: the wait for the header is the only
+/// wake-up before the first segment can be used, where the header first cost two. A sender that
+/// disagrees sends its payload to a slot nobody posted (it stays with the sender), and its header
+/// still arrives at once: the check raises the DesyncError without waiting for the payload.
+/// (With comm's direct connections the header travels apart from the payload and is read by the
+/// waiting thread itself; the order does not matter there.)
+template <class Headers>
+void post_headed_recvs(::gloo::transport::UnboundBuffer& buf, std::uint64_t slot, const Segments& seg, int peer,
+                       const Headers& headers) {
+  for (std::size_t j = 0; j < seg.count(); ++j) {
+    buf.recv(peer, slot, seg.offset(j), seg.length(j));
+    if (j == 0) headers.expect(peer);
+  }
+}
+
 /// Pipelined chain broadcast: relative rank v receives each segment from v-1 and forwards it to
 /// v+1. At 3 ranks it spreads the root's two copies over two ranks (the root sends the message
 /// once, the middle rank receives and forwards it in different threads), where the tree's root
@@ -138,12 +179,8 @@ void chain_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t 
   const int prev = v == 0 ? -1 : (r + n - 1) % n;
   const int next = v + 1 < n ? (r + 1) % n : -1;
   auto buf = ctx->createUnboundBuffer(out, bytes);
-  const Segments seg{bytes, n == 2 ? bytes : kSegmentBytes};
-  if (prev >= 0) {
-    headers.expect(prev);
-    for (std::size_t j = 0; j < seg.count(); ++j) buf->recv(prev, slot, seg.offset(j), seg.length(j));
-  }
-  if (next >= 0) headers.announce(next);
+  const Segments seg{bytes, n == 2 ? bytes : forward_segment(bytes)};
+  if (prev >= 0) post_headed_recvs(*buf, slot, seg, prev, headers);
   if (prev >= 0) headers.check(prev);
   std::size_t sends = 0;
   for (std::size_t j = 0; j < seg.count(); ++j) {
@@ -151,6 +188,7 @@ void chain_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t 
     if (next >= 0) {
       buf->send(next, slot, seg.offset(j), seg.length(j));
       ++sends;
+      if (j == 0) headers.announce(next);
     }
   }
   if (next >= 0) headers.announced(next);
@@ -171,20 +209,17 @@ void tree_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t s
   int above = 1;
   while (above <= v) above <<= 1;
   const int parent = v == 0 ? -1 : (v - above / 2 + root) % n;
-  // The children in reverse (the leaf-most first): serving the largest subtree first, as gloo
-  // does, measured slower at 4 ranks on the 2-core machine (1.61/1.45 x raw at 1/4 MiB against
-  // 1.14/1.19, 4 rounds, benchmarks/RESULTS.md 2026-11-27); why is not established.
+  // The children nearest the root first (the largest subtree: a forwarder gets its data before
+  // the leaves), as gloo does. With 512 KiB segments the leaf-most first had measured faster at 4
+  // ranks on the 2-core machine (1.14/1.19x raw at 1/4 MiB against 1.61/1.45, 4 rounds,
+  // 2026-11-27); with quarters and the header behind the first segment it is the slower one
+  // (1.05/1.05x against 0.99/1.03, 16 rounds, benchmarks/RESULTS.md 2026-11-28).
   std::vector<int> children;
   for (int m = above; v + m < n; m <<= 1) children.push_back((v + m + root) % n);
-  std::reverse(children.begin(), children.end());
 
   auto buf = ctx->createUnboundBuffer(out, bytes);
-  const Segments seg{bytes, kSegmentBytes};
-  if (parent >= 0) {
-    headers.expect(parent);
-    for (std::size_t j = 0; j < seg.count(); ++j) buf->recv(parent, slot, seg.offset(j), seg.length(j));
-  }
-  for (int c : children) headers.announce(c);
+  const Segments seg{bytes, forward_segment(bytes)};
+  if (parent >= 0) post_headed_recvs(*buf, slot, seg, parent, headers);
   if (parent >= 0) headers.check(parent);
   std::size_t sends = 0;
   for (std::size_t j = 0; j < seg.count(); ++j) {
@@ -192,6 +227,7 @@ void tree_broadcast(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t s
     for (int c : children) {
       buf->send(c, slot, seg.offset(j), seg.length(j));
       ++sends;
+      if (j == 0) headers.announce(c);
     }
   }
   for (int c : children) headers.announced(c);
@@ -208,8 +244,8 @@ void direct_gather(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t sl
   if (r != root) {
     if (chunk_bytes == 0) return;
     auto buf = ctx->createUnboundBuffer(const_cast<void*>(in), chunk_bytes);
-    headers.announce(root);
     buf->send(root, slot, 0, chunk_bytes);
+    headers.announce(root);  // behind the payload: see post_headed_recvs
     headers.announced(root);
     wait_send(*buf, deadline);
     return;
@@ -222,8 +258,8 @@ void direct_gather(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t sl
   auto buf = ctx->createUnboundBuffer(out, static_cast<std::size_t>(n) * chunk_bytes);
   for (int q = 0; q < n; ++q) {
     if (q == root) continue;
-    headers.expect(q);
     buf->recv(q, slot, static_cast<std::size_t>(q) * chunk_bytes, chunk_bytes);
+    headers.expect(q);
   }
   // The root's own chunk is copied while the peers' arrive (its slot is no receive's).
   if (mine != in) std::memmove(mine, in, chunk_bytes);

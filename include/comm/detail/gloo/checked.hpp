@@ -13,7 +13,8 @@
 //   - Large all_reduce, reduce_scatter, broadcast, gather and all_gather send header frames
 //     (HeaderFrames: the fingerprint alone) to each rank they send payload to, on the same slot;
 //     the payload travels on a slot hashed from the fingerprint (bulk.hpp), so it lands only
-//     where the header checks out.
+//     where the header checks out. A broadcast's, gather's or all_gather's header goes right
+//     behind its first segment (post_headed_recvs): one wake-up for both.
 //   - The other operations exchange fingerprints first (one message latency; the engine core's
 //     desync exchange), through the same frames and slot, so a peer in any regime is caught.
 //

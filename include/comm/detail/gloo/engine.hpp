@@ -236,7 +236,7 @@ class Engine : public EngineCore<Engine> {
         // The receives are posted first (they fill the other chunks), so the left neighbour's
         // first segments travel while this rank copies its own input into place.
         if (!headed(op)) {
-          RingAllGather ring(ctx, tag, deadline, op.out, chunk, kSegmentBytes);
+          RingAllGather ring(ctx, tag, deadline, op.out, chunk, forward_segment(chunk));
           if (mine != op.in) std::memmove(mine, op.in, chunk);  // an input already there is gathered in place
           ring.run();
           return;
@@ -248,10 +248,11 @@ class Engine : public EngineCore<Engine> {
         const HeaderFrames headers(f, rank());
         const Fingerprint fp = fingerprint(seq, op.desc);
         const int left = (rank() + size() - 1) % size(), right = (rank() + 1) % size();
-        headers.expect(left);
-        RingAllGather ring(ctx, hashed_slot(kHeadedAllGatherSlotPrefix, &fp), deadline, op.out, chunk, kSegmentBytes);
-        headers.announce(right);
+        RingAllGather ring(ctx, hashed_slot(kHeadedAllGatherSlotPrefix, &fp), deadline, op.out, chunk,
+                           forward_segment(chunk), [&] { headers.expect(left); });
         if (mine != op.in) std::memmove(mine, op.in, chunk);
+        ring.send_own_through(1);  // the first segment, then the header behind it (post_headed_recvs)
+        headers.announce(right);
         headers.check(left);
         ring.run();
         headers.announced(right);
