@@ -162,9 +162,11 @@ void post_headed_recvs(::gloo::transport::UnboundBuffer& buf, std::uint64_t slot
 }
 
 /// Pipelined chain broadcast: relative rank v receives each segment from v-1 and forwards it to
-/// v+1. At 3 ranks it spreads the root's two copies over two ranks (the root sends the message
-/// once, the middle rank receives and forwards it in different threads), where the tree's root
-/// sends it twice; above, the chain's n-1 hops lose to the tree's log2(n). At 2 ranks nobody
+/// v+1. Every rank sends the message at most once, where the tree's root sends it log2(n) times;
+/// the pipeline fills in n-1 hops of a segment, which the quarters (forward_segment) make long
+/// above a few ranks, so the engine takes the chain at 3 and 4 ranks and the tree above. At 4
+/// ranks on the 2-core machine: 1.00 / 1.02 / 1.02x raw gloo at 1 / 4 / 16 MiB against the tree's
+/// 1.03 / 1.06 / 1.04x (16 rounds, benchmarks/RESULTS.md 2026-11-28). At 2 ranks nobody
 /// forwards, and the message goes whole, as gloo's own broadcast sends it: segments there only add
 /// messages (a receive-ready notice, a send and a wakeup each). Measured on the loaded 2-core
 /// machine: 0-9 % less CPU time at 4 MiB, wall time within the noise (benchmarks/RESULTS.md,

@@ -267,7 +267,7 @@ class Engine : public EngineCore<Engine> {
         }
         const std::size_t bytes = op.out_count * op.elem_size;
         auto run = [&](std::uint64_t slot, const auto& headers) {
-          if (size() <= 3)
+          if (size() <= 4)
             chain_broadcast(ctx, slot, deadline, op.out, bytes, op.desc.root, headers);
           else
             tree_broadcast(ctx, slot, deadline, op.out, bytes, op.desc.root, headers);
