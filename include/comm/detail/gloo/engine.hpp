@@ -244,9 +244,9 @@ class Engine : public EngineCore<Engine> {
         // Header frames (see headed()): each rank checks its left neighbour's, which checked its own
         // left's..., so a rank that disagrees is seen by its right neighbour, and every chunk that
         // reaches a rank came through ranks that agree with it.
-        const FramedOp f = framed_op(tag, seq, op, static_cast<std::size_t>(size()), 0);
-        const HeaderFrames headers(f, rank());
         const Fingerprint fp = fingerprint(seq, op.desc);
+        const FramedOp f = frames_for(tag, fp, static_cast<std::size_t>(size()), 0, op_name(op.desc.kind));
+        const HeaderFrames headers(f, rank());
         const int left = (rank() + size() - 1) % size(), right = (rank() + 1) % size();
         RingAllGather ring(ctx, hashed_slot(kHeadedAllGatherSlotPrefix, &fp), deadline, op.out, chunk,
                            forward_segment(chunk), [&] { headers.expect(left); });
@@ -273,8 +273,8 @@ class Engine : public EngineCore<Engine> {
             tree_broadcast(ctx, slot, deadline, op.out, bytes, op.desc.root, headers);
         };
         if (headed(op)) {
-          const FramedOp f = framed_op(tag, seq, op, static_cast<std::size_t>(size()), 0);
           const Fingerprint fp = fingerprint(seq, op.desc);
+          const FramedOp f = frames_for(tag, fp, static_cast<std::size_t>(size()), 0, op_name(op.desc.kind));
           run(hashed_slot(kHeadedBroadcastSlotPrefix, &fp), HeaderFrames(f, rank()));
         } else {
           run(static_cast<std::uint64_t>(::gloo::Slot::build(kTreeBroadcastSlotPrefix, tag)), NoHeaders{});
@@ -291,8 +291,8 @@ class Engine : public EngineCore<Engine> {
         }
         const std::size_t chunk = op.in_count * op.elem_size;
         if (headed(op)) {
-          const FramedOp f = framed_op(tag, seq, op, static_cast<std::size_t>(size()), 0);
           const Fingerprint fp = fingerprint(seq, op.desc);
+          const FramedOp f = frames_for(tag, fp, static_cast<std::size_t>(size()), 0, op_name(op.desc.kind));
           direct_gather(ctx, hashed_slot(kHeadedGatherSlotPrefix, &fp), deadline, op.in, op.out, chunk, op.desc.root,
                         HeaderFrames(f, rank()));
         } else {
