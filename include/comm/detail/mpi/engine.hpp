@@ -232,6 +232,7 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
     switch (op.desc.kind) {
       case OpKind::all_reduce: {
         if (op.out_count == 0) return;
+        if (library_all_reduce(op)) check_count(op.out_count * es, name, seq, deadline);
         const Reduction red = reduction(op);
         const bool in_place = op.in == op.out;
         in_pieces(op.out_count, "MPI_Iallreduce", name, seq, deadline, [&](std::size_t done, int n, MPI_Request* req) {

@@ -10,7 +10,9 @@
 // blocking calls' own, and every request is polled to the deadline, so a Timeout can name the peer
 // whose message is missing. all_reduce reduces in rank order (up to Tuning::exchange_max, where
 // every rank reduces every input) or block by block on one rank each, so every rank gets the same
-// bits.
+// bits. Where the library's own non-blocking all_reduce measured faster (MPICH from 512 KiB:
+// Tuning::library_all_reduce), the engine runs MPI_Iallreduce instead, after check_count: the
+// ranks' sizes are compared first, so a mismatch is still an error naming the peer.
 //
 // OwnSchedules is a base of the engine (CRTP): the schedules use the engine's data communicator,
 // its failure watch (look_out) and its leak-on-failure storage (Pending), so a request left pending
@@ -48,17 +50,42 @@ struct Tuning {
   std::size_t eager = ~std::size_t{0};  // messages above it (up to pieces_max) go as eager pieces
   std::size_t pieces_max = 0;
   std::size_t exchange_max = std::size_t{4} << 10;  // all_reduce: one exchange up to here
+  /// The reduce-scatter step sends a block up to this size as one message (reduce_step).
+  std::size_t whole_max = 0;
+  /// all_reduce from this size is the library's MPI_Iallreduce after a count check (library_all_reduce).
+  std::size_t library_all_reduce = ~std::size_t{0};
+  /// all_gather: an own block from this size is copied into place before the exchange.
+  std::size_t copy_first = ~std::size_t{0};
 };
 
 /// OpenMPI's shared memory (vader) sends 4 KiB eagerly, its header included; MPICH 4's 8 KiB.
 /// Other libraries: no pieces, and the exchange only up to 4 KiB.
+///
+/// MPICH 4 (Debian's build: ch4 over UCX), each measured at 2 ranks against the blocking call
+/// (benchmarks/RESULTS.md, "Mpi under MPICH: its own all_reduce from 512 KiB"):
+///   - all_reduce from 512 KiB: comm's chunked reduce-scatter and all-gather took 1.04-1.09x
+///     MPI_Allreduce at 1-16 MiB, MPICH's own MPI_Iallreduce 1.00-1.02x;
+///   - MPI_Allreduce of 16 KiB is two 8 KiB eager messages and a reduction of 8 KiB, where one
+///     exchange of the whole 16 KiB took 1.11x that: the exchange stops at 8 KiB (1.03-1.05x);
+///   - a 1 MiB reduce_scatter took 1.04x with its 512 KiB blocks whole against 1.08x in two
+///     chunks, while a 4 MiB one took 1.02x in 256 KiB chunks against 1.08x in 512 KiB ones;
+///   - a 16 MiB all_gather with its own 8 MiB block copied before the exchange 1.01x, after it
+///     1.07x (and from 0.90 to 1.09x between rounds).
 [[nodiscard]] inline Tuning tuning_for_library() noexcept {
   char text[MPI_MAX_LIBRARY_VERSION_STRING] = {};
   int len = 0;
   if (MPI_Get_library_version(text, &len) != MPI_SUCCESS) return {};
   const std::string_view v(text, static_cast<std::size_t>(std::max(len, 0)));
-  if (v.find("Open MPI") != std::string_view::npos) return {4000, 12000, std::size_t{32} << 10};
-  if (v.substr(0, 5) == "MPICH") return {std::size_t{8} << 10, std::size_t{32} << 10, std::size_t{32} << 10};
+  constexpr std::size_t KiB = 1024;
+  if (v.find("Open MPI") != std::string_view::npos)
+    return {.eager = 4000, .pieces_max = 12000, .exchange_max = 32 * KiB};
+  if (v.substr(0, 5) == "MPICH")
+    return {.eager = 8 * KiB,
+            .pieces_max = 32 * KiB,
+            .exchange_max = 8 * KiB,
+            .whole_max = 512 * KiB,
+            .library_all_reduce = 512 * KiB,
+            .copy_first = 4096 * KiB};
   return {};
 }
 
@@ -92,8 +119,9 @@ class OwnSchedules {
   /// non-blocking collectives, whose trees scale with the rank count.
   static constexpr int kOwnMaxRanks = 8;
 
-  /// The large all_reduce's first step goes in chunks of this many bytes per peer, each reduced
-  /// as soon as it arrived (while it is still in cache) and in the same order on every chunk.
+  /// The reduce-scatter step goes in chunks of about kChunk bytes per peer, each reduced as soon as
+  /// it arrived (while it is still in cache) and in the same order on every chunk; at most kDepth
+  /// of them in flight per peer.
   static constexpr std::size_t kChunk = std::size_t{256} << 10;
   static constexpr std::size_t kDepth = 4;
   /// all_gather: blocks of at least this many bytes are copied into place after the exchange.
@@ -104,18 +132,60 @@ class OwnSchedules {
   static constexpr int kGatherTag = 2;
 
   /// Whether `op` runs as comm's own schedule: one of the four operations, 2..kOwnMaxRanks ranks,
-  /// and every message within MPI's int count of bytes.
+  /// every message within MPI's int count of bytes, and not a library_all_reduce.
   [[nodiscard]] bool own_schedule(const Op& op) const noexcept {
     if (self().size() < 2 || self().size() > kOwnMaxRanks) return false;
     std::size_t bytes = 0;  // the largest message of the operation
     switch (op.desc.kind) {
       case OpKind::all_reduce:
+        if (library_all_reduce(op)) return false;
+        [[fallthrough]];
       case OpKind::broadcast: bytes = op.out_count * op.elem_size; break;
       case OpKind::reduce_scatter: bytes = op.out_count * op.elem_size; break;
       case OpKind::all_gather: bytes = op.in_count * op.elem_size; break;
       default: return false;
     }
     return bytes <= Engine::kMaxCount;
+  }
+
+  /// Whether `op` is an all_reduce that the engine leaves to the library's MPI_Iallreduce on a
+  /// communicator where comm's own schedules run (Tuning::library_all_reduce): the engine calls
+  /// check_count first, so that ranks with different counts still get a BackendError naming the
+  /// peer before any data moves.
+  [[nodiscard]] bool library_all_reduce(const Op& op) const noexcept {
+    return op.desc.kind == OpKind::all_reduce && self().size() >= 2 && self().size() <= kOwnMaxRanks &&
+           op.out_count * op.elem_size >= tuning_.library_all_reduce;
+  }
+
+  /// Every rank sends its operation's size in bytes to every other and compares what comes back:
+  /// a peer with another size is a BackendError naming it. A peer in one of the own schedules
+  /// instead (its messages on the same tag, of other lengths) fails the length check on either side.
+  void check_count(std::size_t bytes, const char* name, std::uint64_t seq, Deadline& deadline) {
+    const int me = self().rank(), n = self().size();
+    Step& s = self().pending_->step;
+    s.clear();
+    // The peers' sizes in slots 0 .. n-2, this rank's in the last (sent from there: the slots
+    // outlive a send left pending by a failure).
+    const Slots slots = recv_slots(static_cast<std::size_t>(n), sizeof(std::uint64_t));
+    const auto mine = static_cast<std::uint64_t>(bytes);
+    std::byte* own = slots.at(static_cast<std::size_t>(n - 1));
+    std::memcpy(own, &mine, sizeof mine);
+    for (int p = 0; p < n; ++p)
+      if (p != me) post_send(s, own, sizeof mine, p, kStepTag, name);
+    for (int p = 0; p < n; ++p)
+      if (p != me) post_recv(s, slots.at(slot_of(p)), sizeof mine, p, kStepTag, name);
+    finish_step(s, name, seq, deadline);
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      std::uint64_t theirs = 0;
+      std::memcpy(&theirs, slots.at(slot_of(p)), sizeof theirs);
+      if (theirs != mine)
+        throw BackendError(name, me,
+                           "rank " + std::to_string(p) + " called it with " + std::to_string(theirs) +
+                               " bytes where this rank has " + std::to_string(mine) +
+                               ": the ranks called this operation with different counts",
+                           std::to_string(p));
+    }
   }
 
   /// Block `j` of `count` elements split over size() ranks: [lo(j), lo(j + 1)).
@@ -401,7 +471,13 @@ class OwnSchedules {
         // moves a large message through its shared-memory cells while both ranks make progress,
         // and the copy beside it held a 2-rank 1 MiB all_gather at 75-77 us against 56-58 after it
         // (OpenMPI: the same either way; benchmarks/RESULTS.md, "Mpi all_gather: the own block
-        // after the exchange").
+        // after the exchange"). From Tuning::copy_first it is copied before anything is posted
+        // (and sent from there), as MPICH's own MPI_Allgather does: after the exchange a 16 MiB
+        // all_gather spread over 0.97-1.29x the blocking call under MPICH, before it 0.98-1.02x.
+        if (bytes >= tuning_.copy_first && in != mine) {
+          std::memcpy(mine, in, bytes);
+          in = mine;
+        }
         const bool copy_after = bytes >= kCopyAfter;
         for (int p = 0; p < n; ++p)
           if (p != me) post_send(s, in, bytes, p, kStepTag, name);
@@ -432,16 +508,20 @@ class OwnSchedules {
   /// A direct reduce-scatter step: `in`'s block of each peer p (`block_of(p)`: first element and
   /// length) goes to p, and the peers' contributions to this rank's block (`len` elements) are
   /// reduced into `acc`, which holds this rank's own. Each peer's block goes in chunks of about
-  /// kChunk bytes, received into kDepth slots per peer that are reused as the chunks are reduced
-  /// (bounded scratch, kept between operations; each chunk reduced while still in cache), the
-  /// peers in rank order within every chunk: every element is reduced in the same order.
+  /// kChunk bytes (a block up to Tuning::whole_max as one), received into kDepth slots per peer
+  /// that are reused as the chunks are reduced (bounded scratch, kept between operations; each
+  /// chunk reduced while still in cache), the peers in rank order within every chunk: every
+  /// element is reduced in the same order.
   template <class BlockOf>
   void reduce_step(const std::byte* in, BlockOf&& block_of, std::byte* acc, std::size_t len, std::size_t es,
                    const Reduction& red, const char* name, std::uint64_t seq, Deadline& deadline) {
     const int me = self().rank(), n = self().size();
     const auto un = static_cast<std::size_t>(n);
     Step& s = self().pending_->step;
-    auto chunks = [&](std::size_t elems) { return std::max<std::size_t>(1, (elems * es + kChunk - 1) / kChunk); };
+    auto chunks = [&](std::size_t elems) {
+      const std::size_t bytes = elems * es;
+      return bytes <= tuning_.whole_max ? 1 : std::max<std::size_t>(1, (bytes + kChunk - 1) / kChunk);
+    };
     const std::size_t nc = chunks(len);
     const std::size_t depth = std::min(nc, kDepth);
     const std::size_t chunk_bytes = (len / nc + 1) * es;
