@@ -473,7 +473,7 @@ class OwnSchedules {
         // (OpenMPI: the same either way; benchmarks/RESULTS.md, "Mpi all_gather: the own block
         // after the exchange"). From Tuning::copy_first it is copied before anything is posted
         // (and sent from there), as MPICH's own MPI_Allgather does: after the exchange a 16 MiB
-        // all_gather spread over 0.97-1.29x the blocking call under MPICH, before it 0.98-1.02x.
+        // all_gather spread over 0.90-1.29x the blocking call under MPICH, before it 0.98-1.06x.
         if (bytes >= tuning_.copy_first && in != mine) {
           std::memcpy(mine, in, bytes);
           in = mine;
