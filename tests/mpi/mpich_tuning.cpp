@@ -95,7 +95,7 @@ void sums(Comm& c, std::size_t count) {
   CHECK(same_everywhere(fnv(out.data(), count * sizeof(float)), n));
 }
 
-/// Exact results: integer sums and avg of int32, bfloat16 max (comm's kernel).
+/// Exact results: int32 avg (the floor of the sum / size()), bfloat16 max (comm's kernel).
 void exact(Comm& c, std::size_t bytes) {
   const int n = c.size(), me = c.rank();
   std::vector<std::int32_t> v(bytes / sizeof(std::int32_t));
