@@ -1,15 +1,16 @@
 // Run under MPICH (mpi_mpich_tuning.npN): the Mpi backend's choices that differ under MPICH
 // (detail/mpi/schedules.hpp, tuning_for_library). From 512 KiB comm's all_reduce on 2-8 ranks is
 // MPICH's own MPI_Iallreduce after a count check (Tuning::library_all_reduce); below it comm's
-// own schedule, whose one exchange stops at 8 KiB. On both sides of each limit: float sums close
-// to the sum in double, avg, a type MPI has no reduction for (bfloat16, comm's kernel in a
-// user-defined MPI_Op), in place, out of place and async; every rank's result the same bits. An
-// all_gather whose own block is copied before the exchange (from 4 MiB) and one below; a
-// reduce_scatter whose blocks go whole (up to 512 KiB) and one in chunks. Then ranks
-// that disagree on the size: both above the threshold (the count check: a BackendError naming the
-// peer), and one on each side (the length checks of either path), and the communicator refusing
-// further work after it. The collective suites run under OpenMPI only, so this is where MPICH's
-// paths are checked. Prints "mpich_tuning: N rank(s), 0 failed check(s): OK" on rank 0.
+// own schedule, whose one exchange stops at 8 KiB and whose messages go whole (no eager pieces,
+// unlike OpenMPI's). On both sides of each limit: float sums close to the sum in double, avg, a
+// type MPI has no reduction for (bfloat16, comm's kernel in a user-defined MPI_Op), in place, out
+// of place and async; every rank's result the same bits. An all_gather whose own block is copied
+// before the exchange (from 4 MiB) and one below; a reduce_scatter whose blocks go whole (up to
+// 512 KiB) and one in chunks. Then ranks that disagree on the size: both above the threshold (the
+// count check: a BackendError naming the peer), and one on each side (the length checks of either
+// path), and the communicator refusing further work after it. The collective suites run under
+// OpenMPI only, so this is where MPICH's paths are checked. Prints "mpich_tuning: N rank(s), 0
+// failed check(s): OK" on rank 0.
 #include <mpi.h>
 
 #include <algorithm>

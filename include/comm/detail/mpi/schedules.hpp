@@ -58,8 +58,8 @@ struct Tuning {
   std::size_t copy_first = ~std::size_t{0};
 };
 
-/// OpenMPI's shared memory (vader) sends 4 KiB eagerly, its header included; MPICH 4's 8 KiB.
-/// Other libraries: no pieces, and the exchange only up to 4 KiB.
+/// OpenMPI's shared memory (vader) sends 4 KiB eagerly, its header included: messages up to
+/// 12 KB go as eager pieces. Other libraries: no pieces, and the exchange only up to 4 KiB.
 ///
 /// MPICH 4 (Debian's build: ch4 over UCX), each measured at 2 ranks against the blocking call
 /// (benchmarks/RESULTS.md, "Mpi under MPICH: its own all_reduce from 512 KiB"):
@@ -70,7 +70,11 @@ struct Tuning {
 ///   - a 1 MiB reduce_scatter took 1.04x with its 512 KiB blocks whole against 1.08x in two
 ///     chunks, while a 4 MiB one took 1.02x in 256 KiB chunks against 1.08x in 512 KiB ones;
 ///   - a 16 MiB all_gather with its own 8 MiB block copied before the exchange 1.01x, after it
-///     1.07x (and from 0.90 to 1.09x between rounds).
+///     1.07x (and from 0.90 to 1.09x between rounds);
+///   - no eager pieces (MPICH 4 sends 8 KiB eagerly): this machine has a fast and a slow state
+///     (the 64 KiB all_gather 8 against 28 us), and messages of 8-32 KiB in 8 KiB pieces took
+///     0.55-0.86x the blocking calls in the fast one but 1.2-2.7x in the slow one (a 32 KiB
+///     broadcast 2.69x), where whole messages took at most 1.03x (by the median) in both.
 [[nodiscard]] inline Tuning tuning_for_library() noexcept {
   char text[MPI_MAX_LIBRARY_VERSION_STRING] = {};
   int len = 0;
@@ -80,9 +84,7 @@ struct Tuning {
   if (v.find("Open MPI") != std::string_view::npos)
     return {.eager = 4000, .pieces_max = 12000, .exchange_max = 32 * KiB};
   if (v.substr(0, 5) == "MPICH")
-    return {.eager = 8 * KiB,
-            .pieces_max = 32 * KiB,
-            .exchange_max = 8 * KiB,
+    return {.exchange_max = 8 * KiB,
             .whole_max = 512 * KiB,
             .library_all_reduce = 512 * KiB,
             .copy_first = 4096 * KiB};
