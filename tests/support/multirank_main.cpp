@@ -143,6 +143,10 @@ int main(int argc, char** argv) {
         std::printf("comm-test: FAILED on rank(s) %s of %d\n", list.c_str(), g_world.size);
         exit_code = 1;
       }
+      // Out before the failing ranks are let go: comm-run stops this rank (SIGTERM) as soon as
+      // one of them exits non-zero, and stdout into its pipe is block-buffered (a full ctest run
+      // on 2026-11-28 lost this report once).
+      std::fflush(stdout);
       store.set("harness/reported", std::string_view("1"));
     } else if (rc != 0) {
       // comm-run stops the job as soon as this rank exits non-zero: stay until rank 0 has named
