@@ -300,7 +300,7 @@ TEST_CASE("premul_sum on fp8: reduced where NCCL >= 2.24 and compute capability 
       c.all_reduce(d.span(), comm::op::premul_sum(0.5));
       CHECK(static_cast<float>(d.download()[0]) == float(un));
     } catch (const comm::InvalidArgument& e) {
-      // NCCL 2.28's one-rank path has no fp8 kernel (seen on an H200): comm says so.
+      // NCCL's one-rank path has no fp8 kernel for it: comm refuses it before NCCL sees it.
       INFO(e.what());
       CHECK(c.size() == 1);
       CHECK(std::string(e.what()).find("fp8 on a communicator of one rank") != std::string::npos);

@@ -377,26 +377,25 @@ class Engine final : public NcclCore {
 
   /// `call(offset, count)` over [0, n) elements: one call, or two on a communicator of one rank
   /// where NCCL's one-rank kernel would leave elements of a pre-multiplied sum (avg, premul_sum)
-  /// unwritten (one_rank_kernel_covers in reduction.hpp). NCCL 2.28's one-rank path has no fp8
-  /// kernel at all and answers ncclInvalidArgument: the error then says so.
+  /// unwritten (one_rank_kernel_covers in reduction.hpp). NCCL's one-rank path has no fp8 kernel
+  /// for a pre-multiplied sum: NCCL 2.28.3 and 2.28.9 answered ncclInvalidArgument on an H200, and
+  /// the next call on that communicator failed the same way, even a plain fp8 sum that works on a
+  /// fresh one (gpu-check, 2026-11-28). So it is refused here, before NCCL sees it.
   template <class T, class Call>
   ncclResult_t in_pieces(const char* op, const RedArg& a, std::size_t n, Call&& call) {
     const bool scaled = a.premul || a.code == static_cast<std::uint8_t>(ReduceOp::avg);
     if (size() != 1 || !scaled) return call(0, n);
-    try {
-      const std::size_t head = one_rank_head(n, sizeof(T));
-      if (head == n) return call(0, n);
-      if (call(0, head) == ncclInProgress) wait_enqueued(op);
-      return call(head, n - head);
-    } catch (const InvalidArgument& e) {
-      if (!is_fp8(dtype_of<T>)) throw;
+    if (is_fp8(dtype_of<T>))
       throw InvalidArgument(op, rank(),
-                            "NCCL " + version_string(runtime_version()) +
-                                " refused a pre-multiplied sum (avg, premul_sum) of fp8 on a communicator of one "
-                                "rank (its one-rank path has no fp8 kernel): use two or more ranks, or a wider "
-                                "type; NCCL said: " +
-                                e.what());
-    }
+                            "a pre-multiplied sum (avg, premul_sum) of fp8 on a communicator of one rank: "
+                            "NCCL's one-rank path has no fp8 kernel for it (NCCL " +
+                                version_string(runtime_version()) +
+                                " here; NCCL 2.28 refuses it and leaves the communicator failing), so comm does "
+                                "not call it: use two or more ranks, or a wider type");
+    const std::size_t head = one_rank_head(n, sizeof(T));
+    if (head == n) return call(0, n);
+    if (call(0, head) == ncclInProgress) wait_enqueued(op);
+    return call(head, n - head);
   }
 
   /// ncclGroupStart, `body` (ncclSend / ncclRecv calls), ncclGroupEnd; the group is closed when
