@@ -201,6 +201,19 @@ TEST_CASE("flight recorder: a ring of the last N; size 0 records nothing") {
   REQUIRE(fr.ops.size() == 4);
   for (std::size_t i = 0; i < 4; ++i) CHECK(fr.ops[i].seq == 6 + i);
 
+  // A capacity that is not a power of two (its slots are found by division, not a mask).
+  o.flight_recorder_size = 3;
+  auto three = make_comm(o);
+  for (int i = 0; i < 10; ++i) three.all_reduce(v);
+  fr = three.flight_record();
+  CHECK(fr.capacity == 3);
+  CHECK(fr.total_ops == 10);
+  REQUIRE(fr.ops.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    CHECK(fr.ops[i].seq == 7 + i);
+    CHECK(fr.ops[i].state == comm::OpState::completed);
+  }
+
   o.flight_recorder_size = 0;
   auto off = make_comm(o);
   off.all_reduce(v);

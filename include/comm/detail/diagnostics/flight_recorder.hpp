@@ -8,10 +8,11 @@
 //
 // Its timestamps are the largest part of an operation's fixed cost if taken with steady_clock:
 // each read is ~55 ns through the vDSO on a VM (benchmarks/RESULTS.md, "The engine core's per-call
-// cost"), against ~20 ns for the TSC. So where Linux itself keeps time with the TSC (clocksource
-// "tsc": invariant and synchronized across cores, or the kernel would not use it) the slots hold
-// raw TSC ticks, turned into steady_clock times only when a snapshot is taken (RecorderClock).
+// cost"; 34 ns under kvm-clock, 2026-12-02), against ~14-20 ns for the TSC. So where the kernel's
+// clock is the TSC itself or kvm-clock over an invariant TSC (RecorderClock::tsc() says why) the
+// slots hold raw TSC ticks, turned into steady_clock times only when a snapshot is taken.
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -25,6 +26,10 @@
 #include <string_view>
 #include <thread>
 #include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
 
 #include <comm/detail/base/env.hpp>
 #include <comm/detail/base/yield_lock.hpp>
@@ -87,8 +92,8 @@ inline void write_text_file(const std::string& path, const std::string& text, in
   if (!f) throw BackendError("dump_flight_record", rank, "cannot write the flight record to '" + path + "'");
 }
 
-/// The flight recorder's clock: raw TSC ticks where the kernel's clocksource is the TSC, else
-/// steady_clock nanoseconds. A tick becomes a steady_clock time by the line through two
+/// The flight recorder's clock: raw TSC ticks where the kernel's clock is read from the TSC (see
+/// tsc()), else steady_clock nanoseconds. A tick becomes a steady_clock time by the line through two
 /// (steady_clock, TSC) pairs: one taken when the process first recorded an operation, one when the
 /// snapshot is taken; a time between them is placed to within about the two reads' duration
 /// (~0.1 us), whatever their distance, and the order of times is kept.
@@ -150,7 +155,23 @@ class RecorderClock {
     static const Anchor a = Anchor::take();
     return a;
   }
-  /// Whether the kernel keeps time with the TSC (read once per process).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  /// CPUID's invariant-TSC bit: the TSC counts at one rate in every power state.
+  static bool invariant_tsc() noexcept {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_max(0x80000000u, nullptr) < 0x80000007u) return false;
+    __cpuid(0x80000007u, a, b, c, d);
+    return ((d >> 8) & 1u) != 0;
+  }
+#endif
+  /// Whether the kernel's clock is read from the TSC (decided once per process): clocksource
+  /// "tsc" (invariant and synchronized across cores, or the kernel would not use it), or
+  /// "kvm-clock" on a CPU whose TSC is invariant (CPUID 0x80000007, EDX bit 8). kvm-clock's own
+  /// read in the vDSO is the TSC scaled by the hypervisor's parameters, so its stamps follow the
+  /// TSC by a line, which is how Reader converts them; a VM booted with tsc=unstable (Firecracker's
+  /// guests are) keeps kvm-clock as its clocksource while its TSC still counts at one rate. The
+  /// vCPUs' TSCs differed by 50-120 ns in a two-thread ping-pong on such a guest (2026-12-02),
+  /// inside the ~0.1 us the conversion promises; transition() keeps each record's times in order.
   static bool tsc() noexcept {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
     static const bool on = [] {
@@ -159,7 +180,9 @@ class RecorderClock {
       char buf[16] = {};
       const std::size_t n = std::fread(buf, 1, sizeof buf - 1, f);
       std::fclose(f);
-      return trim(std::string_view(buf, n)) == "tsc";
+      const std::string_view source = trim(std::string_view(buf, n));
+      if (source == "tsc") return true;
+      return source == "kvm-clock" && invariant_tsc();
     }();
     return on;
 #else
@@ -272,10 +295,13 @@ class FlightRecorder {
     Slot& s = slots_[seq % slots_.size()];
     if (!s.used || s.seq != seq) return;  // overwritten by a newer operation
     s.state = to;
+    // Never before the record's previous transition: with TSC stamps the transitions of one
+    // operation may be read on two cores (queued by the caller, run by the worker).
+    const Stamp at = std::max(now, std::max(s.queued, s.started));
     if (to == OpState::started)
-      s.started = now;
+      s.started = at;
     else
-      s.ended = now;
+      s.ended = at;
     if (what != nullptr) {
       try {
         s.error = what;
