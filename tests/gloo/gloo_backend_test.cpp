@@ -19,6 +19,17 @@ namespace {
 /// Sets an environment variable for the current scope.
 using comm::test::ScopedEnv;
 
+// Under TSan, where gloo's event loop runs many times slower, the rank that should see a peer's
+// mismatched header can end first with "connection closed" (RemoteError) from the peer that saw
+// the mismatch and failed (2026-12-02 VM, at 50fc972 and 8ca13ab alike; a known issue in
+// docs/TESTING.md). The sanitizer run is there for races and memory errors: it reports that case
+// instead of failing on it; the regular suite keeps the strict check.
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kSlowLoop = true;
+#else
+constexpr bool kSlowLoop = false;
+#endif
+
 }  // namespace
 
 TEST_CASE("async: many operations of every kind in flight, completed in issue order") {
@@ -318,7 +329,10 @@ TEST_CASE("large all_reduce, reduce_scatter, broadcast, gather, all_gather: a mi
       // peer in recursive halving) before anything of rank 0's is added in.
       CHECK(failed);
       if (c.rank() == 1) {
-        CHECK(desync);
+        if (kSlowLoop && !desync)
+          MESSAGE("TSan: rank 1 ended with another error than DesyncError (see kSlowLoop)");
+        else
+          CHECK(desync);
         if (op == "all_reduce")
           CHECK(std::count(in.begin(), in.end(), 3.0f) == static_cast<std::ptrdiff_t>(in.size()));
         else
@@ -378,7 +392,9 @@ TEST_CASE("large all_reduce, reduce_scatter: ranks whose settings pick different
       CHECK_FALSE(failed);
     } else {
       CHECK(failed);
-      if (n == 2) {
+      if (n == 2 && kSlowLoop && !desync) {
+        MESSAGE("TSan: this rank ended with another error than DesyncError (see kSlowLoop)");
+      } else if (n == 2) {
         CHECK(desync);
         CHECK(what.find("chose different algorithms") != std::string::npos);
       }
