@@ -201,7 +201,7 @@ TEST_CASE("flight recorder: a ring of the last N; size 0 records nothing") {
   REQUIRE(fr.ops.size() == 4);
   for (std::size_t i = 0; i < 4; ++i) CHECK(fr.ops[i].seq == 6 + i);
 
-  // A capacity that is not a power of two (its slots are found by division, not a mask).
+  // A capacity that is not a power of two wraps the same way.
   o.flight_recorder_size = 3;
   auto three = make_comm(o);
   for (int i = 0; i < 10; ++i) three.all_reduce(v);

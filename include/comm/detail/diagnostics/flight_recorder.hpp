@@ -170,7 +170,7 @@ class RecorderClock {
   /// read in the vDSO is the TSC scaled by the hypervisor's parameters, so its stamps follow the
   /// TSC by a line, which is how Reader converts them; a VM booted with tsc=unstable (Firecracker's
   /// guests are) keeps kvm-clock as its clocksource while its TSC still counts at one rate. The
-  /// vCPUs' TSCs differed by 50-120 ns in a two-thread ping-pong on such a guest (2026-12-02),
+  /// vCPUs' TSCs differed by 60-120 ns in a two-thread ping-pong on such a guest (2026-12-02),
   /// inside the ~0.1 us the conversion promises; transition() keeps each record's times in order.
   static bool tsc() noexcept {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
