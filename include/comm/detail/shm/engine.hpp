@@ -6,18 +6,19 @@
 //
 // The protocol (steps.hpp; waiting primitives in wait.hpp) and the algorithms written on it (here):
 // a communicator-wide step counter, the same on every rank. In step s a rank writes its
-// contribution into its lane slot s%kRing (steps of at most kLaneBytes: every small operation) or
-// its half s%2 (larger steps) and then publishes s in the slot's header line (release store); a
-// reader waits until the writer's header says s (acquire load) and reads. With the header line
-// also go the fingerprint of the step's operation (so a peer in another operation, or with
-// another count, is a DesyncError on every rank, never a wrong read) and up to kInline bytes of
-// payload: an 8-byte all_reduce between two ranks moves one cache line each way.
+// contribution into its header line s%kRing (up to kInline bytes), its body s%kBodyRing (up to
+// kLaneBytes: every small operation) or its half s%2 (larger steps) and then publishes s in the
+// header line (release store); a reader waits until the writer's header says s (acquire load)
+// and reads. With the header line also goes the fingerprint of the step's operation (so a peer in
+// another operation, or with another count, is a DesyncError on every rank, never a wrong read):
+// an 8-byte all_reduce between two ranks moves one cache line each way.
 //   - A half written in step s was last written in step s-2; a rank writes it only once every
-//     peer has published s-1 (and so finished step s-2). A lane slot is rewritten kRing steps
-//     later, once every peer has published s - kRing + kLag (segment.hpp): so a root of small
-//     rooted operations runs up to kRing - kLag operations ahead of its slowest reader, where one
-//     pair of halves held it to one. In symmetric steps both are already known from the
-//     previous step's wait, so they cost nothing.
+//     peer has published s-1 (and so finished step s-2). A body is rewritten kBodyRing steps
+//     later, once every peer has published the step after its last use; a header line kRing
+//     steps later, once every peer has published s - kRing + kLag (segment.hpp): so a root of
+//     small rooted operations runs up to kRing - kLag operations (kBodyRing - 1 with a body)
+//     ahead of its slowest reader, where one pair of halves held it to one. In symmetric steps
+//     all are already known from the previous step's wait, so they cost nothing.
 //   - The first step of every operation of several steps is symmetric: every rank publishes and
 //     reads every rank's header, so every rank sees every fingerprint and either all throw
 //     DesyncError or none does (then the communicator stays usable: every rank consumed the same
@@ -96,7 +97,8 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     ctl(rank).pid = static_cast<std::int64_t>(::getpid());
     // Touch this rank's halves here, so that their pages are on this rank's NUMA node.
     std::memset(static_cast<void*>(half(rank, 0)), 0, 2 * layout_.half_bytes);
-    std::memset(static_cast<void*>(slot(rank, 0)), 0, kRing * layout_.lane_bytes);
+    std::memset(static_cast<void*>(slot(rank, 0)), 0, kRing * kLine);
+    std::memset(static_cast<void*>(body(rank, 0)), 0, kBodyRing * kLaneBytes);
     spin_ = cfg.spin >= 0 ? cfg.spin : default_spin(size);
     spin_now_ = spin_;
     // One step that every rank takes: afterwards every pid is published.

@@ -6,10 +6,11 @@
 // read from the segment):
 //   Header                 magic, version, size, chunk, the abort words
 //   RankCtl[size]          per rank: pid, the futex bell and its sleeper count, "left" flag
-//   Lane[size][kRing]      per rank, a ring of step slots (by step mod kRing): a header line
-//                          {step, fp} that the rank publishes in every step, then kLaneBytes of
-//                          payload for steps that carry at most that much (starting inside the
-//                          header line, so a small step moves one line)
+//   Head[size][kRing]      per rank, a ring of step header lines (by step mod kRing): {step, fp}
+//                          that the rank publishes in every step, then up to kInline bytes of
+//                          payload (so a step of a few bytes moves one line)
+//   Body[size][kBodyRing]  per rank, a ring of kLaneBytes payloads (by step mod kBodyRing) for
+//                          the steps that carry more than kInline bytes and at most kLaneBytes
 //   Half[size][2]          per rank, two halves (by step parity): `chunk` bytes of payload for the
 //                          steps that carry more than kLaneBytes
 //   ChannelCtl[size][size] point-to-point, per (sender, receiver): chunks posted, chunks taken
@@ -95,26 +96,31 @@ struct alignas(kLine) ChannelCtl {
   alignas(kLine) std::atomic<std::uint64_t> taken;
 };
 
-/// The header line of a lane slot: the step it holds and the fingerprint of that step's
-/// operation. Small payloads continue in the same line, so a peer reading a small step moves one
-/// line.
+/// A header line: the step it holds, then the fingerprint of that step's operation (32 bytes,
+/// steps.hpp), then up to kInline bytes of the step's payload.
 struct alignas(kLine) StepHeader {
   std::atomic<std::uint64_t> step;
-  std::uint64_t fp;
+  std::byte rest[kLine - sizeof(std::uint64_t)];
 };
-inline constexpr std::size_t kInline = kLine - 16;  // payload bytes in the header line
 
-/// Lane slots per rank. A rank may publish step s once every peer has published s - kRing + kLag:
-/// a root of small broadcasts runs up to kRing - kLag steps ahead of the slowest reader instead of
+/// Header lines per rank. A rank may publish step s once every peer has published s - kRing + kLag:
+/// a root of tiny broadcasts runs up to kRing - kLag steps ahead of the slowest reader instead of
 /// one (two halves), which is what lets a small rooted operation return at once, as an MPI's eager
 /// protocol does. A rank compares the fingerprints it did not read in a step at most kLag steps
-/// later (steps.hpp), before the slot can be rewritten.
-inline constexpr std::uint64_t kRing = 16;
-inline constexpr std::uint64_t kLag = 8;
-static_assert(kLag >= 1 && kLag < kRing);
-/// Payload bytes of a lane slot: every one-step operation up to this size moves through the lanes
-/// (the default small all_reduce limit, 16 KiB, fits).
+/// later (steps.hpp), before the line can be rewritten. 32 steps of slack, where 8 held 4 ranks on
+/// 2 cores to one context switch per 8 broadcasts (a 4-rank 8-byte broadcast's median 0.42 against
+/// 0.28 us, its 90th percentile 15 us against 0.6: benchmarks/RESULTS.md, "A deeper ring").
+inline constexpr std::uint64_t kRing = 64;
+inline constexpr std::uint64_t kLag = 32;
+static_assert(kLag >= 1 && kLag <= kRing - kLag);
+/// Payload bytes in a header line, after the step and the fingerprint.
+inline constexpr std::size_t kInline = kLine - 8 - 32;
+/// Payload bytes of a body: every one-step operation up to this size moves through the lanes (the
+/// default small all_reduce limit, 16 KiB, fits). Bodies are fewer than header lines (they are
+/// 256 times larger): a root of rooted operations of kInline-kLaneBytes bytes runs up to
+/// kBodyRing - 1 ahead.
 inline constexpr std::size_t kLaneBytes = std::size_t{16} << 10;
+inline constexpr std::uint64_t kBodyRing = 16;
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free && std::atomic<std::uint32_t>::is_always_lock_free,
               "comm: the Shm backend needs lock-free 32- and 64-bit atomics in shared memory");
@@ -123,7 +129,7 @@ static_assert(std::atomic<std::uint64_t>::is_always_lock_free && std::atomic<std
 struct Layout {
   int size = 0;
   std::size_t chunk = 0;  // payload bytes per half (a multiple of kLine)
-  std::size_t ctl = 0, lanes = 0, lane_bytes = 0, halves = 0, half_bytes = 0;
+  std::size_t ctl = 0, lanes = 0, bodies = 0, halves = 0, half_bytes = 0;
   std::size_t p2p_chunk = 0;  // payload bytes per channel slot
   std::size_t channels = 0, slots = 0, slot_bytes = 0, total = 0;
 
@@ -131,9 +137,8 @@ struct Layout {
     const auto un = static_cast<std::size_t>(n);
     ctl = sizeof(Header);
     lanes = ctl + un * sizeof(RankCtl);
-    // A lane's payload starts inside its header line (after step and fp).
-    lane_bytes = (sizeof(StepHeader::step) + sizeof(StepHeader::fp) + kLaneBytes + kLine - 1) / kLine * kLine;
-    halves = lanes + un * kRing * lane_bytes;
+    bodies = lanes + un * kRing * kLine;
+    halves = bodies + un * kBodyRing * kLaneBytes;
     half_bytes = (chunk + kLine - 1) / kLine * kLine;
     channels = halves + un * 2 * half_bytes;
     // Channels grow with size^2: at most ~8 MiB of slots in all, 1-64 KiB per slot.

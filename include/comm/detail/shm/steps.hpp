@@ -49,10 +49,14 @@ class Steps {
   [[nodiscard]] RankCtl& ctl(int p) const noexcept {
     return reinterpret_cast<RankCtl*>(map_.base() + layout_.ctl)[p];
   }
-  /// Rank p's lane slot of step s: its header line, the payload right behind.
+  /// Rank p's header line of step s.
   [[nodiscard]] StepHeader* slot(int p, std::uint64_t s) const noexcept {
     return reinterpret_cast<StepHeader*>(map_.base() + layout_.lanes +
-                                         (static_cast<std::size_t>(p) * kRing + s % kRing) * layout_.lane_bytes);
+                                         (static_cast<std::size_t>(p) * kRing + s % kRing) * kLine);
+  }
+  /// Rank p's body of step s (payloads of kInline-kLaneBytes bytes).
+  [[nodiscard]] std::byte* body(int p, std::uint64_t s) const noexcept {
+    return map_.base() + layout_.bodies + (static_cast<std::size_t>(p) * kBodyRing + s % kBodyRing) * kLaneBytes;
   }
   /// Rank p's half of step s (payloads above kLaneBytes).
   [[nodiscard]] std::byte* half(int p, std::uint64_t s) const noexcept {
@@ -70,35 +74,39 @@ class Steps {
   /// Where rank p's payload of step s lies when the step carries `bytes` (the writer's and the
   /// readers' `bytes` agree whenever their fingerprints do, and a reader checks that first).
   [[nodiscard]] std::byte* payload(int p, std::uint64_t s, std::size_t bytes) const noexcept {
-    return bytes <= kLaneBytes ? reinterpret_cast<std::byte*>(slot(p, s)) + sizeof(std::uint64_t) + sizeof(Fingerprint)
-                               : half(p, s);
+    if (bytes <= kInline) return reinterpret_cast<std::byte*>(slot(p, s)) + sizeof(std::uint64_t) + sizeof(Fingerprint);
+    return bytes <= kLaneBytes ? body(p, s) : half(p, s);
   }
-  static_assert(sizeof(std::uint64_t) + sizeof(Fingerprint) <= kLine);
+  static_assert(sizeof(std::uint64_t) + sizeof(Fingerprint) + kInline == kLine);
 
   // ---- steps ----
 
   [[nodiscard]] std::uint64_t next_step() noexcept { return ++step_; }
 
-  /// Returns once this rank's slot of step s may be rewritten (every peer published s - kRing +
-  /// kLag: it read that slot's payload before publishing the step after it, and compared its
-  /// fingerprint at most kLag steps later) and, for a step that uses the halves, half s%2 too
-  /// (every peer left step s-2: published s-1).
-  void ensure_free(std::uint64_t s, bool half_too) {
+  /// Returns once this rank's header line of step s may be rewritten (every peer published s -
+  /// kRing + kLag: it compared the line's fingerprint at most kLag steps after it) and the place
+  /// of a payload of `bytes` too: body s%kBodyRing, last written in step s - kBodyRing at the
+  /// latest (every peer published the step after it, so it read it), or half s%2 (every peer
+  /// left step s-2: published s-1).
+  void ensure_free(std::uint64_t s, std::size_t bytes) {
     std::uint64_t need = s + kLag > kRing ? s + kLag - kRing : 0;
-    if (half_too) need = std::max(need, s - 1);
+    if (bytes > kLaneBytes)
+      need = std::max(need, s - 1);
+    else if (bytes > kInline && s > kBodyRing)
+      need = std::max(need, s - kBodyRing + 1);
     for (int p = 0; p < step_size_; ++p)
       if (p != step_rank_ && seen_[static_cast<std::size_t>(p)] < need) wait_published(p, need);
   }
 
   /// This rank's payload of `bytes` for step `s`, once it may be written.
   std::byte* begin(std::uint64_t s, std::size_t bytes) {
-    ensure_free(s, bytes > kLaneBytes);
+    ensure_free(s, bytes);
     return payload(step_rank_, s, bytes);
   }
 
   /// Publishes step `s` with the current operation's fingerprint; wakes sleepers on this rank.
   void publish(std::uint64_t s) {
-    ensure_free(s, false);
+    ensure_free(s, 0);
     StepHeader* h = slot(step_rank_, s);
     std::memcpy(reinterpret_cast<std::byte*>(h) + sizeof(std::uint64_t), &fp_, sizeof(Fingerprint));
     note_cpu();
