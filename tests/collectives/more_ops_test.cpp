@@ -548,6 +548,31 @@ TEST_CASE("shm: a mismatch among back-to-back small broadcasts reaches the root 
   }
 }
 
+// Back-to-back small broadcasts in which every rank thinks it is the root: nobody reads anybody's
+// header, so no step is compared in the operation itself, and a rank's header must not say that it
+// compared them (at two ranks a rank drops the unchecked steps its peer says it compared): every
+// rank throws within kLag + 1 broadcasts.
+TEST_CASE("shm: back-to-back small broadcasts that every rank roots are a DesyncError on every rank within 33") {
+  const auto& w = comm::test::world();
+  if (w.size < 2) return;
+  const int me = w.rank;
+  auto c = make_comm();
+  std::vector<float> a(2, static_cast<float>(me));
+  int thrown_at = -1;
+  for (int i = 0; i < 40 && thrown_at < 0; ++i) {
+    try {
+      c.broadcast(a, me);
+    } catch (const comm::DesyncError& e) {
+      thrown_at = i;
+      CHECK(shm_has(e.what(), "found at the start of a later operation"));
+    }
+  }
+  INFO("rank ", me, " threw at broadcast #", thrown_at);
+  CHECK(thrown_at >= 1);
+  CHECK(thrown_at <= 33);
+  CHECK(a[0] == static_cast<float>(me));
+}
+
 // Large messages by cross-memory attach (process_vm_readv), from 4 KiB here (all_reduce, reduce,
 // broadcast, all_gather, all_to_all); and a rank that turns it off (COMM_SHM_CMA=0), asks a
 // larger threshold or a smaller reduce slice (the root then reduces alone) brings every rank to

@@ -23,9 +23,9 @@
 ///   `chunk_bytes`; half/bfloat16/fp8 reductions accumulate in float across all ranks and round
 ///   once. broadcast, scatter, gather and reduce whose buffer fits one chunk (broadcast, scatter
 ///   and gather: below the single-copy threshold) take one step without a rendezvous: the root of
-///   a broadcast or scatter publishes and returns, a non-root of a gather or reduce likewise. Steps of at most 24 bytes go through a ring of 64 header lines per
+///   a broadcast or scatter publishes and returns, a non-root of a gather or reduce likewise. Steps of at most 16 bytes go through a ring of 64 header lines per
 ///   rank, those of at most 16 KiB through a ring of 16 bodies, so a root of back-to-back small
-///   rooted operations runs up to 32 of them (15 above 24 bytes) ahead of its slowest reader, as an
+///   rooted operations runs up to 32 of them (15 above 16 bytes) ahead of its slowest reader, as an
 ///   MPI's eager protocol lets it.
 /// - **Single copy:** all_reduce, all_gather, all_to_all and reduce (above the chunk) of at least
 ///   COMM_SHM_CMA_MIN bytes (64 KiB where the host has a core for every rank, else 1 MiB), reduce_scatter from

@@ -96,8 +96,9 @@ struct alignas(kLine) ChannelCtl {
   alignas(kLine) std::atomic<std::uint64_t> taken;
 };
 
-/// A header line: the step it holds, then the fingerprint of that step's operation (32 bytes,
-/// steps.hpp), then up to kInline bytes of the step's payload.
+/// A header line: the step it holds, then the fingerprint of that step's operation (32 bytes),
+/// the step up to which the rank had compared its steps with the peers (8 bytes; steps.hpp), then
+/// up to kInline bytes of the step's payload.
 struct alignas(kLine) StepHeader {
   std::atomic<std::uint64_t> step;
   std::byte rest[kLine - sizeof(std::uint64_t)];
@@ -113,8 +114,8 @@ struct alignas(kLine) StepHeader {
 inline constexpr std::uint64_t kRing = 64;
 inline constexpr std::uint64_t kLag = 32;
 static_assert(kLag >= 1 && kLag <= kRing - kLag);
-/// Payload bytes in a header line, after the step and the fingerprint.
-inline constexpr std::size_t kInline = kLine - 8 - 32;
+/// Payload bytes in a header line, after the step, the fingerprint and the verified step.
+inline constexpr std::size_t kInline = kLine - 8 - 32 - 8;
 /// Payload bytes of a body: every one-step operation up to this size moves through the lanes (the
 /// default small all_reduce limit, 16 KiB, fits). Bodies are fewer than header lines (they are
 /// 256 times larger): a root of rooted operations of kInline-kLaneBytes bytes runs up to

@@ -74,10 +74,14 @@ class Steps {
   /// Where rank p's payload of step s lies when the step carries `bytes` (the writer's and the
   /// readers' `bytes` agree whenever their fingerprints do, and a reader checks that first).
   [[nodiscard]] std::byte* payload(int p, std::uint64_t s, std::size_t bytes) const noexcept {
-    if (bytes <= kInline) return reinterpret_cast<std::byte*>(slot(p, s)) + sizeof(std::uint64_t) + sizeof(Fingerprint);
+    if (bytes <= kInline) return reinterpret_cast<std::byte*>(slot(p, s)) + kInlineAt;
     return bytes <= kLaneBytes ? body(p, s) : half(p, s);
   }
-  static_assert(sizeof(std::uint64_t) + sizeof(Fingerprint) + kInline == kLine);
+  // Where the parts of a header line lie (segment.hpp, StepHeader).
+  static constexpr std::size_t kFpAt = sizeof(std::uint64_t);
+  static constexpr std::size_t kVerifiedAt = kFpAt + sizeof(Fingerprint);
+  static constexpr std::size_t kInlineAt = kVerifiedAt + sizeof(std::uint64_t);
+  static_assert(kInlineAt + kInline == kLine);
 
   // ---- steps ----
 
@@ -94,8 +98,18 @@ class Steps {
       need = std::max(need, s - 1);
     else if (bytes > kInline && s > kBodyRing)
       need = std::max(need, s - kBodyRing + 1);
-    for (int p = 0; p < step_size_; ++p)
-      if (p != step_rank_ && seen_[static_cast<std::size_t>(p)] < need) wait_published(p, need);
+    for (int p = 0; p < step_size_; ++p) {
+      auto& seen = seen_[static_cast<std::size_t>(p)];
+      if (p == step_rank_ || seen >= need) continue;
+      // A peer that kept up has published s-1: reading that line instead of need's tells this
+      // rank that it need not look again for a while (a root of back-to-back small broadcasts
+      // would otherwise read one of its reader's lines every step).
+      if (s - 1 > need && slot(p, s - 1)->step.load(std::memory_order_acquire) >= s - 1) {
+        seen = s - 1;
+        continue;
+      }
+      wait_published(p, need);
+    }
   }
 
   /// This rank's payload of `bytes` for step `s`, once it may be written.
@@ -108,7 +122,9 @@ class Steps {
   void publish(std::uint64_t s) {
     ensure_free(s, 0);
     StepHeader* h = slot(step_rank_, s);
-    std::memcpy(reinterpret_cast<std::byte*>(h) + sizeof(std::uint64_t), &fp_, sizeof(Fingerprint));
+    std::memcpy(reinterpret_cast<std::byte*>(h) + kFpAt, &fp_, sizeof(Fingerprint));
+    const std::uint64_t verified = std::min(unchecked_.empty() ? s - 1 : unchecked_.front().step - 1, verified_cap_);
+    std::memcpy(reinterpret_cast<std::byte*>(h) + kVerifiedAt, &verified, sizeof verified);
     note_cpu();
     h->step.store(s, std::memory_order_seq_cst);
     if (ctl(step_rank_).sleepers.load(std::memory_order_seq_cst) != 0) ring(step_rank_);
@@ -138,6 +154,7 @@ class Steps {
 
   /// Every peer has published `s` (wait_all/wait_step done): DesyncError naming every call.
   [[noreturn]] void desync(std::uint64_t s) {
+    verified_cap_ = std::min(verified_cap_, s - 1);
     for (int p = 0; p < step_size_; ++p) {
       if (p != step_rank_) wait_published(p, s);
       std::memcpy(&table_[static_cast<std::size_t>(p)], p == step_rank_ ? &fp_ : header_fp(p, s), sizeof(Fingerprint));
@@ -159,7 +176,10 @@ class Steps {
   // rooted operation waits only for those kLag steps old, so that a root of back-to-back small
   // broadcasts runs ahead of its readers; any other operation compares all of them. A mismatch is
   // a DesyncError, naming the mismatched calls, thrown before this rank publishes anything of the
-  // operation it is entering.
+  // operation it is entering. At two ranks the peer has usually compared the step itself (it read
+  // this rank's header): its newest header says so (settle_by_peer), and a small rooted operation
+  // leaves the other steps until they are due, where more ranks compare what has been published.
+  // So a root of back-to-back small broadcasts reads one line of its reader's per kLag steps.
 
   /// Marks step `s` of the current operation as not compared with every peer.
   void leave_unchecked(std::uint64_t s) {
@@ -170,11 +190,14 @@ class Steps {
   /// or those that entering step `next` requires (at least kLag steps old) and, without waiting,
   /// any others whose headers every peer has published. DesyncError on a mismatch.
   void settle(bool all, std::uint64_t next = 0) {
+    if (unchecked_.empty()) return;
+    const bool pair = step_size_ == 2;
+    if (pair && (all || unchecked_.front().step + kLag <= next)) settle_by_peer();
     std::size_t done = 0;
     for (; done < unchecked_.size(); ++done) {
       const Unchecked& u = unchecked_[done];
       const bool due = all || u.step + kLag <= next;
-      if (!due && !published_by_all(u.step)) break;
+      if (!due && (pair || !published_by_all(u.step))) break;
       // Every peer's header first, then compare: a rank must not throw (and abort the
       // communicator) while a peer has yet to publish the step, or that peer's own check, and
       // the error table here, would read a slot that does not hold it.
@@ -184,6 +207,28 @@ class Steps {
         if (p != step_rank_ && !same(*header_fp(p, u.step), u.fp)) mismatch_found(u);
     }
     unchecked_.erase(unchecked_.begin(), unchecked_.begin() + static_cast<std::ptrdiff_t>(done));
+  }
+
+  /// Two ranks: drops the unchecked steps that the peer's newest header (of the last step this
+  /// rank published, if the peer has published it too) says it compared itself. At two ranks
+  /// every one-step rooted operation has a rank that reads the other's header (the reader of a
+  /// broadcast or scatter, the root of a gather or reduce) and compares the fingerprints; a rank
+  /// writes into every header the step below its oldest step not compared (verified_cap_ holds it
+  /// below any mismatch found), so a step that neither rank compared (a desync in which both
+  /// wrote) stays unchecked on both, and is compared with the peer's line as before. One line
+  /// read per kLag steps where a root of back-to-back broadcasts read one a step.
+  void settle_by_peer() {
+    const int p = 1 - step_rank_;
+    const std::uint64_t t = step_;
+    const StepHeader* h = slot(p, t);
+    if (t == 0 || h->step.load(std::memory_order_acquire) != t) return;
+    auto& seen = seen_[static_cast<std::size_t>(p)];
+    seen = std::max(seen, t);
+    std::uint64_t verified = 0;
+    std::memcpy(&verified, reinterpret_cast<const std::byte*>(h) + kVerifiedAt, sizeof verified);
+    std::size_t k = 0;
+    while (k < unchecked_.size() && unchecked_[k].step <= verified) ++k;
+    unchecked_.erase(unchecked_.begin(), unchecked_.begin() + static_cast<std::ptrdiff_t>(k));
   }
 
   /// Whether every peer has published step `s` (no waiting).
@@ -200,6 +245,7 @@ class Steps {
 
   [[noreturn]] void mismatch_found(Unchecked u) {
     const std::uint64_t s = u.step;
+    verified_cap_ = std::min(verified_cap_, s - 1);
     unchecked_.clear();  // the error reports them all: the next operation starts clean
     for (int p = 0; p < step_size_; ++p)
       std::memcpy(&table_[static_cast<std::size_t>(p)], p == step_rank_ ? &u.fp : header_fp(p, s), sizeof(Fingerprint));
@@ -212,7 +258,7 @@ class Steps {
   }
 
   [[nodiscard]] const Fingerprint* header_fp(int p, std::uint64_t s) const noexcept {
-    return reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(slot(p, s)) + sizeof(std::uint64_t));
+    return reinterpret_cast<const Fingerprint*>(reinterpret_cast<const std::byte*>(slot(p, s)) + kFpAt);
   }
 
   /// Waits until `p`'s slot of step s holds step s or later.
@@ -393,6 +439,7 @@ class Steps {
   std::uint64_t op_seq_ = 0;
   const char* op_name_ = "shm";
   std::vector<Unchecked> unchecked_;  // settle(): steps not compared with every peer, oldest first
+  std::uint64_t verified_cap_ = ~std::uint64_t{0};  // below the first mismatch this rank found
 
  private:
   int step_rank_;
