@@ -6,9 +6,9 @@
 // read from the segment):
 //   Header                 magic, version, size, chunk, the abort words
 //   RankCtl[size]          per rank: pid, the futex bell and its sleeper count, "left" flag
-//   Head[size][kRing]      per rank, a ring of step header lines (by step mod kRing): {step, fp}
-//                          that the rank publishes in every step, then up to kInline bytes of
-//                          payload (so a step of a few bytes moves one line)
+//   Head[size][kRing]      per rank, a ring of step header lines (by step mod kRing): {step, fp,
+//                          verified step} that the rank publishes in every step, then up to
+//                          kInline bytes of payload (so a step of a few bytes moves one line)
 //   Body[size][kBodyRing]  per rank, a ring of kLaneBytes payloads (by step mod kBodyRing) for
 //                          the steps that carry more than kInline bytes and at most kLaneBytes
 //   Half[size][2]          per rank, two halves (by step parity): `chunk` bytes of payload for the

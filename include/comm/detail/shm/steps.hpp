@@ -187,8 +187,9 @@ class Steps {
   }
 
   /// Compares the unchecked steps with every peer's, waiting for the peers: all of them (`all`),
-  /// or those that entering step `next` requires (at least kLag steps old) and, without waiting,
-  /// any others whose headers every peer has published. DesyncError on a mismatch.
+  /// or those that entering step `next` requires (at least kLag steps old) and, above two ranks,
+  /// without waiting any others whose headers every peer has published (at two ranks the peer's
+  /// verified step does that, settle_by_peer). DesyncError on a mismatch.
   void settle(bool all, std::uint64_t next = 0) {
     if (unchecked_.empty()) return;
     const bool pair = step_size_ == 2;
