@@ -1,0 +1,144 @@
+// comm-bench-small-loop (comm's Shm) and comm-bench-small-loop-mpi (the same loop on MPI's
+// blocking calls): back-to-back small operations timed as a whole, where comm-bench times every
+// call. A root of back-to-back rooted operations runs ahead of its readers (Shm's ring, MPI's eager
+// queues), so a per-call median mixes how far ahead the root may run with what a call costs; the
+// time of a long run divided by its calls is the throughput alone, and at one rank it is the cost
+// of the call path itself (benchmarks/RESULTS.md, "Small rooted operations: the call path").
+//
+//   comm-run -n N comm-bench-small-loop [OPS [BYTES [CALLS [REPS]]]]
+//   mpirun -n N comm-bench-small-loop-mpi [OPS [BYTES [CALLS [REPS]]]]
+//     OPS    comma list of broadcast, gather, reduce, scatter, all_reduce (default broadcast,gather)
+//     BYTES  bytes per rank (default 8; float elements, so a multiple of 4)
+//     CALLS  calls per timed run (default 1000000)
+//     REPS   timed runs per op (default 5), each after a barrier
+//
+// Rank 0 prints "op bytes ns_per_call min median max" over the runs, each run's time the
+// slowest rank's.
+
+#ifdef COMM_SMALL_LOOP_MPI
+#include <mpi.h>
+#else
+#include <comm/comm.hpp>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  for (std::size_t p = 0;;) {
+    const std::size_t q = s.find(',', p);
+    out.push_back(s.substr(p, q == std::string::npos ? std::string::npos : q - p));
+    if (q == std::string::npos) return out;
+    p = q + 1;
+  }
+}
+
+#ifdef COMM_SMALL_LOOP_MPI
+struct Ranks {
+  Ranks(int* argc, char*** argv) { MPI_Init(argc, argv); }
+  ~Ranks() { MPI_Finalize(); }
+  int rank() const {
+    int r = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    return r;
+  }
+  int size() const {
+    int n = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    return n;
+  }
+  void barrier() { MPI_Barrier(MPI_COMM_WORLD); }
+  double max(double v) {
+    double m = 0;
+    MPI_Allreduce(&v, &m, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    return m;
+  }
+  /// One call of `op`; false for an op this program does not know.
+  bool call(const std::string& op, std::vector<float>& in, std::vector<float>& out, int n) {
+    const int c = static_cast<int>(in.size());
+    if (op == "broadcast") return MPI_Bcast(in.data(), c, MPI_FLOAT, 0, MPI_COMM_WORLD) == MPI_SUCCESS;
+    if (op == "gather")
+      return MPI_Gather(in.data(), c, MPI_FLOAT, out.data(), c, MPI_FLOAT, 0, MPI_COMM_WORLD) == MPI_SUCCESS;
+    if (op == "reduce") return MPI_Reduce(in.data(), out.data(), c, MPI_FLOAT, MPI_SUM, 0, MPI_COMM_WORLD) == MPI_SUCCESS;
+    if (op == "scatter")
+      return MPI_Scatter(out.data(), c, MPI_FLOAT, in.data(), c, MPI_FLOAT, 0, MPI_COMM_WORLD) == MPI_SUCCESS;
+    if (op == "all_reduce")
+      return MPI_Allreduce(in.data(), out.data(), c, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD) == MPI_SUCCESS;
+    (void)n;
+    return false;
+  }
+};
+#else
+struct Ranks {
+  Ranks(int*, char***) : c(comm::Communicator<comm::backends::Shm>::from_env()) {}
+  int rank() const { return c.rank(); }
+  int size() const { return c.size(); }
+  void barrier() { c.barrier(); }
+  double max(double v) {
+    c.all_reduce(std::span<double>(&v, 1), comm::ReduceOp::max);
+    return v;
+  }
+  bool call(const std::string& op, std::vector<float>& in, std::vector<float>& out, int n) {
+    const std::span<float> mine(in);
+    if (op == "broadcast") {
+      c.broadcast(mine, 0);
+    } else if (op == "gather") {
+      c.gather(std::span<const float>(mine), std::span<float>(out), 0);
+    } else if (op == "reduce") {
+      c.reduce(std::span<const float>(mine), std::span<float>(out).first(in.size()), 0, comm::ReduceOp::sum);
+    } else if (op == "scatter") {
+      c.scatter(std::span<const float>(out).first(in.size() * static_cast<std::size_t>(n)), mine, 0);
+    } else if (op == "all_reduce") {
+      c.all_reduce(std::span<const float>(mine), std::span<float>(out).first(in.size()), comm::ReduceOp::sum);
+    } else {
+      return false;
+    }
+    return true;
+  }
+  comm::Communicator<comm::backends::Shm> c;
+};
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Ranks ranks(&argc, &argv);
+  const auto ops = split(argc > 1 ? argv[1] : "broadcast,gather");
+  const std::size_t bytes = argc > 2 ? std::strtoul(argv[2], nullptr, 10) : 8;
+  const long calls = argc > 3 ? std::strtol(argv[3], nullptr, 10) : 1000000;
+  const int reps = argc > 4 ? std::atoi(argv[4]) : 5;
+  const int n = ranks.size();
+  if (bytes < 4 || bytes % 4 != 0 || calls < 1 || reps < 1) {
+    if (ranks.rank() == 0) std::fprintf(stderr, "BYTES must be a positive multiple of 4, CALLS and REPS positive\n");
+    return 2;
+  }
+  std::vector<float> in(bytes / 4, 1.0f), out(bytes / 4 * static_cast<std::size_t>(n), 0.0f);
+  for (const auto& op : ops) {
+    std::vector<double> ns;
+    for (int r = 0; r < reps; ++r) {
+      ranks.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (long i = 0; i < calls; ++i) {
+        if (!ranks.call(op, in, out, n)) {
+          if (ranks.rank() == 0) std::fprintf(stderr, "unknown op '%s'\n", op.c_str());
+          return 2;
+        }
+      }
+      const double t = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+      ns.push_back(ranks.max(t) / static_cast<double>(calls));
+    }
+    std::sort(ns.begin(), ns.end());
+    if (ranks.rank() == 0)
+      std::printf("%s %zu ns_per_call %.1f %.1f %.1f (%d ranks, %ld calls x %d)\n", op.c_str(), bytes, ns.front(),
+                  ns[ns.size() / 2], ns.back(), n, calls, reps);
+  }
+  return 0;
+}
