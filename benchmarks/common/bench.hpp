@@ -171,6 +171,17 @@ struct Layout {
   return l;
 }
 
+/// The items of a comma-separated list ("a,b,c"), in order; an empty item stays empty.
+[[nodiscard]] inline std::vector<std::string> comma_list(std::string_view s) {
+  std::vector<std::string> out;
+  for (;;) {
+    const std::size_t q = s.find(',');
+    out.emplace_back(s.substr(0, q));
+    if (q == std::string_view::npos) return out;
+    s.remove_prefix(q + 1);
+  }
+}
+
 /// "8", "64K", "1M", "64MiB", "2G" (binary multiples).
 [[nodiscard]] inline std::size_t parse_bytes(std::string_view s) {
   std::size_t v = 0;

@@ -29,17 +29,9 @@
 #include <string>
 #include <vector>
 
-namespace {
+#include "../common/bench.hpp"
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  for (std::size_t p = 0;;) {
-    const std::size_t q = s.find(',', p);
-    out.push_back(s.substr(p, q == std::string::npos ? std::string::npos : q - p));
-    if (q == std::string::npos) return out;
-    p = q + 1;
-  }
-}
+namespace {
 
 #ifdef COMM_SMALL_LOOP_MPI
 struct Ranks {
@@ -110,7 +102,7 @@ struct Ranks {
 
 int main(int argc, char** argv) {
   Ranks ranks(&argc, &argv);
-  const auto ops = split(argc > 1 ? argv[1] : "broadcast,gather");
+  const auto ops = comm::bench::comma_list(argc > 1 ? argv[1] : "broadcast,gather");
   const std::size_t bytes = argc > 2 ? std::strtoul(argv[2], nullptr, 10) : 8;
   const long calls = argc > 3 ? std::strtol(argv[3], nullptr, 10) : 1000000;
   const int reps = argc > 4 ? std::atoi(argv[4]) : 5;

@@ -26,21 +26,12 @@
 #include <string>
 #include <vector>
 
+#include "../common/bench.hpp"
+
 namespace {
 
 double now_us() {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::size_t p = 0;
-  for (;;) {
-    const std::size_t q = s.find(',', p);
-    out.push_back(s.substr(p, q == std::string::npos ? std::string::npos : q - p));
-    if (q == std::string::npos) return out;
-    p = q + 1;
-  }
 }
 
 }  // namespace
@@ -48,9 +39,9 @@ std::vector<std::string> split(const std::string& s) {
 int main(int argc, char** argv) {
   auto c = comm::Communicator<COMM_WAIT_BENCH_BACKEND>::from_env();
   const int iters = argc > 1 ? std::max(std::atoi(argv[1]), 10) : 1000;
-  std::vector<std::string> ops = split(argc > 2 ? argv[2] : "all_reduce,broadcast,all_gather,gather,reduce,scatter");
+  std::vector<std::string> ops = comm::bench::comma_list(argc > 2 ? argv[2] : "all_reduce,broadcast,all_gather,gather,reduce,scatter");
   std::vector<std::size_t> sizes;
-  for (const auto& b : split(argc > 3 ? argv[3] : "8,4096,65536,1048576")) sizes.push_back(std::stoul(b));
+  for (const auto& b : comm::bench::comma_list(argc > 3 ? argv[3] : "8,4096,65536,1048576")) sizes.push_back(std::stoul(b));
   const auto n = static_cast<std::size_t>(c.size());
   const bool root = c.rank() == 0;
   for (const auto& op : ops) {
