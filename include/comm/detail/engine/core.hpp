@@ -456,7 +456,7 @@ class EngineCore : public CommCore {
     return launch(op, l);
   }
 
-  /// Hooks are rare (device staging): an empty pair is not moved (two std::function swaps a call).
+  /// Hooks are rare (device staging): an empty pair is not moved.
   static void set_hooks(Op& op, OpHooks&& hooks) noexcept {
     if (hooks.before || hooks.after) op.hooks = std::move(hooks);
   }
@@ -536,7 +536,7 @@ class EngineCore : public CommCore {
     if (v.capacity() > (std::size_t{8} << 20)) std::vector<std::byte>().swap(v);
   }
 
-  void run_hook(const char* name, const std::function<void()>& hook) {
+  void run_hook(const char* name, const Hook& hook) {
     try {
       hook();
     } catch (...) {

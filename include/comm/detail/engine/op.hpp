@@ -12,7 +12,6 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <array>
 #include <type_traits>
@@ -25,18 +24,47 @@
 
 namespace comm::detail {
 
+/// One step of OpHooks: a callable with no arguments, held by shared ownership (an async
+/// operation's record is moved into the queue, so the hook must own what it captured).
+///
+/// Why not std::function: a default-constructed std::function zeroes its 16-byte buffer, which GCC
+/// emits as `rep stos`, and every operation built four of them (the entry point's default `hooks`
+/// argument and the record's own pair), even though hooks are only set for device staging. perf
+/// put those four stores at about a fifth of a one-rank 8-byte Shm broadcast (benchmarks/RESULTS.md,
+/// "The call path: what an operation costs before it moves a byte"). An empty Hook is three
+/// null pointers; a set one costs one allocation, which the staging that sets it makes anyway.
+class Hook {
+ public:
+  // User-provided on purpose: `OpHooks hooks = {}` value-initializes, which for a defaulted
+  // constructor zero-fills the whole object first (GCC: `rep stos` again).
+  Hook() noexcept {}  // NOLINT(modernize-use-equals-default)
+  template <class F>
+    requires(!std::is_same_v<std::remove_cvref_t<F>, Hook> && std::is_invocable_v<std::remove_cvref_t<F>&>)
+  Hook& operator=(F&& f) {
+    using Fn = std::remove_cvref_t<F>;
+    state_ = std::make_shared<Fn>(std::forward<F>(f));
+    call_ = [](void* fn) { (*static_cast<Fn*>(fn))(); };
+    return *this;
+  }
+  explicit operator bool() const noexcept { return call_ != nullptr; }
+  void operator()() const { call_(state_.get()); }
+
+ private:
+  std::shared_ptr<void> state_;
+  void (*call_)(void*) = nullptr;
+};
+
 /// Optional steps around one operation, run on the thread that executes it (the caller's for a
 /// blocking call, the communicator's worker for an async one), in the operation's place in the
 /// issue order: `before` after the desync check and right before the collective, `after` once the
 /// collective succeeded (not after a failure). An exception from `before` fails the operation and
 /// the communicator (this rank's part never ran: its peers must not wait for it); one from `after`
-/// fails only the operation (the collective itself completed everywhere). Empty by
-/// default (a test of a null std::function each). Device-buffer staging uses them: copy a device
-/// input to host memory in `before`, the host result back to the device in `after`. Keep the
-/// captures small (two pointers) or the std::function allocates.
+/// fails only the operation (the collective itself completed everywhere). Empty by default (a
+/// test of a null pointer each). Device-buffer staging uses them: copy a device input to host
+/// memory in `before`, the host result back to the device in `after`.
 struct OpHooks {
-  std::function<void()> before;
-  std::function<void()> after;
+  Hook before;
+  Hook after;
 };
 
 /// out = a R b over n elements of a user callable at `fn` (type-erased; see set_typed_reduction).
