@@ -51,9 +51,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
-#include <bit>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -101,10 +99,6 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     std::memset(static_cast<void*>(half(rank, 0)), 0, 2 * layout_.half_bytes);
     std::memset(static_cast<void*>(slot(rank, 0)), 0, kRing * kLine);
     std::memset(static_cast<void*>(body(rank, 0)), 0, kBodyRing * kLaneBytes);
-    for (std::size_t i = 0; i < 4; ++i) {
-      per_step_[0][i] = divide_step(std::size_t{1} << i, 1);
-      per_step_[1][i] = divide_step(std::size_t{1} << i, static_cast<std::size_t>(size));
-    }
     spin_ = cfg.spin >= 0 ? cfg.spin : default_spin(size);
     spin_now_ = spin_;
     // One step that every rank takes: afterwards every pid is published.
@@ -346,18 +340,8 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     if (bytes != 0) std::memmove(dst, src, bytes);
   }
 
-  /// Elements per step for element size `e` when each rank writes `pieces` pieces per step. The
-  /// common cases (one piece, or one per rank, of 1-8 byte elements) come from a table made at
-  /// construction: a 64-bit division is tens of cycles, and every small operation asked twice.
+  /// Elements per step for element size `e` when each rank writes `pieces` pieces per step.
   [[nodiscard]] std::size_t per_step(std::size_t e, std::size_t pieces = 1) const noexcept {
-    if (e <= 8 && e != 0 && (e & (e - 1)) == 0) {  // not has_single_bit: without -mpopcnt a libgcc call
-      const auto i = static_cast<std::size_t>(std::countr_zero(e));
-      if (pieces == 1) return per_step_[0][i];
-      if (pieces == static_cast<std::size_t>(size())) return per_step_[1][i];
-    }
-    return divide_step(e, pieces);
-  }
-  [[nodiscard]] std::size_t divide_step(std::size_t e, std::size_t pieces) const noexcept {
     return std::max<std::size_t>(layout_.chunk / (e * pieces), 1);
   }
 
@@ -653,7 +637,6 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
   }
 
   std::size_t small_max_;
-  std::array<std::array<std::size_t, 4>, 2> per_step_{};  // per_step(): [one piece, size() pieces][log2 e]
   std::vector<const void*> srcs_;  // reduction inputs, one per rank
   P2PCounters p2p_numbers_{size()};
 };
