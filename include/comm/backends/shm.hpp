@@ -28,9 +28,10 @@
 ///   rooted operations runs up to 32 of them (15 above 16 bytes) ahead of its slowest reader, as an
 ///   MPI's eager protocol lets it.
 /// - **Single copy:** all_reduce, all_gather, all_to_all and reduce (above the chunk) of at least
-///   COMM_SHM_CMA_MIN bytes (64 KiB where the host has a core for every rank, else 1 MiB), reduce_scatter from
+///   COMM_SHM_CMA_MIN bytes (32 KiB where the host has a core for every rank, else 1 MiB), reduce_scatter from
 ///   COMM_SHM_CMA_MIN where the host has a core for every rank, and broadcast, scatter and gather
-///   from COMM_SHM_CMA_ROOTED_MIN (64 KiB of a message or of one rank's block) move between
+///   from COMM_SHM_CMA_ROOTED_MIN (16 KiB of a message or of one rank's block where the host has a core
+///   for every rank, else 64 KiB) move between
 ///   the ranks' own buffers with `process_vm_readv` and `process_vm_writev` (cross-memory
 ///   attach): one copy by the kernel instead of two through the segment. Every rank tries it on
 ///   every peer at creation; if any rank cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp)

@@ -61,29 +61,40 @@ struct CmaConfig {
   /// Smallest all_reduce, all_gather, all_to_all, reduce (above the chunk, which the one-step
   /// segment reduce keeps: a single copy of 64-256 KiB was 1.3-1.6x slower on a quiet machine)
   /// and reduce_scatter buffer moved by a single copy, given whether every rank has a core of its
-  /// own. Then from 64 KiB: at 2 ranks the
-  /// segment's reads of data a peer has just written slow 3-5x at times on this VM (the "slow
-  /// hour"), single copy's reads do not, and single copy was also the faster from 64-128 KiB when
-  /// the segment was not slowed (all_reduce 128 KiB 16.5 against 21.6 us, all_gather 256 KiB 13.1
-  /// against 19-20, all_to_all 128 KiB 9.7 against 14.1). Where ranks share cores the readers
-  /// queue for them, and the segment wins up to 1 MiB (benchmarks/RESULTS.md, "Single copy from
-  /// 64 KiB where every rank has a core").
+  /// own. Then from 32 KiB: at 2 ranks the segment's reads of data a peer has just written slow
+  /// 2-4x whenever moving a written line between the cores costs ~170 ns instead of ~30 (this VM
+  /// switches between the two within seconds), single copy's by ~15 % (all_gather and all_to_all
+  /// 32 KiB 11.6-11.8 us by the segment against 5.4-5.5, OpenMPI 5.2-5.5); in the fast state the
+  /// segment was the faster at 32 KiB (3.6 against 4.7) but single copy stayed below both MPIs
+  /// (OpenMPI 5.1), which at 16 KiB it did not (all_gather 3.5 against MPICH's 2.1). From 64 KiB
+  /// single copy was the faster in both states (all_reduce 128 KiB 16.5 against 21.6 us, all_gather
+  /// 256 KiB 13.1 against 19-20, all_to_all 128 KiB 9.7 against 14.1). Where ranks share cores the
+  /// readers queue for them, and the segment wins up to 1 MiB (benchmarks/RESULTS.md, "Single copy
+  /// from 64 KiB where every rank has a core"; "Rooted single copy from 16 KiB: the two line states").
   [[nodiscard]] std::size_t min_for(bool own_core) const noexcept {
     if (min_bytes != 0) return min_bytes;
-    return own_core ? std::size_t{64} << 10 : std::size_t{1} << 20;
+    return own_core ? std::size_t{32} << 10 : std::size_t{1} << 20;
   }
-  /// Smallest broadcast (scatter, gather: block per rank) moved by a single copy: 64 KiB. Where
-  /// every rank has a core, one read by the kernel from the root's buffer beat the segment's two
-  /// copies at 2 ranks (broadcast 64 KiB 6.2 against 7.8-9.9 us, 256 KiB 19-20 against 25-31; a
-  /// scatter's 32 KiB block lost, 3.0-7.7 against 2.2-2.3). Where ranks share cores it was 1 MiB,
-  /// for the segment lets the root return at once; measured again with 4 ranks on 2 cores the
-  /// segment's copies slowed 2-6x in most rounds and single copy did not (gather 1 MiB 51 against
-  /// 57-329 us, scatter 1 MiB 57 against 92-274, broadcast 256 KiB 58 against 55-206), while the
-  /// symmetric operations kept the segment's lead there (min_for). (benchmarks/RESULTS.md, "Single
-  /// copy for broadcast, scatter and reduce_scatter"; "Rooted single copy from 64 KiB on shared cores".)
-  [[nodiscard]] std::size_t rooted_for() const noexcept {
+  /// Smallest broadcast (scatter, gather: block per rank) moved by a single copy: 16 KiB where
+  /// every rank has a core, 64 KiB elsewhere. Where every rank has a core, one read by the kernel
+  /// from the root's buffer beat the segment's two copies at 2 ranks (broadcast 64 KiB 6.2 against
+  /// 7.8-9.9 us, 256 KiB 19-20 against 25-31). From 16 KiB it also keeps a step's time when moving
+  /// a written line between the two cores costs ~170 ns instead of ~30 (this VM switches between
+  /// the two within seconds): there the segment's copies slowed 2-4x (a 32 KiB scatter 10.0 us
+  /// against 4.3 by single copy, a 32 KiB broadcast 19.0 against 4.8; OpenMPI 4.7 and 5.6) and
+  /// single copy by 3-15 %. In the fast state the segment was up to 1.6x the faster at 16-32 KiB
+  /// (a gather's 16 KiB block 2.3 against 3.8 us) but single copy stayed below both MPIs (4.6 and
+  /// 5.3); at 8 KiB only the segment kept up with MPICH there (a broadcast 1.3 against 2.5, MPICH
+  /// 1.1), so it keeps the sizes below. Where ranks share cores it was 1 MiB, for the segment lets the root return at once;
+  /// measured again with 4 ranks on 2 cores the segment's copies slowed 2-6x in most rounds and
+  /// single copy did not (gather 1 MiB 51 against 57-329 us, scatter 1 MiB 57 against 92-274,
+  /// broadcast 256 KiB 58 against 55-206), while the symmetric operations kept the segment's lead
+  /// there (min_for). (benchmarks/RESULTS.md, "Single copy for broadcast, scatter and
+  /// reduce_scatter"; "Rooted single copy from 64 KiB on shared cores"; "Rooted single copy from
+  /// 16 KiB: the two line states".)
+  [[nodiscard]] std::size_t rooted_for(bool own_core) const noexcept {
     if (rooted_min != 0) return rooted_min;
-    return std::size_t{64} << 10;
+    return own_core ? std::size_t{16} << 10 : std::size_t{64} << 10;
   }
   /// Bytes per read in a reduction among `n` ranks: 1 MiB, less where n - 1 blocks of scratch would
   /// pass 4 MiB, never under 64 KiB. Each read pins its pages and runs one syscall; at 2 ranks,
@@ -128,7 +139,7 @@ class SingleCopy {
     self().ctl(self().rank()).cma_min = cma_.min_for(own_core);
     self().ctl(self().rank()).cma_slice_max = cma_.slice_max;
     self().ctl(self().rank()).cma_own_core = own_core ? 1 : 0;
-    self().ctl(self().rank()).cma_rooted_min = cma_.rooted_for();
+    self().ctl(self().rank()).cma_rooted_min = cma_.rooted_for(own_core);
     self().ctl(self().rank()).cma.store(ok ? 2 : 1, std::memory_order_relaxed);
     s = self().next_step();
     self().publish(s);
