@@ -5,12 +5,15 @@
 // time of a long run divided by its calls is the throughput alone, and at one rank it is the cost
 // of the call path itself (benchmarks/RESULTS.md, "Small rooted operations: the call path").
 //
-//   comm-run -n N comm-bench-small-loop [OPS [BYTES [CALLS [REPS]]]]
-//   mpirun -n N comm-bench-small-loop-mpi [OPS [BYTES [CALLS [REPS]]]]
+//   comm-run -n N comm-bench-small-loop [OPS [BYTES [CALLS [REPS [OFFSET]]]]]
+//   mpirun -n N comm-bench-small-loop-mpi [OPS [BYTES [CALLS [REPS [OFFSET]]]]]
 //     OPS    comma list of broadcast, gather, reduce, scatter, all_reduce (default broadcast,gather)
 //     BYTES  bytes per rank (default 8; float elements, so a multiple of 4)
 //     CALLS  calls per timed run (default 1000000)
 //     REPS   timed runs per op (default 5), each after a barrier
+//     OFFSET the buffers start this many bytes (a multiple of 4, below 4096) past a page boundary,
+//            so a copy's distance to Shm's segment modulo 4096 is fixed (default: where
+//            std::vector puts them; benchmarks/RESULTS.md, "memcpy at a distance of 1-15 bytes")
 //
 // Rank 0 prints "op bytes ns_per_call min median max" over the runs, each run's time the
 // slowest rank's.
@@ -23,6 +26,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <span>
@@ -54,7 +58,7 @@ struct Ranks {
     return m;
   }
   /// One call of `op`; false for an op this program does not know.
-  bool call(const std::string& op, std::vector<float>& in, std::vector<float>& out, int /*n: MPI knows it*/) {
+  bool call(const std::string& op, std::span<float> in, std::span<float> out, int /*n: MPI knows it*/) {
     const int c = static_cast<int>(in.size());
     if (op == "broadcast") return MPI_Bcast(in.data(), c, MPI_FLOAT, 0, MPI_COMM_WORLD) == MPI_SUCCESS;
     if (op == "gather")
@@ -77,7 +81,7 @@ struct Ranks {
     c.all_reduce(std::span<double>(&v, 1), comm::ReduceOp::max);
     return v;
   }
-  bool call(const std::string& op, std::vector<float>& in, std::vector<float>& out, int n) {
+  bool call(const std::string& op, std::span<float> in, std::span<float> out, int n) {
     const std::span<float> mine(in);
     if (op == "broadcast") {
       c.broadcast(mine, 0);
@@ -106,12 +110,24 @@ int main(int argc, char** argv) {
   const std::size_t bytes = argc > 2 ? std::strtoul(argv[2], nullptr, 10) : 8;
   const long calls = argc > 3 ? std::strtol(argv[3], nullptr, 10) : 1000000;
   const int reps = argc > 4 ? std::atoi(argv[4]) : 5;
+  const long offset = argc > 5 ? std::strtol(argv[5], nullptr, 10) : -1;
   const int n = ranks.size();
-  if (bytes < 4 || bytes % 4 != 0 || calls < 1 || reps < 1) {
-    if (ranks.rank() == 0) std::fprintf(stderr, "BYTES must be a positive multiple of 4, CALLS and REPS positive\n");
+  if (bytes < 4 || bytes % 4 != 0 || calls < 1 || reps < 1 || offset < -1 || offset >= 4096 || (offset > 0 && offset % 4 != 0)) {
+    if (ranks.rank() == 0)
+      std::fprintf(stderr, "BYTES must be a positive multiple of 4, CALLS and REPS positive, OFFSET a multiple of 4 below 4096\n");
     return 2;
   }
-  std::vector<float> in(bytes / 4, 1.0f), out(bytes / 4 * static_cast<std::size_t>(n), 0.0f);
+  const std::size_t in_n = bytes / 4, out_n = bytes / 4 * static_cast<std::size_t>(n);
+  // With OFFSET, each buffer sits in a larger one at that byte offset past a page boundary.
+  const std::size_t slack = offset < 0 ? 0 : 2048;
+  std::vector<float> in_store(in_n + slack, 1.0f), out_store(out_n + slack, 0.0f);
+  const auto place = [&](std::vector<float>& v, std::size_t count) {
+    if (offset < 0) return std::span<float>(v.data(), count);
+    const auto a = reinterpret_cast<std::uintptr_t>(v.data());
+    const std::size_t skip = ((4096 - (a & 4095u)) & 4095u) + static_cast<std::size_t>(offset);  // bytes, a multiple of 4
+    return std::span<float>(v.data() + skip / 4, count);
+  };
+  const std::span<float> in = place(in_store, in_n), out = place(out_store, out_n);
   for (const auto& op : ops) {
     std::vector<double> ns;
     for (int r = 0; r < reps; ++r) {

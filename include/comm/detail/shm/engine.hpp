@@ -63,6 +63,7 @@
 #include <thread>
 #include <vector>
 
+#include <comm/detail/base/copy.hpp>
 #include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/base/env.hpp>
@@ -332,13 +333,10 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
 
   // ---- algorithms ----
 
-  // memcpy/memmove of `bytes`, nothing for 0 (an empty buffer's data() may be null).
-  static void copy(void* dst, const void* src, std::size_t bytes) noexcept {
-    if (bytes != 0) std::memcpy(dst, src, bytes);
-  }
-  static void move(void* dst, const void* src, std::size_t bytes) noexcept {
-    if (bytes != 0) std::memmove(dst, src, bytes);
-  }
+  // memcpy/memmove of `bytes`, nothing for 0 (an empty buffer's data() may be null); in pieces
+  // where the two addresses would put glibc's `rep movsb` on its slow path (base/copy.hpp).
+  static void copy(void* dst, const void* src, std::size_t bytes) noexcept { copy_bytes(dst, src, bytes); }
+  static void move(void* dst, const void* src, std::size_t bytes) noexcept { move_bytes(dst, src, bytes); }
 
   /// Elements per step for element size `e` when each rank writes `pieces` pieces per step.
   [[nodiscard]] std::size_t per_step(std::size_t e, std::size_t pieces = 1) const noexcept {
