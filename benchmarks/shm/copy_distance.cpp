@@ -2,7 +2,10 @@
 // source modulo 4096, with glibc's memcpy and with comm::detail::copy_bytes (detail/base/copy.hpp,
 // what the Shm engine copies with). On x86 glibc moves 2 KiB to about 1 MiB with `rep movsb`,
 // which some CPUs run many times slower when the destination lies a few bytes past the source
-// modulo 4096; copy_bytes then copies in 2 KiB pieces.
+// modulo 4096; copy_bytes then copies in 2 KiB pieces. The last two columns are the kernel's
+// copy of the same bytes by process_vm_readv and process_vm_writev (this process reading and
+// writing itself), which Shm's single copy runs on: it pays the same distances at every size
+// (shm/cma.hpp, cma_copy).
 //
 //   comm-bench-copy-distance [SIZES...]   (bytes; default 4096 32768 262144 1048576)
 //
@@ -17,6 +20,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include <sys/uio.h>
+#include <unistd.h>
 
 #include <comm/detail/base/copy.hpp>
 
@@ -52,7 +58,8 @@ int main(int argc, char** argv) {
     sizes.push_back(static_cast<std::size_t>(v));
   }
   if (sizes.empty()) sizes = {4096, 32768, 262144, 1048576};
-  std::printf("%10s %9s %12s %15s %8s\n", "bytes", "distance", "memcpy (us)", "copy_bytes (us)", "ratio");
+  std::printf("%10s %9s %12s %15s %8s %11s %12s\n", "bytes", "distance", "memcpy (us)", "copy_bytes (us)", "ratio", "readv (us)",
+              "writev (us)");
   for (const std::size_t n : sizes) {
     // Both buffers page-aligned plus 64, so the distance is exactly `d`.
     std::vector<std::byte> src(n + 8192), dst(n + 8192);
@@ -67,7 +74,14 @@ int main(int argc, char** argv) {
       std::byte* t = page(dst) + d;
       const double libc = best_us(n, [&] { std::memcpy(t, s, n); });
       const double ours = best_us(n, [&] { comm::detail::copy_bytes(t, s, n); });
-      std::printf("%10zu %9zu %12.2f %15.2f %8.2f\n", n, d, libc, ours, ours / libc);
+      // The kernel's copy: `t` the destination, `s` the source, in both calls.
+      const iovec to{t, n}, from{s, n};
+      // -1: the kernel refused (seccomp; or a partial copy) and there is no time to give.
+      const bool cma = ::process_vm_readv(::getpid(), &to, 1, &from, 1, 0) == static_cast<ssize_t>(n) &&
+                       ::process_vm_writev(::getpid(), &from, 1, &to, 1, 0) == static_cast<ssize_t>(n);
+      const double readv = cma ? best_us(n, [&] { (void)::process_vm_readv(::getpid(), &to, 1, &from, 1, 0); }) : -1;
+      const double writev = cma ? best_us(n, [&] { (void)::process_vm_writev(::getpid(), &from, 1, &to, 1, 0); }) : -1;
+      std::printf("%10zu %9zu %12.2f %15.2f %8.2f %11.2f %12.2f\n", n, d, libc, ours, ours / libc, readv, writev);
     }
   }
   return 0;

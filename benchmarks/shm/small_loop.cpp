@@ -13,7 +13,9 @@
 //     REPS   timed runs per op (default 5), each after a barrier
 //     OFFSET the buffers start this many bytes (a multiple of 4, below 4096) past a page boundary,
 //            so a copy's distance to Shm's segment modulo 4096 is fixed (default: where
-//            std::vector puts them; benchmarks/RESULTS.md, "memcpy at a distance of 1-15 bytes")
+//            std::vector puts them; benchmarks/RESULTS.md, "memcpy at a distance of 1-15 bytes");
+//            a comma list gives rank r its (r mod length)th, so the distance between two ranks'
+//            buffers is fixed too ("Cross-memory attach at a distance of 1-15 bytes")
 //
 // Rank 0 prints "op bytes ns_per_call min median max" over the runs, each run's time the
 // slowest rank's.
@@ -110,11 +112,17 @@ int main(int argc, char** argv) {
   const std::size_t bytes = argc > 2 ? std::strtoul(argv[2], nullptr, 10) : 8;
   const long calls = argc > 3 ? std::strtol(argv[3], nullptr, 10) : 1000000;
   const int reps = argc > 4 ? std::atoi(argv[4]) : 5;
-  const long offset = argc > 5 ? std::strtol(argv[5], nullptr, 10) : -1;
+  const auto offsets = comm::bench::comma_list(argc > 5 ? argv[5] : "-1");
   const int n = ranks.size();
+  long offset = -2;  // not a number: refused below
+  if (const std::string& o = offsets[static_cast<std::size_t>(ranks.rank()) % offsets.size()]; !o.empty()) {
+    char* end = nullptr;
+    const long v = std::strtol(o.c_str(), &end, 10);
+    if (*end == '\0') offset = v;
+  }
   if (bytes < 4 || bytes % 4 != 0 || calls < 1 || reps < 1 || offset < -1 || offset >= 4096 || (offset > 0 && offset % 4 != 0)) {
-    if (ranks.rank() == 0)
-      std::fprintf(stderr, "BYTES must be a positive multiple of 4, CALLS and REPS positive, OFFSET a multiple of 4 below 4096\n");
+    if (ranks.rank() == 0 || offset < -1)  // an OFFSET list may be wrong for one rank only
+      std::fprintf(stderr, "BYTES must be a positive multiple of 4, CALLS and REPS positive, OFFSET multiples of 4 below 4096\n");
     return 2;
   }
   const std::size_t in_n = bytes / 4, out_n = bytes / 4 * static_cast<std::size_t>(n);

@@ -21,17 +21,18 @@
 ///   with no lock and no system call on the fast path; all_reduce up to `small_max` bytes in one
 ///   step, above that a direct reduce-scatter + all-gather through the segment in chunks of
 ///   `chunk_bytes`; half/bfloat16/fp8 reductions accumulate in float across all ranks and round
-///   once. broadcast, scatter, gather and reduce whose buffer fits one chunk (broadcast, scatter
-///   and gather: below the single-copy threshold) take one step without a rendezvous: the root of
+///   once. broadcast, scatter, gather and reduce whose buffer fits one chunk and is below the
+///   single-copy threshold take one step without a rendezvous: the root of
 ///   a broadcast or scatter publishes and returns, a non-root of a gather or reduce likewise. Steps of at most 16 bytes go through a ring of 64 header lines per
 ///   rank, those of at most 16 KiB through a ring of 16 bodies, so a root of back-to-back small
 ///   rooted operations runs up to 32 of them (15 above 16 bytes) ahead of its slowest reader, as an
 ///   MPI's eager protocol lets it.
-/// - **Single copy:** all_reduce, all_gather, all_to_all and reduce (above the chunk) of at least
-///   COMM_SHM_CMA_MIN bytes (32 KiB where the host has a core for every rank, else 1 MiB), reduce_scatter from
-///   COMM_SHM_CMA_MIN where the host has a core for every rank, and broadcast, scatter and gather
-///   from COMM_SHM_CMA_ROOTED_MIN (16 KiB of a message or of one rank's block where the host has a core
-///   for every rank, else 64 KiB) move between
+/// - **Single copy:** all_reduce, all_gather and all_to_all of at least COMM_SHM_CMA_MIN bytes
+///   (32 KiB where the host has a core for every rank, else 1 MiB), reduce_scatter from
+///   COMM_SHM_CMA_MIN where the host has a core for every rank, reduce from COMM_SHM_CMA_REDUCE_MIN
+///   (64 KiB where the host has a core for every rank, else 1 MiB; the root reduces the larger
+///   slice), and broadcast, scatter and gather from COMM_SHM_CMA_ROOTED_MIN (16 KiB of a message
+///   or of one rank's block where the host has a core for every rank, else 64 KiB) move between
 ///   the ranks' own buffers with `process_vm_readv` and `process_vm_writev` (cross-memory
 ///   attach): one copy by the kernel instead of two through the segment. Every rank tries it on
 ///   every peer at creation; if any rank cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp)

@@ -26,8 +26,9 @@
 #include <string>
 #include <vector>
 
-#include <comm/detail/engine/op.hpp>
+#include <comm/detail/base/copy.hpp>
 #include <comm/detail/base/env.hpp>
+#include <comm/detail/engine/op.hpp>
 #include <comm/detail/shm/segment.hpp>
 #include <comm/error.hpp>
 
@@ -43,26 +44,27 @@ namespace comm::detail::shm {
 /// on the smaller capability: see SingleCopy::agree_cma).
 struct CmaConfig {
   bool enabled = true;              // COMM_SHM_CMA=0 turns it off
-  std::size_t min_bytes = 0;        // COMM_SHM_CMA_MIN: smallest buffer moved by it (but rooted_min; 0: min_for)
+  std::size_t min_bytes = 0;        // COMM_SHM_CMA_MIN: smallest buffer moved by it (but rooted_min, reduce_min; 0: min_for)
   std::size_t block = 0;            // COMM_SHM_CMA_BLOCK: bytes per read in a reduction (0: block_for)
   std::size_t slice_max = SIZE_MAX;  // COMM_SHM_CMA_SLICE_MAX: largest slice a non-root reduces (reduce)
   std::size_t rooted_min = 0;       // COMM_SHM_CMA_ROOTED_MIN: broadcast; scatter, gather per rank (0: rooted_for)
+  std::size_t reduce_min = 0;       // COMM_SHM_CMA_REDUCE_MIN: reduce (0: reduce_for)
   static CmaConfig from_env() {
     CmaConfig c;
     if (auto v = env_nonneg_int("COMM_SHM_CMA")) c.enabled = *v != 0;
     if (auto v = env_nonneg_int("COMM_SHM_CMA_MIN")) c.min_bytes = std::max<std::size_t>(static_cast<std::size_t>(*v), 4096);
     if (auto v = env_nonneg_int("COMM_SHM_CMA_ROOTED_MIN"))
       c.rooted_min = std::max<std::size_t>(static_cast<std::size_t>(*v), 4096);
+    if (auto v = env_nonneg_int("COMM_SHM_CMA_REDUCE_MIN"))
+      c.reduce_min = std::max<std::size_t>(static_cast<std::size_t>(*v), 4096);
     if (auto v = env_nonneg_int("COMM_SHM_CMA_SLICE_MAX")) c.slice_max = static_cast<std::size_t>(*v);
     if (auto v = env_nonneg_int("COMM_SHM_CMA_BLOCK"))
       c.block = std::clamp<std::size_t>(static_cast<std::size_t>(*v), 4096, std::size_t{64} << 20) / kLine * kLine;
     return c;
   }
-  /// Smallest all_reduce, all_gather, all_to_all, reduce (above the chunk, which the one-step
-  /// segment reduce keeps: a single copy of 64-256 KiB was 1.3-1.6x slower on a quiet machine)
-  /// and reduce_scatter buffer moved by a single copy, given whether every rank has a core of its
-  /// own. Then from 32 KiB: at 2 ranks the segment's reads of data a peer has just written slow
-  /// 2-4x whenever moving a written line between the cores costs ~170 ns instead of ~30 (this VM
+  /// Smallest all_reduce, all_gather, all_to_all and reduce_scatter buffer moved by a single copy
+  /// (reduce: reduce_for), given whether every rank has a core of its own. Then from 32 KiB: at 2
+  /// ranks the segment's reads of data a peer has just written slow 2-4x whenever moving a written line between the cores costs ~170 ns instead of ~30 (this VM
   /// switches between the two within seconds), single copy's by ~15 % (all_gather and all_to_all
   /// 32 KiB 11.6-11.8 us by the segment against 5.4-5.5, OpenMPI 5.2-5.5); in the fast state the
   /// segment was the faster at 32 KiB (3.6 against 4.7) but single copy stayed below both MPIs
@@ -95,6 +97,18 @@ struct CmaConfig {
   [[nodiscard]] std::size_t rooted_for(bool own_core) const noexcept {
     if (rooted_min != 0) return rooted_min;
     return own_core ? std::size_t{16} << 10 : std::size_t{64} << 10;
+  }
+  /// Smallest reduce moved by a single copy: 64 KiB where every rank has a core, 1 MiB elsewhere
+  /// (as min_for; the one-step segment reduce, or an all_reduce above the chunk, below it). With
+  /// the root's slice the larger (Slices) it met OpenMPI's reduce at 2 ranks from 64 KiB in both
+  /// line states of a quiet run (64 KiB 8.0 / 8.8 us against 8.0 / 8.7, 256 KiB 24 / 25 against
+  /// 26 / 27) and stayed within 1.12x in a busier one, where the segment's one step, the faster in
+  /// the fast state (7.5-7.8 us), took 29-38 us in the slow one (113-129 at 256 KiB); at 32 KiB
+  /// single copy was 1.13x OpenMPI in both states and the segment 0.75x fast, 2.6x slow: it keeps
+  /// the segment (benchmarks/RESULTS.md, "Reduce by single copy from 64 KiB").
+  [[nodiscard]] std::size_t reduce_for(bool own_core) const noexcept {
+    if (reduce_min != 0) return reduce_min;
+    return own_core ? std::size_t{64} << 10 : std::size_t{1} << 20;
   }
   /// Bytes per read in a reduction among `n` ranks: 1 MiB, less where n - 1 blocks of scratch would
   /// pass 4 MiB, never under 64 KiB. Each read pins its pages and runs one syscall; at 2 ranks,
@@ -140,6 +154,7 @@ class SingleCopy {
     self().ctl(self().rank()).cma_slice_max = cma_.slice_max;
     self().ctl(self().rank()).cma_own_core = own_core ? 1 : 0;
     self().ctl(self().rank()).cma_rooted_min = cma_.rooted_for(own_core);
+    self().ctl(self().rank()).cma_reduce_min = cma_.reduce_for(own_core);
     self().ctl(self().rank()).cma.store(ok ? 2 : 1, std::memory_order_relaxed);
     s = self().next_step();
     self().publish(s);
@@ -149,10 +164,12 @@ class SingleCopy {
     cma_on_ = true;
     cma_own_core_ = true;
     cma_.rooted_min = 0;
+    cma_.reduce_min = 0;
     cma_.min_bytes = 0;
     for (int p = 0; p < self().size(); ++p) {
       cma_own_core_ = cma_own_core_ && self().ctl(p).cma_own_core == 1;
       cma_.rooted_min = std::max<std::size_t>(cma_.rooted_min, self().ctl(p).cma_rooted_min);
+      cma_.reduce_min = std::max<std::size_t>(cma_.reduce_min, self().ctl(p).cma_reduce_min);
       cma_on_ = cma_on_ && self().ctl(p).cma.load(std::memory_order_relaxed) == 2;
       cma_.min_bytes = std::max<std::size_t>(cma_.min_bytes, self().ctl(p).cma_min);
       cma_.slice_max = std::min<std::size_t>(cma_.slice_max, self().ctl(p).cma_slice_max);
@@ -170,6 +187,10 @@ class SingleCopy {
   [[nodiscard]] bool use_cma_rooted(std::size_t bytes) const noexcept {
     return cma_on_ && bytes >= cma_.rooted_min && bytes != 0;
   }
+  /// For reduce (the message): the agreed reduce threshold.
+  [[nodiscard]] bool use_cma_reduce(std::size_t bytes) const noexcept {
+    return cma_on_ && bytes >= cma_.reduce_min && bytes != 0;
+  }
   /// reduce_scatter (the whole input): only where every rank has a core. There it beat the
   /// segment at 2 ranks, 1-4 MiB (72-73 against 78-81 us at 1 MiB), and kept its figures where the
   /// segment's reads of freshly written halves slowed 3.5x (1 MiB 73 against 280 us); 4 ranks on 2
@@ -186,7 +207,28 @@ class SingleCopy {
   void cma_write(int p, std::uint64_t to, const void* from, std::size_t bytes) {
     cma_copy(p, const_cast<std::byte*>(static_cast<const std::byte*>(from)), to, bytes, true);
   }
+  /// The kernel copies a process_vm_readv / writev with `rep movs`, and on this project's AMD EPYC
+  /// VM that took 3.8-4.7x as long when the destination lay 1-15 bytes past the source modulo 4096,
+  /// as glibc's memcpy does (copy.hpp): 32 KiB 12.4 against 3.3 us, 2 MiB 730 against 154. Such
+  /// a transfer goes through scratch placed at the peer's page offset (distance 0), in pieces of
+  /// kBouncePiece, and copy_bytes moves each piece between the scratch and this rank's buffer
+  /// (benchmarks/RESULTS.md, "Cross-memory attach at a distance of 1-15 bytes").
   void cma_copy(int p, std::byte* mine, std::uint64_t theirs, std::size_t bytes, bool write) {
+    const auto at = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(mine));
+    const std::uint64_t distance = (write ? theirs - at : at - theirs) & 4095u;
+    if (distance == 0 || distance > 15) return cma_transfer(p, mine, theirs, bytes, write);
+    if (cma_bounce_.size() < kBouncePiece + 8192) cma_bounce_.resize(kBouncePiece + 8192);
+    const auto base = reinterpret_cast<std::uintptr_t>(cma_bounce_.data());
+    auto* scratch = reinterpret_cast<std::byte*>(((base + 4095) & ~std::uintptr_t{4095}) + (theirs & 4095u));
+    for (std::size_t off = 0; off < bytes; off += kBouncePiece) {
+      const std::size_t len = std::min(kBouncePiece, bytes - off);
+      if (write) copy_bytes(scratch, mine + off, len);
+      cma_transfer(p, scratch, theirs + off, len, write);
+      if (!write) copy_bytes(mine + off, scratch, len);
+    }
+  }
+  static constexpr std::size_t kBouncePiece = std::size_t{256} << 10;  // a whole number of pages, in L2
+  void cma_transfer(int p, std::byte* mine, std::uint64_t theirs, std::size_t bytes, bool write) {
     while (bytes != 0) {
       iovec local{mine, bytes};
       iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(theirs)), bytes};
@@ -236,17 +278,23 @@ class SingleCopy {
 
   /// Elements [lo, hi) of the reduction of this rank's `in` and every peer's input (the first
   /// address of step `a`), read in blocks into scratch, written to `dst` (element lo's place), or
-  /// with `dst` null to one block of scratch; `done(off, c, at)` runs after each block (elements
-  /// [off, off + c), reduced at `at`), while it is still in this core's cache.
+  /// with `dst` null to one block of scratch (at the page offset of `target` + off elements, where
+  /// the caller writes it); `done(off, c, at)` runs after each block (elements [off, off + c),
+  /// reduced at `at`), while it is still in this core's cache. Each block of scratch starts at
+  /// the page offset of what is read into it or written from it: no transfer of cma_copy's slow
+  /// distances, so none goes through its extra copy.
   template <class Done>
   void reduce_read(const Op& op, std::uint64_t a, const std::byte* in, std::byte* dst, std::size_t lo, std::size_t hi,
-                   Done&& done) {
+                   Done&& done, std::uint64_t target = 0) {
     const std::size_t e = op.elem_size;
     const int n = self().size();
     const std::size_t k = std::max<std::size_t>(std::min(cma_.block_for(n) / e, hi - lo), 1);
     const auto blocks = static_cast<std::size_t>(dst == nullptr ? n : n - 1);
+    const std::size_t slot = (k * e + 4095) / 4096 * 4096 + 4096;  // a block at any page offset
     // Grown only: a resize up within the capacity would zero the new bytes on every call.
-    if (const std::size_t need = blocks * k * e; cma_tmp_.size() < need) cma_tmp_.resize(need);
+    if (const std::size_t need = blocks * slot + 4096; cma_tmp_.size() < need) cma_tmp_.resize(need);
+    const auto base = reinterpret_cast<std::uintptr_t>(cma_tmp_.data());
+    std::byte* const tmp0 = reinterpret_cast<std::byte*>((base + 4095) & ~std::uintptr_t{4095});
     for (std::size_t off = lo; off < hi; off += k) {
       const std::size_t c = std::min(k, hi - off);
       std::size_t t = 0;
@@ -255,11 +303,13 @@ class SingleCopy {
           self().srcs_[static_cast<std::size_t>(p)] = in + off * e;
           continue;
         }
-        std::byte* tmp = cma_tmp_.data() + t++ * k * e;
-        cma_read(p, tmp, address_of(p, a, 0) + off * e, c * e);
+        const std::uint64_t from = address_of(p, a, 0) + off * e;
+        std::byte* tmp = tmp0 + t++ * slot + (from & 4095u);
+        cma_read(p, tmp, from, c * e);
         self().srcs_[static_cast<std::size_t>(p)] = tmp;
       }
-      std::byte* at = dst != nullptr ? dst + (off - lo) * e : cma_tmp_.data() + static_cast<std::size_t>(n - 1) * k * e;
+      std::byte* at = dst != nullptr ? dst : tmp0 + static_cast<std::size_t>(n - 1) * slot + ((target + off * e) & 4095u);
+      if (dst != nullptr) at += (off - lo) * e;
       self().reduce_from(op, at, c, true);
       done(off, c, at);
     }
@@ -269,16 +319,36 @@ class SingleCopy {
   }
 
   /// Rank p's slice of a reduction by cross-memory attach: elements [lo(p), hi(p)), whole cache
-  /// lines, the same on every rank (count, size and element size agree when the fingerprints do).
+  /// lines, the same on every rank (count, size, element size and root agree when the
+  /// fingerprints do). Equal slices of q, or with a `heavy` rank (a reduce's root) n shares to
+  /// every other rank's n - 1: each of the others reads n - 1 inputs and writes its slice into the
+  /// root, one copy more per element than the root makes. At 2 ranks (the root two thirds) it took
+  /// a reduce's 64 KiB from 9.8-10.6 to 8.0-8.8 us and 1 MiB from 113 to 96 (benchmarks/RESULTS.md,
+  /// "Reduce by single copy from 64 KiB"); where ranks share cores the time is the sum of every
+  /// rank's copies, not the slowest rank's, and the equal split was as fast (4 ranks, 1-16 MiB).
   struct Slices {
     std::size_t count, q;
-    Slices(std::size_t count_, int n, std::size_t e) : count(count_) {
+    int n, heavy;
+    std::size_t extra = 0;  // the heavy rank's elements beyond q, whole lines
+    Slices(std::size_t count_, int n_, std::size_t e, int heavy_ = -1) : count(count_), n(n_), heavy(heavy_) {
       const auto un = static_cast<std::size_t>(n);
       const std::size_t align = std::max<std::size_t>(kLine / e, 1);
-      q = ((count + un - 1) / un + align - 1) / align * align;
+      if (heavy < 0 || n < 2) {
+        heavy = -1;
+        q = ((count + un - 1) / un + align - 1) / align * align;
+        return;
+      }
+      // q = ceil(count * (n - 1) / shares) without the product (count may be near SIZE_MAX / 2).
+      const std::size_t shares = un + (un - 1) * (un - 1);
+      const std::size_t ceil = count / shares * (un - 1) + ((count % shares) * (un - 1) + shares - 1) / shares;
+      q = (ceil + align - 1) / align * align;
+      if (un * q < count) extra = (count - un * q) / align * align;  // the last rank takes what is left
     }
-    [[nodiscard]] std::size_t lo(int p) const noexcept { return std::min(count, q * static_cast<std::size_t>(p)); }
-    [[nodiscard]] std::size_t hi(int p) const noexcept { return std::min(count, lo(p) + q); }
+    [[nodiscard]] std::size_t lo(int p) const noexcept {
+      if (p >= n) return count;
+      return std::min(count, q * static_cast<std::size_t>(p) + (heavy >= 0 && p > heavy ? extra : 0));
+    }
+    [[nodiscard]] std::size_t hi(int p) const noexcept { return lo(p + 1); }
   };
 
   /// all_reduce by cross-memory attach: step a (addresses), every rank reduces its slice from the
@@ -391,7 +461,8 @@ class SingleCopy {
   /// reduce by cross-memory attach, as all_reduce: step a (input addresses, and the root's
   /// output), every rank reduces its slice of every input (the root into its output, the others
   /// block by block into scratch, each block written into the root's output while it is in
-  /// cache), step b (every slice in place, no input read any more). The root alone reading and
+  /// cache; the root's slice the larger where every rank has a core: Slices), step b (every
+  /// slice in place, no input read any more). The root alone reading and
   /// reducing every input left the others idle: 1.4-1.7x OpenMPI's reduce at 2 ranks, 1-16 MiB.
   /// Where a slice passes slice_max (COMM_SHM_CMA_SLICE_MAX; no limit by default, since a non-root
   /// holds one block at a time) the root reduces alone (cma_reduce_at_root). slice_max is the
@@ -401,16 +472,18 @@ class SingleCopy {
     const int n = self().size();
     const int me = self().rank();
     const int root = op.desc.root;
-    const Slices sl(op.in_count, n, e);
-    if (sl.q * e > cma_.slice_max) return cma_reduce_at_root(op);
+    const Slices sl(op.in_count, n, e, cma_own_core_ ? root : -1);
+    if (sl.q * e > cma_.slice_max) return cma_reduce_at_root(op);  // q: the others' slice
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
     const std::uint64_t a = self().next_step();
     publish_addresses(a, {in, out});
-    reduce_read(op, a, in, me == root ? out + sl.lo(me) * e : nullptr, sl.lo(me), sl.hi(me),
-                [&](std::size_t off, std::size_t c, const std::byte* at) {
-                  if (me != root) cma_write(root, address_of(root, a, 1) + off * e, at, c * e);
-                });
+    reduce_read(
+        op, a, in, me == root ? out + sl.lo(me) * e : nullptr, sl.lo(me), sl.hi(me),
+        [&](std::size_t off, std::size_t c, const std::byte* at) {
+          if (me != root) cma_write(root, address_of(root, a, 1) + off * e, at, c * e);
+        },
+        address_of(root, a, 1));
     const std::uint64_t b = self().next_step();
     self().publish(b);
     self().wait_all(b);
@@ -472,6 +545,7 @@ class SingleCopy {
   bool cma_on_ = false;
   bool cma_own_core_ = false;  // every rank's host has a core for each rank (agree_cma)
   std::vector<std::byte> cma_tmp_;       // reduce_read's blocks read from the peers
+  std::vector<std::byte> cma_bounce_;    // cma_copy's scratch at a peer's page offset
   std::uint64_t probe_ = cma_probe(static_cast<std::int64_t>(::getpid()));  // read by the peers at creation
 
  private:

@@ -163,8 +163,8 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
       case OpKind::scatter: return do_scatter(op);
       case OpKind::all_to_all: return do_all_to_all(op);
       case OpKind::reduce:
+        if (use_cma_reduce(op.in_count * op.elem_size)) return cma_reduce(op);
         if (op.in_count * op.elem_size <= layout_.chunk) return do_reduce(op);
-        if (use_cma(op.in_count * op.elem_size)) return cma_reduce(op);
         return Core::compose(op, seq);  // as an all_reduce
       default: return Core::compose(op, seq);  // all_to_all_v
     }
@@ -484,7 +484,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
       case OpKind::scatter:
         return !use_cma_rooted(op.out_count * e) && op.out_count <= per_step(e, static_cast<std::size_t>(size()));
       case OpKind::gather: return !use_cma_rooted(op.in_count * e) && op.in_count <= per_step(e);
-      case OpKind::reduce: return op.in_count * e <= layout_.chunk;
+      case OpKind::reduce: return !use_cma_reduce(op.in_count * e) && op.in_count * e <= layout_.chunk;
       default: return false;
     }
   }
