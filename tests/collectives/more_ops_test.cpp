@@ -723,11 +723,13 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
     }
   }
 }
+
 // Single copy between buffers whose page offsets differ by a few bytes: rank r's buffers start
 // 4r bytes past a page boundary, so every pair meets a destination 4-12 bytes past its source one
 // way and 4084-4092 the other. The kernel's copy is slow at the first (cma.hpp, cma_copy), which
 // goes through scratch at the peer's page offset: a piece of it put at the wrong place, or a
-// piece left out, shows here. 70001 floats pass one piece of that scratch (256 KiB), 5000 do not.
+// piece left out, shows here. 70001 elements (4 bytes each) pass one piece of that scratch
+// (256 KiB), 5000 do not.
 TEST_CASE("shm: single copy between buffers a few bytes apart modulo 4096") {
   const auto& w = comm::test::world();
   const int n = w.size;

@@ -208,11 +208,12 @@ class SingleCopy {
     cma_copy(p, const_cast<std::byte*>(static_cast<const std::byte*>(from)), to, bytes, true);
   }
   /// The kernel copies a process_vm_readv / writev with `rep movs`, and on this project's AMD EPYC
-  /// VM that took 3.8-4.7x as long when the destination lay 1-15 bytes past the source modulo 4096,
-  /// as glibc's memcpy does (copy.hpp): 32 KiB 12.4 against 3.3 us, 2 MiB 730 against 154. Such
-  /// a transfer goes through scratch placed at the peer's page offset (distance 0), in pieces of
-  /// kBouncePiece, and copy_bytes moves each piece between the scratch and this rank's buffer
-  /// (benchmarks/RESULTS.md, "Cross-memory attach at a distance of 1-15 bytes").
+  /// VM that took 3.5-5.8x as long when the destination lay 1-15 bytes past the source modulo 4096,
+  /// as glibc's memcpy does (copy.hpp): 32 KiB 12.5-14.1 against 3.5 us, 2 MiB 765-829 against 156
+  /// (and glibc leaves `rep movsb` from ~1 MiB, the kernel does not). Such a transfer goes through
+  /// scratch placed at the peer's page offset (distance 0), in pieces of kBouncePiece, and
+  /// copy_bytes moves each piece between the scratch and this rank's buffer (benchmarks/RESULTS.md,
+  /// "Cross-memory attach at a distance of 1-15 bytes").
   void cma_copy(int p, std::byte* mine, std::uint64_t theirs, std::size_t bytes, bool write) {
     const auto at = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(mine));
     const std::uint64_t distance = (write ? theirs - at : at - theirs) & 4095u;
