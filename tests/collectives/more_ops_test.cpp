@@ -744,8 +744,8 @@ TEST_CASE("shm: single copy between buffers a few bytes apart modulo 4096") {
   const auto place = [&](std::size_t count) {
     keep.emplace_back(count + 2048, -1);
     const auto a = reinterpret_cast<std::uintptr_t>(keep.back().data());
-    const std::size_t skip = ((4096 - (a & 4095u)) & 4095u) / 4 + static_cast<std::size_t>(me);
-    return std::span<std::int32_t>(keep.back().data() + skip, count);
+    const std::size_t pad = ((4096 - (a & 4095u)) & 4095u) / 4 + static_cast<std::size_t>(me);
+    return std::span<std::int32_t>(keep.back().data() + pad, count);
   };
   const auto code = [](std::size_t q, std::size_t i) { return static_cast<std::int32_t>(q * 1000003 + i % 999983); };
   const auto first_wrong = [](std::span<const std::int32_t> v, auto&& want) {

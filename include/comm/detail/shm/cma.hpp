@@ -219,8 +219,7 @@ class SingleCopy {
     const std::uint64_t distance = (write ? theirs - at : at - theirs) & 4095u;
     if (distance == 0 || distance > 15) return cma_transfer(p, mine, theirs, bytes, write);
     if (cma_bounce_.size() < kBouncePiece + 8192) cma_bounce_.resize(kBouncePiece + 8192);
-    const auto base = reinterpret_cast<std::uintptr_t>(cma_bounce_.data());
-    auto* scratch = reinterpret_cast<std::byte*>(((base + 4095) & ~std::uintptr_t{4095}) + (theirs & 4095u));
+    std::byte* const scratch = first_page(cma_bounce_) + (theirs & 4095u);
     for (std::size_t off = 0; off < bytes; off += kBouncePiece) {
       const std::size_t len = std::min(kBouncePiece, bytes - off);
       if (write) copy_bytes(scratch, mine + off, len);
@@ -229,6 +228,11 @@ class SingleCopy {
     }
   }
   static constexpr std::size_t kBouncePiece = std::size_t{256} << 10;  // a whole number of pages, in L2
+  /// The first page boundary in `v` (scratch sized a page more than it holds).
+  [[nodiscard]] static std::byte* first_page(std::vector<std::byte>& v) noexcept {
+    const auto a = reinterpret_cast<std::uintptr_t>(v.data());
+    return v.data() + ((4096 - (a & 4095u)) & 4095u);
+  }
   void cma_transfer(int p, std::byte* mine, std::uint64_t theirs, std::size_t bytes, bool write) {
     while (bytes != 0) {
       iovec local{mine, bytes};
@@ -294,8 +298,7 @@ class SingleCopy {
     const std::size_t slot = (k * e + 4095) / 4096 * 4096 + 4096;  // a block at any page offset
     // Grown only: a resize up within the capacity would zero the new bytes on every call.
     if (const std::size_t need = blocks * slot + 4096; cma_tmp_.size() < need) cma_tmp_.resize(need);
-    const auto base = reinterpret_cast<std::uintptr_t>(cma_tmp_.data());
-    std::byte* const tmp0 = reinterpret_cast<std::byte*>((base + 4095) & ~std::uintptr_t{4095});
+    std::byte* const tmp0 = first_page(cma_tmp_);
     for (std::size_t off = lo; off < hi; off += k) {
       const std::size_t c = std::min(k, hi - off);
       std::size_t t = 0;
