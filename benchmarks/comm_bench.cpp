@@ -138,7 +138,7 @@ void run_dtype(Context<C>& ctx) {
       throw std::invalid_argument("--root " + std::to_string(o.root) + " is not below the world size " +
                                   std::to_string(ctx.size));
     Buffers<T> bufs;
-    bufs.reserve(op, sizes, ctx.size, inplace);
+    bufs.reserve(op, sizes, ctx.size, inplace, place_of(o.offset, ctx.rank));
     if (ctx.rank == 0) {
       if (!o.json) {
         std::printf("# comm-bench %s: backend %s, world %d, dtype %s, redop %s, %s, iters %d (min %d, budget %gs), "

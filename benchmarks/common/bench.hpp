@@ -182,6 +182,37 @@ struct Layout {
   }
 }
 
+/// Where one rank's buffers start, in bytes past a page boundary (--offset); -1: where std::vector
+/// puts them.
+struct Place {
+  long in = -1, out = -1;
+};
+
+/// Rank `rank`'s entry of an --offset list: "IN" or "IN:OUT" per rank, comma separated, rank r
+/// taking entry r mod the list's length. Throws std::invalid_argument on a malformed list.
+[[nodiscard]] inline Place place_of(const std::string& list, int rank) {
+  if (list.empty()) return {};
+  const auto items = comma_list(list);
+  auto number = [&](const std::string& v) {
+    char* end = nullptr;
+    const long x = v.empty() ? -1 : std::strtol(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || x < 0 || x >= 4096)
+      throw std::invalid_argument("--offset: '" + v + "' is not a byte offset in 0..4095 (list: " + list + ")");
+    return x;
+  };
+  for (const auto& item : items) {  // every entry checked on every rank: the same message everywhere
+    const auto colon = item.find(':');
+    (void)number(item.substr(0, colon));
+    if (colon != std::string::npos) (void)number(item.substr(colon + 1));
+  }
+  const std::string& mine = items[static_cast<std::size_t>(rank) % items.size()];
+  const auto colon = mine.find(':');
+  Place p;
+  p.in = number(mine.substr(0, colon));
+  p.out = colon == std::string::npos ? p.in : number(mine.substr(colon + 1));
+  return p;
+}
+
 /// "8", "64K", "1M", "64MiB", "2G" (binary multiples).
 [[nodiscard]] inline std::size_t parse_bytes(std::string_view s) {
   std::size_t v = 0;

@@ -43,6 +43,7 @@ struct Options {
   std::string algo;      ///< algorithm variant (raw gloo prototypes, see --help)
   bool async = false;    ///< comm: time the comm::async form (+ Work::wait); -z 0
   int gap_us = 0;        ///< sleep between timed calls (not timed)
+  std::string offset;    ///< --offset: per-rank buffer placement ("" : where std::vector puts them)
 };
 
 /// In place by default for all_reduce only, like torch.distributed's API; never for the ops whose
@@ -217,6 +218,19 @@ template <class Extra>
   app.add_option("--gap-us", o.gap_us, "sleep this many microseconds between calls, outside the timed region")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--offset", o.offset,
+                 "start the buffers this many bytes past a page boundary: IN or IN:OUT per rank, a comma list "
+                 "(rank r takes entry r mod its length; multiples of the element size; default: where std::vector "
+                 "puts them). Copies between buffers 1-15 bytes apart modulo 4096 are slow on some x86 CPUs "
+                 "(benchmarks/RESULTS.md)")
+      ->check([](const std::string& v) {
+        try {
+          (void)place_of(v, 0);
+          return std::string();
+        } catch (const std::exception& e) {
+          return std::string(e.what());
+        }
+      });
   extra(app);
 
   try {

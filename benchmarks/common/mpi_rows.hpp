@@ -199,7 +199,7 @@ void run_mpi_dtype(const Options& o, MpiComm& c, MPI_Comm raw_comm, const CrossR
       throw std::invalid_argument("--root " + std::to_string(o.root) + " is not below the world size " +
                                   std::to_string(n));
     Buffers<T> bufs;
-    bufs.reserve(op, sizes, n, inplace);
+    bufs.reserve(op, sizes, n, inplace, place_of(o.offset, rank));
     if (rank == 0 && !o.json) {
       std::printf("# comm-bench %s: backend mpi (%s), world %d, dtype %s, redop %s, %s, iters %d (min %d, budget "
                   "%gs), warmup %d%s%s\n",

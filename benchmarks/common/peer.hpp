@@ -48,7 +48,7 @@ long run_peer(const Options& o, int rank, int n, const CrossRank& x, const PeerS
     const bool inplace = in_place(o, op);
     const std::string algo = s.algo ? s.algo(op) : std::string();
     Buffers<T> bufs;
-    bufs.reserve(op, sizes, n, inplace);
+    bufs.reserve(op, sizes, n, inplace, place_of(o.offset, rank));
     if (rank == 0 && !o.json) {
       std::printf("# %s %s: world %d, dtype %s%s%s\n", s.name.c_str(), std::string(to_string(op)).c_str(), n,
                   std::string(dtype_name<T>()).c_str(), algo.empty() ? "" : ", algo ", algo.c_str());

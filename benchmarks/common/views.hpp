@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <span>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "bench.hpp"
@@ -15,10 +18,15 @@ namespace comm::bench {
 template <class T>
 struct Buffers {
   std::vector<T> in, out;
+  std::size_t in_at = 0, out_at = 0;  ///< where the buffers start in `in` and `out` (elements)
+
+  [[nodiscard]] T* in_data() noexcept { return in.data() + in_at; }
+  [[nodiscard]] T* out_data() noexcept { return out.data() + out_at; }
 
   /// Room for every size of `sizes` (allocated and touched once, like nccl-tests); only the
-  /// buffers that `view` uses for this op and placement.
-  void reserve(Op op, const std::vector<std::size_t>& sizes, int n, bool inplace) {
+  /// buffers that `view` uses for this op and placement. With `place`, each buffer starts that
+  /// many bytes past a page boundary (a multiple of the element size: std::invalid_argument).
+  void reserve(Op op, const std::vector<std::size_t>& sizes, int n, bool inplace, Place place = {}) {
     std::size_t in_cap = 0, out_cap = 0;
     for (auto s : sizes) {
       const Layout l = layout(op, s, sizeof(T), n);
@@ -28,8 +36,21 @@ struct Buffers {
     const bool in_unused = op == Op::broadcast || op == Op::barrier ||
                            (inplace && (op == Op::all_reduce || op == Op::all_gather || op == Op::reduce));
     const bool out_unused = op == Op::barrier || (inplace && op == Op::reduce_scatter);
+    in_at = out_at = 0;
     in.assign(in_unused ? 0 : in_cap, T{});
     out.assign(out_unused ? 0 : out_cap, T{});
+    auto shift = [](std::vector<T>& v, long offset, std::size_t& at) {
+      if (offset < 0 || v.empty()) return;
+      if (static_cast<std::size_t>(offset) % sizeof(T) != 0)
+        throw std::invalid_argument("--offset " + std::to_string(offset) + " is not a multiple of the element size (" +
+                                    std::to_string(sizeof(T)) + " bytes)");
+      const std::size_t cap = v.size();
+      v.assign(cap + (4096 + static_cast<std::size_t>(offset)) / sizeof(T) + 1, T{});
+      const auto a = reinterpret_cast<std::uintptr_t>(v.data());
+      at = (((4096 - (a & 4095u)) & 4095u) + static_cast<std::size_t>(offset)) / sizeof(T);
+    };
+    shift(in, place.in, in_at);
+    shift(out, place.out, out_at);
   }
 };
 
@@ -55,53 +76,53 @@ template <class T>
   const std::size_t mine = static_cast<std::size_t>(rank) * l.block;
   switch (op) {
     case Op::all_reduce:
-      v.out = b.out.data();
-      v.in = inplace ? v.out : b.in.data();
+      v.out = b.out_data();
+      v.in = inplace ? v.out : b.in_data();
       v.in_n = v.out_n = l.count;
       break;
     case Op::reduce_scatter:
-      v.in = b.in.data();
-      v.out = inplace ? v.in + mine : b.out.data();
+      v.in = b.in_data();
+      v.out = inplace ? v.in + mine : b.out_data();
       v.in_n = l.in_count;
       v.out_n = l.block;
       break;
     case Op::all_gather:
-      v.out = b.out.data();
-      v.in = inplace ? v.out + mine : b.in.data();
+      v.out = b.out_data();
+      v.in = inplace ? v.out + mine : b.in_data();
       v.in_n = l.block;
       v.out_n = l.out_count;
       break;
     case Op::broadcast:
-      v.in = v.out = b.out.data();
+      v.in = v.out = b.out_data();
       v.in_n = v.out_n = l.count;
       break;
     case Op::gather:
-      v.in = b.in.data();
-      v.out = b.out.data();
+      v.in = b.in_data();
+      v.out = b.out_data();
       v.in_n = l.block;
       v.out_n = rank == root ? l.out_count : 0;
       break;
     case Op::reduce:
-      v.out = b.out.data();
-      v.in = inplace ? v.out : b.in.data();
+      v.out = b.out_data();
+      v.in = inplace ? v.out : b.in_data();
       v.in_n = l.count;
       // In place every rank passes its whole buffer; out of place only the root has an output.
       v.out_n = inplace || rank == root ? l.count : 0;
       break;
     case Op::scatter:
-      v.in = b.in.data();
+      v.in = b.in_data();
       v.in_n = rank == root ? l.in_count : 0;
-      v.out = inplace && rank == root ? v.in + mine : b.out.data();
+      v.out = inplace && rank == root ? v.in + mine : b.out_data();
       v.out_n = l.block;
       break;
     case Op::all_to_all:
-      v.in = b.in.data();
-      v.out = b.out.data();
+      v.in = b.in_data();
+      v.out = b.out_data();
       v.in_n = v.out_n = l.count;
       break;
     case Op::all_to_all_v:
-      v.in = b.in.data();
-      v.out = b.out.data();
+      v.in = b.in_data();
+      v.out = b.out_data();
       for (int p = 0; p < l.world; ++p) {
         v.in_counts.push_back(a2av_count(rank, p, l.block));
         v.out_counts.push_back(a2av_count(p, rank, l.block));
@@ -110,8 +131,8 @@ template <class T>
       }
       break;
     case Op::send_recv:
-      v.in = b.in.data();
-      v.out = b.out.data();
+      v.in = b.in_data();
+      v.out = b.out_data();
       v.in_n = v.out_n = l.count;
       v.peer = ping_pong_peer(rank, l.world);
       break;

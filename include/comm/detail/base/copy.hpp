@@ -1,12 +1,13 @@
 #pragma once
-// Copies between buffers whose addresses the caller does not choose (a user's buffer and the Shm
-// segment). glibc's memcpy moves 2 KiB to ~1 MiB with `rep movsb` on x86 (on this project's AMD
-// EPYC VM its x86_rep_movsb_threshold is 2,112 bytes; from the core's L2 size on it runs a vector
-// loop), and there `rep movsb` took 16-33x as long when the destination lay 1-15 bytes past the
-// source modulo 4096: 32 KiB 9.5-11 us against 0.6, 256 KiB 75 against 4.6. A float buffer that
-// starts 4, 8 or 12 bytes off the segment's 64-byte lines at the matching page offset (a subspan
-// can) meets that distance on every call. In pieces of 2 KiB, each below the threshold, the copy
-// stays on the vector loop and takes an aligned copy's time at any distance
+// Copies between buffers whose addresses the caller does not choose: a user's buffer and Shm's
+// segment, Gloo's frames, Mpi's receive slots, or another of the user's (an output's own block).
+// Every engine copies with these. glibc's memcpy moves 2 KiB to ~1 MiB with `rep movsb` on x86 (on
+// this project's AMD EPYC VM its x86_rep_movsb_threshold is 2,112 bytes; from the core's L2 size on
+// it runs a vector loop), and there `rep movsb` took 16-33x as long when the destination lay 1-15
+// bytes past the source modulo 4096: 32 KiB 9.5-11 us against 0.6, 256 KiB 75 against 4.6. A float
+// buffer that starts 4, 8 or 12 bytes off the segment's 64-byte lines at the matching page offset
+// (a subspan can) meets that distance on every call. In pieces of 2 KiB, each below the threshold,
+// the copy stays on the vector loop and takes an aligned copy's time at any distance
 // (benchmarks/RESULTS.md, "memcpy at a distance of 1-15 bytes"; comm-bench-copy-distance).
 
 #include <algorithm>

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include <comm/concepts.hpp>
+#include <comm/detail/base/copy.hpp>
 #include <comm/detail/diagnostics/comms_log.hpp>
 #include <comm/detail/cuda/driver.hpp>
 #include <comm/detail/diagnostics/desync.hpp>
@@ -384,7 +385,7 @@ class EngineCore : public CommCore {
         if (rank() == op.desc.root) {
           const auto* mine = static_cast<const std::byte*>(op.in) +
                              static_cast<std::size_t>(rank()) * op.out_count * op.elem_size;
-          if (mine != op.out && op.out_count != 0) std::memcpy(op.out, mine, op.out_count * op.elem_size);
+          if (mine != op.out) copy_bytes(op.out, mine, op.out_count * op.elem_size);
         }
         derived().perform_p2p(op, std::span<P2PItem>(compose_items_));
         return;

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include <comm/detail/base/copy.hpp>
 #include <comm/detail/engine/op.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
 #include <comm/error.hpp>
@@ -143,9 +144,8 @@ inline void all_to_all_self_copy(const Op& op, int rank, int size) {
     out_off += op.counts.empty() ? op.out_count / n : op.counts[n + p];
   }
   const std::size_t c = op.counts.empty() ? op.in_count / n : op.counts[r];
-  if (c != 0)
-    std::memcpy(static_cast<std::byte*>(op.out) + out_off * op.elem_size,
-                static_cast<const std::byte*>(op.in) + in_off * op.elem_size, c * op.elem_size);
+  copy_bytes(static_cast<std::byte*>(op.out) + out_off * op.elem_size,
+             static_cast<const std::byte*>(op.in) + in_off * op.elem_size, c * op.elem_size);
 }
 
 }  // namespace comm::detail

@@ -33,6 +33,7 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
+#include <comm/detail/base/copy.hpp>
 #include <comm/detail/base/env.hpp>
 #include <comm/detail/gloo/bulk.hpp>
 #include <comm/detail/gloo/reduce_scatter.hpp>
@@ -102,7 +103,7 @@ void doubling_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint6
   const int n = ctx->size;
   const int r = ctx->rank;
   const std::size_t count = bytes / elem_size;
-  if (in != nullptr && in != out) std::memcpy(out, in, bytes);
+  if (in != nullptr && in != out) copy_bytes(out, in, bytes);
   if (n == 1) return;
   int p = 1;
   while (p * 2 <= n) p *= 2;
@@ -149,7 +150,7 @@ void doubling_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, std::uint6
       wait_send(*ubufs[ci], deadline);
     }
   }
-  if (ci != 0) std::memcpy(out, bufs[ci], bytes);
+  if (ci != 0) copy_bytes(out, bufs[ci], bytes);
 }
 
 /// The slots of an all_reduce: tagged, or (headed) hashed from the fingerprint. The ring's
@@ -175,7 +176,7 @@ class RemainderExchange {
   RemainderExchange(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t slot, std::byte* tail,
                     std::size_t bytes)
       : n_(ctx->size), r_(ctx->rank), tail_(tail), bytes_(bytes), copies_(static_cast<std::size_t>(n_) * bytes) {
-    std::memcpy(copies_.data() + static_cast<std::size_t>(r_) * bytes, tail, bytes);
+    copy_bytes(copies_.data() + static_cast<std::size_t>(r_) * bytes, tail, bytes);
     buf_ = ctx->createUnboundBuffer(copies_.data(), copies_.size());
     for (int q = 0; q < n_; ++q)
       if (q != r_) buf_->recv(q, slot, static_cast<std::size_t>(q) * bytes, bytes);
@@ -189,7 +190,7 @@ class RemainderExchange {
       if (q != r_) headers.check(q);
     for (int i = 1; i < n_; ++i) wait_recv(*buf_, deadline);
     for (int i = 1; i < n_; ++i) wait_send(*buf_, deadline);
-    std::memcpy(tail_, copies_.data(), bytes_);
+    copy_bytes(tail_, copies_.data(), bytes_);
     for (int q = 1; q < n_; ++q)
       reduce(tail_, tail_, copies_.data() + static_cast<std::size_t>(q) * bytes_, bytes_ / elem_size);
   }
@@ -216,7 +217,7 @@ void ring_all_reduce(const std::shared_ptr<::gloo::Context>& ctx, const ArSlots&
                      Scratch& scratch, const Headers& headers = {}) {
   const auto n = static_cast<std::size_t>(ctx->size);
   auto* o = static_cast<std::byte*>(out);
-  if (in != nullptr && in != out) std::memcpy(out, in, count * elem_size);
+  if (in != nullptr && in != out) copy_bytes(out, in, count * elem_size);
   const std::size_t m = count / n;
   const std::size_t chunk = m * elem_size;
   const std::size_t rest = count - n * m;

@@ -21,6 +21,7 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
+#include <comm/detail/base/copy.hpp>
 #include <comm/detail/gloo/reduce_scatter.hpp>
 #include <comm/detail/gloo/waits.hpp>
 
@@ -254,7 +255,7 @@ void direct_gather(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t sl
   }
   auto* mine = static_cast<std::byte*>(out) + static_cast<std::size_t>(root) * chunk_bytes;
   if (n == 1 || chunk_bytes == 0) {
-    if (mine != in) std::memmove(mine, in, chunk_bytes);
+    if (mine != in) move_bytes(mine, in, chunk_bytes);
     return;
   }
   auto buf = ctx->createUnboundBuffer(out, static_cast<std::size_t>(n) * chunk_bytes);
@@ -264,7 +265,7 @@ void direct_gather(const std::shared_ptr<::gloo::Context>& ctx, std::uint64_t sl
     headers.expect(q);
   }
   // The root's own chunk is copied while the peers' arrive (its slot is no receive's).
-  if (mine != in) std::memmove(mine, in, chunk_bytes);
+  if (mine != in) move_bytes(mine, in, chunk_bytes);
   for (int q = 0; q < n; ++q)
     if (q != root) headers.check(q);
   for (int i = 1; i < n; ++i) wait_recv(*buf, deadline);

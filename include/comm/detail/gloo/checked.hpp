@@ -36,6 +36,7 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
+#include <comm/detail/base/copy.hpp>
 #include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/gloo/algorithms.hpp>
 #include <comm/detail/gloo/direct.hpp>
@@ -120,7 +121,7 @@ class FramedOp {
   /// Frame i gets this operation's fingerprint, then `src` (payload_bytes(); null: left as is).
   void fill(std::size_t i, const void* src) const {
     std::memcpy(frame(i), &fp_, sizeof(Fingerprint));
-    if (src != nullptr && payload_ != 0) std::memcpy(payload(i), src, payload_);
+    if (src != nullptr) copy_bytes(payload(i), src, payload_);
   }
   void post_recv(std::size_t i, int peer) const {
     if (auto* d = frames_.direct()) {
@@ -253,7 +254,7 @@ inline void checked_all_reduce(const FramedOp& f, int n, int r, const void* in, 
       f.wait_send(cur, r + p);
     }
   }
-  if (f.payload_bytes() != 0) std::memcpy(out, f.payload(cur), f.payload_bytes());
+  copy_bytes(out, f.payload(cur), f.payload_bytes());
 }
 
 /// Every rank sends its frame (fingerprint, then `mine`) to every other and receives one from each
@@ -288,9 +289,9 @@ inline void checked_all_gather(const FramedOp& f, int n, int r, const void* in, 
   const auto me = static_cast<std::size_t>(r);
   const void* mine = in != nullptr ? in : (dst != nullptr ? dst + me * b : nullptr);
   all_to_all_frames(f, n, r, mine, true, [&](std::size_t q) {
-    if (dst != nullptr && b != 0) std::memcpy(dst + q * b, f.payload(q), b);
+    if (dst != nullptr) copy_bytes(dst + q * b, f.payload(q), b);
   });
-  if (dst != nullptr && in != nullptr && b != 0 && in != dst + me * b) std::memcpy(dst + me * b, in, b);
+  if (dst != nullptr && in != nullptr && in != dst + me * b) copy_bytes(dst + me * b, in, b);
 }
 
 /// Broadcast of payload_bytes() from `root` to every rank, directly.
@@ -305,7 +306,7 @@ inline void checked_broadcast(const FramedOp& f, int n, int r, int root, void* d
   }
   f.post_recv(0, root);
   f.wait_recv(0, root);
-  if (f.payload_bytes() != 0) std::memcpy(data, f.payload(0), f.payload_bytes());
+  copy_bytes(data, f.payload(0), f.payload_bytes());
 }
 
 /// Gather of payload_bytes() per rank to `root` (`out`: n blocks there), directly.
@@ -323,10 +324,10 @@ inline void checked_gather(const FramedOp& f, int n, int r, int root, const void
   for (int q = 0; q < n; ++q) {
     if (q == r) continue;
     f.wait_recv(static_cast<std::size_t>(q), q);
-    if (b != 0) std::memcpy(dst + static_cast<std::size_t>(q) * b, f.payload(static_cast<std::size_t>(q)), b);
+    copy_bytes(dst + static_cast<std::size_t>(q) * b, f.payload(static_cast<std::size_t>(q)), b);
   }
   const auto* mine = static_cast<const std::byte*>(in);
-  if (b != 0 && mine != dst + static_cast<std::size_t>(r) * b) std::memcpy(dst + static_cast<std::size_t>(r) * b, in, b);
+  if (mine != dst + static_cast<std::size_t>(r) * b) copy_bytes(dst + static_cast<std::size_t>(r) * b, in, b);
 }
 
 /// Reduce-scatter of `count` elements (payload_bytes()) per rank: block q of every rank's input
@@ -353,7 +354,7 @@ inline void checked_reduce_scatter(const FramedOp& f, int n, int r, const void* 
       block = f.payload(uq);
     }
     if (q == 0)
-      std::memcpy(out, block, b);
+      copy_bytes(out, block, b);
     else
       reduce(out, out, block, count);
   }

@@ -41,6 +41,7 @@
 #include <gloo/types.h>
 
 #include <comm/concepts.hpp>
+#include <comm/detail/base/copy.hpp>
 #include <comm/detail/gloo/abort.hpp>
 #include <comm/detail/gloo/algorithms.hpp>
 #include <comm/detail/gloo/bulk.hpp>
@@ -237,7 +238,7 @@ class Engine : public EngineCore<Engine> {
         // first segments travel while this rank copies its own input into place.
         if (!headed(op)) {
           RingAllGather ring(ctx, tag, deadline, op.out, chunk, forward_segment(chunk));
-          if (mine != op.in) std::memmove(mine, op.in, chunk);  // an input already there is gathered in place
+          if (mine != op.in) move_bytes(mine, op.in, chunk);  // an input already there is gathered in place
           ring.run();
           return;
         }
@@ -250,7 +251,7 @@ class Engine : public EngineCore<Engine> {
         const int left = (rank() + size() - 1) % size(), right = (rank() + 1) % size();
         RingAllGather ring(ctx, hashed_slot(kHeadedAllGatherSlotPrefix, &fp), deadline, op.out, chunk,
                            forward_segment(chunk), [&] { headers.expect(left); });
-        if (mine != op.in) std::memmove(mine, op.in, chunk);
+        if (mine != op.in) move_bytes(mine, op.in, chunk);
         ring.send_own_through(1);  // the first segment, then the header behind it (post_headed_recvs)
         headers.announce(right);
         headers.check(left);

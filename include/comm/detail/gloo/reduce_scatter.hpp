@@ -29,6 +29,7 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
+#include <comm/detail/base/copy.hpp>
 #include <comm/detail/gloo/waits.hpp>
 
 namespace comm::detail::gloo {
@@ -121,7 +122,7 @@ void ring_reduce_scatter_hooked(const std::shared_ptr<::gloo::Context>& ctx, Rin
   auto* out_bytes = static_cast<std::byte*>(out);
   if (count == 0) return;
   if (n == 1) {
-    if (out_bytes != in_bytes) std::memmove(out_bytes, in_bytes, chunk_bytes);
+    if (out_bytes != in_bytes) move_bytes(out_bytes, in_bytes, chunk_bytes);
     return;
   }
   const std::size_t seg_elems = std::max<std::size_t>(1, kSegmentBytes / elem_size);

@@ -60,6 +60,7 @@
 #include <vector>
 
 #include <comm/concepts.hpp>
+#include <comm/detail/base/copy.hpp>
 #include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/hierarchical/cross.hpp>
 #include <comm/detail/base/logging.hpp>
@@ -266,7 +267,7 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   }
 
   static void copy(const void* from, void* to, std::size_t bytes) noexcept {
-    if (from != to && bytes != 0) std::memcpy(to, from, bytes);
+    if (from != to) copy_bytes(to, from, bytes);
   }
   static Bytes* at(void* p, std::size_t bytes) noexcept { return static_cast<Bytes*>(p) + bytes; }
   static const Bytes* at(const void* p, std::size_t bytes) noexcept { return static_cast<const Bytes*>(p) + bytes; }

@@ -58,6 +58,7 @@
 #include <utility>
 #include <vector>
 
+#include <comm/detail/base/copy.hpp>
 #include <comm/detail/diagnostics/desync.hpp>
 #include <comm/detail/engine/core.hpp>
 #include <comm/detail/diagnostics/flight_recorder.hpp>
@@ -261,7 +262,7 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
           return MPI_Ireduce_scatter_block(op.in, recv, n, red.type, red.op, comm_, req);
         });
         if (in_place) {
-          std::memcpy(op.out, recv, bytes);
+          copy_bytes(op.out, recv, bytes);
           if (scratch_.capacity() > kScratchKeep) std::vector<std::byte>().swap(scratch_);
         }
         if (op.finish != nullptr) op.finish(op.out, op.out_count, size());
