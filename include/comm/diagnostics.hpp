@@ -5,12 +5,15 @@
 /// operation is described in them and in desync errors ("all_reduce(float x4, sum)").
 ///
 /// ### Flight recorder
-/// Every communicator of a backend that has one (Gloo and NCCL) keeps its last N operations in a fixed ring:
+/// Every communicator (every backend) keeps its last N operations in a fixed ring:
 /// sequence number, operation, element type, count, root, reduction, state (queued, started,
 /// completed, failed), the times of those transitions, and the error of a failed one.
 /// - N: the backend option `flight_recorder_size`, default COMM_FLIGHT_RECORDER_SIZE, else 256;
 ///   0 turns recording off.
-/// - Cost: no allocation per operation (a preallocated ring under a mutex, three clock reads).
+/// - A record whose operation has not ended is kept: when the ring comes round to it, the new
+///   operation goes unrecorded (counted in total_ops), so a hung operation stays in the dump.
+/// - Cost: no allocation per operation; two clock reads per blocking operation, and on the host
+///   backends no lock (docs/DIAGNOSTICS.md).
 /// - Dumps: `dump_flight_record(path)` on demand. With `COMM_FLIGHT_RECORDER=path` each
 ///   communicator writes `path.<rank>` automatically on its first failure (Timeout, RemoteError,
 ///   BackendError, a DesyncError or a failed monitored_barrier) and when it is destroyed; a
@@ -154,7 +157,7 @@ struct FlightRecord {
   std::string name;             ///< "" for a root communicator, "g0", "g0.g1" for subgroups, "c2"...
   std::uint64_t total_ops = 0;  ///< operations issued since creation (the oldest may have been dropped)
   std::size_t capacity = 0;     ///< ring size (0: recording is off)
-  /// The last `capacity` operations at most, oldest first.
+  /// The last `capacity` operations at most (one not yet ended before newer ones), oldest first.
   std::vector<OpRecord> ops;
 };
 

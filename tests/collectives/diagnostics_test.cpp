@@ -7,11 +7,13 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -222,6 +224,102 @@ TEST_CASE("flight recorder: a ring of the last N; size 0 records nothing") {
   CHECK(fr.total_ops == 0);
   CHECK(fr.ops.empty());
   CHECK(v[0] == 0);
+}
+
+TEST_CASE("flight recorder: an operation still in flight keeps its record when the ring wraps") {
+  COMM_REQUIRE_RANKS(2);
+  Options o;
+  o.flight_recorder_size = 2;
+  auto c = make_comm(o);
+  auto store = comm::test::fresh_store();
+  std::vector<std::vector<float>> bufs(6, std::vector<float>(16, 1.f));
+  if (c.rank() == 0) {
+    // Four async operations while the others hold back: #0 waits for them, #1 is queued, and #2
+    // and #3 find the ring's two records held by those two.
+    std::vector<comm::Work> works;
+    for (int i = 0; i < 4; ++i) works.push_back(c.all_reduce(bufs[static_cast<std::size_t>(i)], comm::async));
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    comm::FlightRecord fr;
+    do {
+      fr = c.flight_record();
+      if (!fr.ops.empty() && fr.ops[0].state == comm::OpState::started) break;
+      std::this_thread::sleep_for(1ms);
+    } while (std::chrono::steady_clock::now() < deadline);
+    CHECK(fr.total_ops == 4);
+    REQUIRE(fr.ops.size() == 2);
+    CHECK(fr.ops[0].seq == 0);
+    CHECK(fr.ops[0].state == comm::OpState::started);
+    CHECK(fr.ops[1].seq == 1);
+    CHECK(fr.ops[1].state == comm::OpState::queued);
+    store->set("looked", "1");
+    for (auto& w : works) w.wait();
+  } else {
+    store->wait({"looked"}, 30s);
+    for (int i = 0; i < 4; ++i) c.all_reduce(bufs[static_cast<std::size_t>(i)]);
+  }
+  // Ended, they give their records up as before.
+  c.all_reduce(bufs[4]);
+  c.all_reduce(bufs[5]);
+  const auto fr = c.flight_record();
+  CHECK(fr.total_ops == 6);
+  REQUIRE(fr.ops.size() == 2);
+  CHECK(fr.ops[0].seq == 4);
+  CHECK(fr.ops[1].seq == 5);
+  CHECK(fr.ops[1].state == comm::OpState::completed);
+}
+
+TEST_CASE("flight recorder: records read while operations run are whole") {
+  // Writers take no lock (one operation runs at a time); a snapshot reads each record under its
+  // version count. Every record read here must be one operation's, not two half-written ones.
+  Options o;
+  o.flight_recorder_size = 8;
+  auto c = make_comm(o);
+  constexpr int kOps = 3000;
+  std::vector<float> buf(8, 1.f);
+  std::atomic<bool> done{false};
+  std::atomic<long> seen{0};
+  std::string bad;
+  std::thread reader([&] {
+    std::uint64_t last_total = 0;
+    while (!done.load() && bad.empty()) {
+      const auto fr = c.flight_record();
+      if (fr.total_ops < last_total) bad = "total_ops went back";
+      last_total = fr.total_ops;
+      for (std::size_t i = 0; i < fr.ops.size() && bad.empty(); ++i) {
+        const auto& r = fr.ops[i];
+        if (i > 0 && r.seq <= fr.ops[i - 1].seq) bad = "records out of order";
+        // Each round of kOps ends with one more all_reduce of one int64 (more rounds or not).
+        const bool vote = r.seq % (kOps + 1) == kOps;
+        const std::size_t count = vote ? 1 : 1 + r.seq % 7;
+        if (r.op != "all_reduce" || r.count != count || r.dtype != (vote ? comm::Dtype::int64 : comm::Dtype::float32))
+          bad = "#" + std::to_string(r.seq) + " reads as " + comm::to_string(r);
+        if (r.state == comm::OpState::queued || r.state == comm::OpState::failed) bad = "state of " + comm::to_string(r);
+        const bool started = r.started.time_since_epoch().count() != 0;
+        const bool ended = r.ended.time_since_epoch().count() != 0;
+        if (!started || ended != (r.state == comm::OpState::completed) || (ended && r.ended < r.started))
+          bad = "times of " + comm::to_string(r);
+        seen.fetch_add(1);
+      }
+    }
+  });
+  // At least kOps, and on until the reader has checked a few hundred records (at one rank the
+  // operations can end before its thread runs); the same number on every rank.
+  std::uint64_t ops = 0;
+  for (;;) {
+    for (int i = 0; i < kOps; ++i, ++ops) c.all_reduce(std::span<float>(buf.data(), 1 + ops % 7));
+    std::int64_t more = seen.load() < 400 && ops < 100 * kOps ? 1 : 0;
+    c.all_reduce(std::span<std::int64_t>(&more, 1), comm::ReduceOp::max);
+    ++ops;
+    if (more == 0) break;
+  }
+  done.store(true);
+  reader.join();
+  CHECK_MESSAGE(bad.empty(), bad);
+  CHECK(seen.load() > 0);
+  const auto fr = c.flight_record();
+  CHECK(fr.total_ops == ops);
+  REQUIRE(fr.ops.size() == 8);
+  CHECK(fr.ops.back().seq == ops - 1);
 }
 
 TEST_CASE("flight recorder: dump on demand, and automatically after a timeout and at destruction") {

@@ -98,14 +98,16 @@ struct Lineage {
 
 class CommCore {
  public:
-  CommCore(CommPlace place, int rank, int size, const CoreConfig& cfg, const char* backend)
+  /// `writers`: how the flight recorder's writes may overlap (FlightRecorder::Writers).
+  CommCore(CommPlace place, int rank, int size, const CoreConfig& cfg, const char* backend,
+           FlightRecorder::Writers writers = FlightRecorder::Writers::any)
       : backend_(backend),
         rank_(rank),
         size_(size),
         timeout_(cfg.timeout),
         desync_(cfg.desync_check),
         place_(std::move(place)),
-        recorder_(cfg.flight_recorder_size),
+        recorder_(cfg.flight_recorder_size, writers),
         dump_path_(flight_recorder_path()) {
     // A root communicator starts a lineage: shrink() and grow() may follow it.
     if (place_.root && place_.store) lineage_ = Lineage{place_.store, place_.key_prefix + "elastic/"};

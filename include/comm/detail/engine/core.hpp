@@ -91,7 +91,7 @@ class EngineCore : public CommCore {
   /// A communicator of `size` ranks over `store` (see join_store: its number and the membership
   /// check). `backend` names it in keys, errors and dumps.
   EngineCore(std::shared_ptr<comm::Store> store, int rank, int size, const CoreConfig& cfg, const char* backend)
-      : CommCore(join_store(std::move(store), rank, size, cfg, backend), rank, size, cfg, backend),
+      : CommCore(join_store(std::move(store), rank, size, cfg, backend), rank, size, cfg, backend, kRecorderWriters),
         fingerprints_(static_cast<std::size_t>(size)) {
     log_.attach(backend, file_rank(), rank, size, name());  // COMM_COMMS_LOG / COMM_TRACE (comms_log.hpp)
   }
@@ -99,7 +99,7 @@ class EngineCore : public CommCore {
   /// A communicator over an engine group made elsewhere (no store: no subgroups, no
   /// monitored_barrier).
   EngineCore(int rank, int size, const CoreConfig& cfg, const char* backend, std::string name)
-      : CommCore(adopted_place(rank, std::move(name)), rank, size, cfg, backend),
+      : CommCore(adopted_place(rank, std::move(name)), rank, size, cfg, backend, kRecorderWriters),
         fingerprints_(static_cast<std::size_t>(size)) {
     log_.attach(backend, file_rank(), rank, size, this->name());
   }
@@ -421,6 +421,10 @@ class EngineCore : public CommCore {
 
  private:
   friend class OpQueue;
+
+  /// OpQueue issues under its lock and runs one operation at a time: the flight recorder's
+  /// writes never overlap, so they take no lock.
+  static constexpr FlightRecorder::Writers kRecorderWriters = FlightRecorder::Writers::one_at_a_time;
 
   [[nodiscard]] Derived& derived() noexcept { return static_cast<Derived&>(*this); }
 
