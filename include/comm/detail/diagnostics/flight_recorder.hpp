@@ -376,7 +376,8 @@ class FlightRecorder {
       total_.store(seq + 1, std::memory_order_release);
       return;
     }
-    if (s.has_error.load(std::memory_order_relaxed) && !lock.owns_lock()) lock.lock();  // the text changes
+    const bool clear_error = s.has_error.load(std::memory_order_relaxed);
+    if (clear_error && !lock.owns_lock()) lock.lock();  // the text changes: not under a snapshot
     {
       const Writing w(s);
       s.seq.store(seq, std::memory_order_release);
@@ -385,7 +386,7 @@ class FlightRecorder {
       s.queued.store(now, std::memory_order_release);
       s.started.store(start ? now : 0, std::memory_order_release);
       s.ended.store(0, std::memory_order_release);
-      if (s.has_error.load(std::memory_order_relaxed)) {
+      if (clear_error) {
         s.error.clear();  // keeps its capacity: no allocation
         s.has_error.store(false, std::memory_order_release);
       }
