@@ -44,7 +44,8 @@
 // Waiting: spin (with pause; long where the peer runs on another CPU, short where it shares this
 // one: steps.hpp), then yield for up to 2 ms, then sleep on a futex in the peer's
 // control line with bounded slices; a publisher wakes only when a sleeper announced itself, so the fast path
-// has no syscall. In the sleeping phase the waiter checks the deadline, the abort words and whether
+// has no syscall, and where every rank registered for membarrier the publish has no fence either:
+// the sleeper fences the publishers before it sleeps (wait.hpp). In the sleeping phase the waiter checks the deadline, the abort words and whether
 // the peer's process still exists (pidfd, or kill(pid, 0) where pidfds are missing), so a SIGKILLed
 // peer is seen within a slice (10 ms), a stopped one by the deadline.
 
@@ -105,12 +106,16 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     // One step that every rank takes: afterwards every pid is published.
     fp_ = fingerprint(0, OpDesc{OpKind::barrier, OpDesc::none, OpDesc::none, -1, 0});
     ctl(rank).probe = reinterpret_cast<std::uintptr_t>(&probe_);
+    ctl(rank).peer_fence = env_nonneg_int("COMM_SHM_MEMBARRIER").value_or(1) != 0 && register_peer_fence() ? 1 : 0;
     run("shm.init", [&] {
       op_name_ = "shm.init";
       const std::uint64_t s = next_step();
       publish(s);
       wait_all(s);
     });
+    // Publishes go without a fence only where every rank's waits fence the others (wait.hpp).
+    peer_fence_ = true;
+    for (int p = 0; p < size; ++p) peer_fence_ = peer_fence_ && ctl(p).peer_fence == 1;
     for (int p = 0; p < size; ++p)
       if (p != rank) watch_[static_cast<std::size_t>(p)] = ProcessWatch(ctl(p).pid);
     if (size > 1) run("shm.init", [&] { agree_cma(); });

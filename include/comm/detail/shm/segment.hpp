@@ -62,8 +62,8 @@ inline constexpr std::size_t kLine = 64;
 
 /// The layout's version: 2 moved the step headers from the halves into the lanes, 3 added
 /// RankCtl::cpu, 4 RankCtl::cma_slice_max, 5 RankCtl::cma_rooted_min and cma_own_core, 6
-/// RankCtl::cma_reduce_min.
-inline constexpr std::uint32_t kVersion = 6;
+/// RankCtl::cma_reduce_min, 7 RankCtl::peer_fence.
+inline constexpr std::uint32_t kVersion = 7;
 
 struct alignas(kLine) Header {
   static constexpr std::uint64_t kMagic = 0x636f6d6d73686d31ull;  // "commshm1"
@@ -85,6 +85,7 @@ struct alignas(kLine) RankCtl {
   std::uint64_t cma_slice_max;     // its COMM_SHM_CMA_SLICE_MAX
   std::uint64_t cma_rooted_min;    // its threshold for broadcast and scatter (CmaConfig::rooted_for)
   std::uint64_t cma_reduce_min;    // its threshold for reduce (CmaConfig::reduce_for)
+  std::uint32_t peer_fence;        // 1: registered for its peers' fences (wait.hpp, register_peer_fence)
   alignas(kLine) std::atomic<std::uint32_t> bell;      // futex word: bumped when a waiter may sleep
   std::atomic<std::uint32_t> sleepers;                 // waiters on this rank's steps
   alignas(kLine) std::atomic<std::uint32_t> left;      // the rank destroyed its communicator

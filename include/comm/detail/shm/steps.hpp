@@ -119,6 +119,11 @@ class Steps {
   }
 
   /// Publishes step `s` with the current operation's fingerprint; wakes sleepers on this rank.
+  /// Where every rank registered for its peers' fences (peer_fence_), the store needs no fence of
+  /// its own: a waiter fences this rank before it sleeps (wait.hpp, fence_peers), so either the
+  /// sleeper count read here includes it or it sees the step. A fenced store would wait for the
+  /// header line to come back from the reader that last read it (the root of back-to-back small
+  /// broadcasts: 0.01-0.03 us of a 0.17 us call; benchmarks/RESULTS.md, "A publish without a fence").
   void publish(std::uint64_t s) {
     ensure_free(s, 0);
     StepHeader* h = slot(step_rank_, s);
@@ -126,7 +131,10 @@ class Steps {
     const std::uint64_t verified = std::min(unchecked_.empty() ? s - 1 : unchecked_.front().step - 1, verified_cap_);
     std::memcpy(reinterpret_cast<std::byte*>(h) + kVerifiedAt, &verified, sizeof verified);
     note_cpu();
-    h->step.store(s, std::memory_order_seq_cst);
+    if (peer_fence_)
+      h->step.store(s, std::memory_order_release);
+    else
+      h->step.store(s, std::memory_order_seq_cst);
     if (ctl(step_rank_).sleepers.load(std::memory_order_seq_cst) != 0) ring(step_rank_);
   }
 
@@ -347,6 +355,7 @@ class Steps {
     for (;;) {
       c.sleepers.fetch_add(1, std::memory_order_seq_cst);
       const std::uint32_t bell = c.bell.load(std::memory_order_seq_cst);
+      if (peer_fence_) fence_peers();  // publish() did not fence its store: order it now
       if (ready()) {
         c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
         return;
@@ -432,6 +441,7 @@ class Steps {
   int shared_waits_ = 0;              // consecutive waits whose peer shared this rank's CPU
   bool spread_ = env_nonneg_int("COMM_SHM_SPREAD").value_or(1) != 0;
   Clock::time_point last_spread_{};
+  bool peer_fence_ = false;  // every rank registered for its peers' fences: publish() needs none
   std::uint64_t step_ = 0;
   std::vector<std::uint64_t> seen_;  // per peer: the last step known published
   std::vector<ProcessWatch> watch_;

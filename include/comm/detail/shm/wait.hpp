@@ -1,9 +1,10 @@
 #pragma once
 // How a Shm rank waits for a peer without burning a core or missing its death: a pause
-// instruction for the spinning phase, a futex for the sleeping phase, and a watch on the peer's
-// process.
+// instruction for the spinning phase, a futex for the sleeping phase, the fence a waiter issues on
+// behalf of its peers before it sleeps, and a watch on the peer's process.
 
 #include <linux/futex.h>
+#include <linux/membarrier.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/syscall.h>
@@ -36,6 +37,30 @@ inline void futex_wait(std::atomic<std::uint32_t>* w, std::uint32_t expected, st
 inline void futex_wake_all(std::atomic<std::uint32_t>* w) noexcept {
   (void)::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(w), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
+
+// ---- the asymmetric fence of a publish and a waiter about to sleep ----
+//
+// A publisher stores its step, then reads whether a peer sleeps on it; a waiter counts itself as
+// a sleeper, then reads the step. Each side must see the other's write, so one of them needs a
+// full fence between its write and its read. A fence on every publish (a locked store on x86)
+// makes the publisher wait for the ownership of its header line, which the reader holds: a whole
+// line transfer on every small step. Waiters sleep rarely (after spinning and ~2 ms of yielding),
+// so they take the cost instead: membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED) makes every CPU that
+// runs a registered process pass a full fence before it returns, which orders a publisher's
+// store, wherever it ran, against its read of the sleeper count as its own fence would. Every
+// process of a segment must register first, or the publishes stay fenced (engine.hpp agrees on it).
+
+/// Registers this process to be fenced by its peers' waits; false where the kernel lacks the
+/// commands or a seccomp policy forbids them.
+[[nodiscard]] inline bool register_peer_fence() noexcept {
+  const long cmds = ::syscall(SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
+  constexpr long need = MEMBARRIER_CMD_GLOBAL_EXPEDITED | MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED;
+  return cmds >= 0 && (cmds & need) == need &&
+         ::syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED, 0, 0) == 0;
+}
+
+/// The waiter's side: a full fence on every CPU that runs a registered process (~1 us).
+inline void fence_peers() noexcept { (void)::syscall(SYS_membarrier, MEMBARRIER_CMD_GLOBAL_EXPEDITED, 0, 0); }
 
 /// Watches whether a process exists: a pidfd (readable once the process has exited, zombie or
 /// not), else kill(pid, 0).
