@@ -183,6 +183,16 @@ TEST_CASE_TEMPLATE("send, recv and batch_isend_irecv: every size", T, COMM_TEST_
   for (std::size_t count : kCounts) run_p2p<T>(c, count);
 }
 
+TEST_CASE("send and recv: payloads around the size Shm carries in a slot's header line, whole and as a last chunk") {
+  // Up to 16 bytes travel in the line that says the chunk is ready (shm/engine.hpp, kP2PInline);
+  // 4 MiB is a whole number of Shm's chunks at 2 and 4 ranks, so the last chunk is the remainder.
+  auto c = make_comm();
+  for (std::size_t count : {std::size_t{15}, std::size_t{16}, std::size_t{17}, std::size_t{64}})
+    run_p2p<std::uint8_t>(c, count);
+  for (std::size_t rest : {std::size_t{5}, std::size_t{16}, std::size_t{17}})
+    run_p2p<std::uint8_t>(c, (std::size_t{4} << 20) + rest);
+}
+
 TEST_CASE("large messages: more than a million elements, several chunks everywhere") {
   auto c = make_comm();
   const std::size_t count = (std::size_t{1} << 20) + 7;

@@ -9,6 +9,7 @@
 // behind them is compiled once per translation unit, and gloo's typed options are instantiated
 // per element *size* (gloo only uses sizeof(T)).
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -84,6 +85,58 @@ struct P2PItem {
   int tag = 0;
 };
 
+/// The items of a point-to-point operation: a send or a receive holds one, kept in place (a
+/// vector of one item cost each call a heap allocation and its release), a batch a vector.
+class P2PItems {
+ public:
+  void push_back(const P2PItem& it) {
+    if (many_.empty() && !one_used_) {
+      one_ = it;
+      one_used_ = true;
+      return;
+    }
+    spill(2);
+    many_.push_back(it);
+  }
+  void reserve(std::size_t n) {
+    if (n > 1) spill(n);
+  }
+  template <class It>
+  void assign(It first, It last) {
+    clear();
+    for (; first != last; ++first) push_back(*first);
+  }
+  void clear() noexcept {
+    many_.clear();
+    one_used_ = false;
+  }
+  [[nodiscard]] std::size_t size() const noexcept { return many_.empty() ? (one_used_ ? 1 : 0) : many_.size(); }
+  [[nodiscard]] bool empty() const noexcept { return size() == 0; }
+  [[nodiscard]] P2PItem* data() noexcept { return many_.empty() ? &one_ : many_.data(); }
+  [[nodiscard]] const P2PItem* data() const noexcept { return many_.empty() ? &one_ : many_.data(); }
+  [[nodiscard]] P2PItem* begin() noexcept { return data(); }
+  [[nodiscard]] P2PItem* end() noexcept { return data() + size(); }
+  [[nodiscard]] const P2PItem* begin() const noexcept { return data(); }
+  [[nodiscard]] const P2PItem* end() const noexcept { return data() + size(); }
+  P2PItem& operator[](std::size_t i) noexcept { return data()[i]; }
+  const P2PItem& operator[](std::size_t i) const noexcept { return data()[i]; }
+
+ private:
+  /// Moves the items to the vector (once more than one is wanted).
+  void spill(std::size_t want) {
+    if (!many_.empty()) {
+      many_.reserve(want);
+      return;
+    }
+    many_.reserve(std::max<std::size_t>(want, 2));
+    if (one_used_) many_.push_back(one_);
+    one_used_ = false;
+  }
+  P2PItem one_;
+  bool one_used_ = false;
+  std::vector<P2PItem> many_;  // two or more items (empty otherwise)
+};
+
 struct Op {
   OpDesc desc;                  // kind, dtype / reduction codes, root, count: recorder + desync check
   const void* in = nullptr;     // null for in-place / output-only operations
@@ -100,7 +153,7 @@ struct Op {
   OpHooks hooks;
   prescale_fn prescale = nullptr;  // premul_sum: the input is scaled by `factor` first
   double factor = 1.0;
-  std::vector<P2PItem> p2p;          // send, recv, p2p_batch (one item for send / recv)
+  P2PItems p2p;                      // send, recv, p2p_batch (one item for send / recv)
   std::vector<std::size_t> counts;   // all_to_all_v: size() send counts, then size() receive counts
   std::chrono::milliseconds barrier_timeout{};  // monitored_barrier
   bool wait_all_ranks = false;                  // monitored_barrier

@@ -67,12 +67,14 @@ static_assert(sizeof(P2PHeader) == 32);
 /// (this rank's `number`-th message from that peer). Throws DesyncError naming both calls.
 inline void check_p2p_header(const Op& op, const P2PItem& item, const P2PHeader& h, std::uint64_t number, int rank) {
   const char* name = op_name(op.desc.kind);
-  const std::string from = "rank " + std::to_string(item.peer);
-  if (h.magic != P2PHeader::kMagic)
+  if (h.magic != P2PHeader::kMagic) {
+    const std::string from = "rank " + std::to_string(item.peer);
     throw DesyncError(name, rank, "malformed point-to-point header from " + from, from);
+  }
   const auto want_kind = p2p_class(op.desc.kind);
   if (h.kind != want_kind || h.dtype != op.desc.dtype || h.count != item.count || h.tag != item.tag ||
       h.number != number) {
+    const std::string from = "rank " + std::to_string(item.peer);
     std::string why = from + " sent " + p2p_describe(h.kind, h.dtype, h.count, h.tag) + " (its message #" +
                       std::to_string(h.number) + " to this rank), but this rank posted " +
                       (is_p2p(op.desc.kind) ? std::string("a receive") : std::string("its part of ") + name) +

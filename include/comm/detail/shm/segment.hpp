@@ -13,9 +13,12 @@
 //                          the steps that carry more than kInline bytes and at most kLaneBytes
 //   Half[size][2]          per rank, two halves (by step parity): `chunk` bytes of payload for the
 //                          steps that carry more than kLaneBytes
-//   ChannelCtl[size][size] point-to-point, per (sender, receiver): chunks posted, chunks taken
-//   Slot[size][size][2]    per channel two slots: a header line (the message's P2PHeader on its
-//                          first chunk, the chunk's bytes) and `p2p_chunk` bytes of payload
+//   ChannelCtl[size][size] point-to-point, per (sender, receiver): chunks posted (the sender's
+//                          own count), chunks taken (written by the receiver)
+//   Slot[size][size][2]    per channel two slots: a header line (the chunk's number + 1, which
+//                          tells the receiver it is ready; the message's P2PHeader on its first
+//                          chunk; the chunk's bytes; a payload of up to 16 bytes) and `p2p_chunk`
+//                          bytes of payload
 //
 // Rendezvous: rank 0 creates the segment under a fresh name (shm_open O_CREAT|O_EXCL, mode 0600),
 // sizes and initializes it, and publishes the name in the store; every rank maps it and adds
@@ -62,8 +65,8 @@ inline constexpr std::size_t kLine = 64;
 
 /// The layout's version: 2 moved the step headers from the halves into the lanes, 3 added
 /// RankCtl::cpu, 4 RankCtl::cma_slice_max, 5 RankCtl::cma_rooted_min and cma_own_core, 6
-/// RankCtl::cma_reduce_min, 7 RankCtl::peer_fence.
-inline constexpr std::uint32_t kVersion = 7;
+/// RankCtl::cma_reduce_min, 7 RankCtl::peer_fence, 8 the chunk number in a channel slot's line.
+inline constexpr std::uint32_t kVersion = 8;
 
 struct alignas(kLine) Header {
   static constexpr std::uint64_t kMagic = 0x636f6d6d73686d31ull;  // "commshm1"
@@ -92,8 +95,9 @@ struct alignas(kLine) RankCtl {
   alignas(kLine) std::atomic<std::int32_t> cpu;        // the CPU the rank last published from (-1: unknown)
 };
 
-/// A point-to-point channel's counters: the sender bumps `posted` after filling slot posted%2,
-/// the receiver bumps `taken` after reading slot taken%2 (at most two chunks in flight).
+/// A point-to-point channel's counters: the sender bumps `posted` after filling slot posted%2
+/// (the slot's first word says so to the receiver), the receiver bumps `taken` after reading slot
+/// taken%2 (at most two chunks in flight).
 struct alignas(kLine) ChannelCtl {
   std::atomic<std::uint64_t> posted;
   alignas(kLine) std::atomic<std::uint64_t> taken;
