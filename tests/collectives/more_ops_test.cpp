@@ -183,11 +183,13 @@ TEST_CASE_TEMPLATE("send, recv and batch_isend_irecv: every size", T, COMM_TEST_
   for (std::size_t count : kCounts) run_p2p<T>(c, count);
 }
 
-TEST_CASE("send and recv: payloads around the size Shm carries in a slot's header line, whole and as a last chunk") {
-  // Up to 16 bytes travel in the line that says the chunk is ready (shm/engine.hpp, kP2PInline);
-  // 4 MiB is a whole number of Shm's chunks at 2 and 4 ranks, so the last chunk is the remainder.
+TEST_CASE("send and recv: payloads around the sizes that travel with the header, whole and as a last chunk") {
+  // Shm: up to 16 bytes in the line that says the chunk is ready (shm/engine.hpp, kP2PInline);
+  // Mpi: up to 2 KiB in the header's message (mpi/engine.hpp, kPackMax). 4 MiB is a whole number
+  // of Shm's chunks at 2 and 4 ranks, so the last chunk is the remainder.
   auto c = make_comm();
-  for (std::size_t count : {std::size_t{15}, std::size_t{16}, std::size_t{17}, std::size_t{64}})
+  for (std::size_t count : {std::size_t{15}, std::size_t{16}, std::size_t{17}, std::size_t{64}, std::size_t{2047},
+                            std::size_t{2048}, std::size_t{2049}})
     run_p2p<std::uint8_t>(c, count);
   for (std::size_t rest : {std::size_t{5}, std::size_t{16}, std::size_t{17}})
     run_p2p<std::uint8_t>(c, (std::size_t{4} << 20) + rest);

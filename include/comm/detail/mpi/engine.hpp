@@ -28,8 +28,10 @@
 //
 // Point-to-point (send, recv, batch_isend_irecv): each message is a 32-byte header (p2p.hpp: kind,
 // element type, count, the user's tag, the message number of the pair) on tag kHeaderTag of the
-// point-to-point communicator, then, for a non-empty message, the payload on kPayloadTag (in
-// pieces of at most INT_MAX elements). The user's tag travels in the header, never as an MPI tag
+// point-to-point communicator, with a payload of up to kPackMax bytes behind it in the same MPI
+// message; a larger payload follows on kPayloadTag (in pieces of at most INT_MAX elements). A
+// receiver posts room for a header and kPackMax bytes whatever it expects, so a sender whose count
+// differs still lands whole and its header names the mismatch. The user's tag travels in the header, never as an MPI tag
 // (so any tag >= 0 works, and MPI's ordering of one (source, tag) keeps the pair's messages in the
 // order they were sent). Every receive's header and every send are posted before anything is
 // waited for (a batch that exchanges in both directions cannot deadlock); a payload receive is
@@ -89,6 +91,11 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
   /// Tags on the point-to-point communicator (see the file comment).
   static constexpr int kHeaderTag = 1;
   static constexpr int kPayloadTag = 2;
+  /// Payloads up to this size travel in the header's message: one MPI message instead of two. It
+  /// stays under both libraries' eager limits on one node with the header (OpenMPI's vader 4 KiB,
+  /// MPICH 8 KiB), so a send still never waits for its receiver (benchmarks/RESULTS.md, "Mpi
+  /// point-to-point: the payload in the header's message").
+  static constexpr std::size_t kPackMax = 2048;
 
   /// MPI_Comm_create_group's tag of subgroup number `k`.
   [[nodiscard]] static int group_tag(std::uint64_t k) noexcept { return 1 + static_cast<int>(k % kTagSpan); }
@@ -367,9 +374,10 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
   }
 
   /// Sends and receives of one operation on the point-to-point communicator (see the file
-  /// comment): every receive's header and every send (header, then payload) posted first, then the
-  /// headers checked in the order posted, each one's payload receive posted once it checked out,
-  /// and everything waited for by the deadline.
+  /// comment): every receive's header and every send (header with a packed payload, or header then
+  /// payload) posted first, then the headers checked in the order posted, each one's packed
+  /// payload copied out or payload receive posted once it checked out, and everything waited for
+  /// by the deadline.
   void perform_p2p(const Op& op, std::span<P2PItem> items) {
     const char* name = op_name(op.desc.kind);
     const std::size_t n = items.size();
@@ -377,10 +385,13 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
     Deadline deadline(timeout());
     const MPI_Datatype type = type_of(op);
     const std::size_t es = op.elem_size;
-    auto& headers = pending_->headers;
     auto& numbers = pending_->numbers;
-    headers.assign(n, P2PHeader{});
     numbers.assign(n, 0);
+    // Each item's header message: the header, then a packed payload (kPackMax room on a receive).
+    constexpr std::size_t stride = sizeof(P2PHeader) + kPackMax;
+    auto& packed = pending_->packed;
+    if (packed.size() < n * stride) packed.resize(n * stride);  // grown only: no zeroing per call
+    auto packs = [&](const P2PItem& it) { return it.count * es <= kPackMax; };
     // The receives' header requests (by item), then everything else: sends and payload receives.
     std::vector<MPI_Request> hreqs(n, MPI_REQUEST_NULL);
     std::vector<MPI_Request> reqs;
@@ -401,36 +412,65 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
         done += c;
       }
     };
+    // A header message arrived for receive i: checks its length and header, then takes a packed
+    // payload or posts the payload's receives.
+    auto received = [&](std::size_t i, const MPI_Status& st) {
+      const P2PItem& it = items[i];
+      const std::byte* msg = packed.data() + i * stride;
+      int got = 0;
+      COMM_MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &got), name, rank());
+      auto from = [&] { return "rank " + std::to_string(it.peer); };
+      if (got < static_cast<int>(sizeof(P2PHeader)))
+        throw DesyncError(name, rank(),
+                          "malformed point-to-point header from " + from() + " (" + std::to_string(got) + " bytes)", from());
+      P2PHeader h;
+      std::memcpy(&h, msg, sizeof h);
+      check_p2p_header(op, it, h, numbers[i], rank());
+      const std::size_t bytes = it.count * es;
+      const std::size_t want = sizeof(P2PHeader) + (packs(it) ? bytes : 0);
+      if (static_cast<std::size_t>(got) != want)
+        throw DesyncError(name, rank(), from() + "'s message of " + std::to_string(it.count) + " elements came as " +
+                                            std::to_string(got) + " bytes where " + std::to_string(want) + " were due",
+                          from());
+      if (!packs(it))
+        payload(it, false);
+      else if (bytes != 0)
+        std::memcpy(it.buf, msg + sizeof(P2PHeader), bytes);
+    };
     try {
       for (std::size_t i = 0; i < n; ++i) {
         const P2PItem& it = items[i];
         if (it.send) continue;
         recvs.push_back(i);
         numbers[i] = p2p_numbers_.next_recv(it.peer);
-        COMM_MPI_CHECK(MPI_Irecv(&headers[i], static_cast<int>(sizeof(P2PHeader)), MPI_BYTE, it.peer, kHeaderTag, p2p_,
+        COMM_MPI_CHECK(MPI_Irecv(packed.data() + i * stride, static_cast<int>(stride), MPI_BYTE, it.peer, kHeaderTag, p2p_,
                                  &hreqs[i]),
                        name, rank());
       }
       for (std::size_t i = 0; i < n; ++i) {
         const P2PItem& it = items[i];
         if (!it.send) continue;
-        headers[i] = p2p_header(op, it, p2p_numbers_.next_send(it.peer));
+        std::byte* msg = packed.data() + i * stride;
+        const P2PHeader h = p2p_header(op, it, p2p_numbers_.next_send(it.peer));
+        std::memcpy(msg, &h, sizeof h);
+        const std::size_t bytes = it.count * es;
+        if (packs(it) && bytes != 0) std::memcpy(msg + sizeof h, it.buf, bytes);
         MPI_Request r = MPI_REQUEST_NULL;
-        COMM_MPI_CHECK(MPI_Isend(&headers[i], static_cast<int>(sizeof(P2PHeader)), MPI_BYTE, it.peer, kHeaderTag, p2p_,
-                                 &r),
+        COMM_MPI_CHECK(MPI_Isend(msg, static_cast<int>(sizeof h + (packs(it) ? bytes : 0)), MPI_BYTE, it.peer, kHeaderTag,
+                                 p2p_, &r),
                        name, rank());
         reqs.push_back(r);
-        payload(it, true);
+        if (!packs(it)) payload(it, true);
       }
       std::size_t checked = 0;  // receives whose header checked out (in order)
       const bool done = poll([&] {
         while (checked < recvs.size()) {
           const std::size_t i = recvs[checked];
           int flag = 0;
-          COMM_MPI_CHECK(MPI_Test(&hreqs[i], &flag, MPI_STATUS_IGNORE), name, rank());
+          MPI_Status st;
+          COMM_MPI_CHECK(MPI_Test(&hreqs[i], &flag, &st), name, rank());
           if (flag == 0) return false;
-          check_p2p_header(op, items[i], headers[i], numbers[i], rank());
-          payload(items[i], false);
+          received(i, st);
           ++checked;
         }
         int all = 0;
@@ -622,10 +662,10 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
   std::unique_ptr<ReduceSlot> slot_ = std::make_unique<ReduceSlot>();
   std::array<MPI_Datatype, 4> types_{MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL, MPI_DATATYPE_NULL};
   std::vector<std::byte> scratch_;  // in-place reduce_scatter's result; ops run one at a time
-  /// What pending requests of the operation in flight point to: point-to-point headers and
+  /// What pending requests of the operation in flight point to: point-to-point header messages and
   /// all_to_all_v's int counts (leaked with the requests after a failure; see the destructor).
   struct Pending {
-    std::vector<P2PHeader> headers;
+    std::vector<std::byte> packed;       // point-to-point: each item's header message (perform_p2p)
     std::vector<std::uint64_t> numbers;  // each receive's expected message number
     std::vector<int> counts;             // all_to_all_v: send counts, displs, receive counts, displs
     Step step;                           // the own schedules' requests in flight
