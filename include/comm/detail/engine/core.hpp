@@ -336,7 +336,12 @@ class EngineCore : public CommCore {
         if (record_failure(kind_of(e), e.what(), e.peer())) {
           // Close the transport now, so that peers blocked on this rank fail at once with
           // RemoteError instead of waiting for their own timeout; and tell them through the
-          // liveness channel, for a wait a closed connection does not wake (liveness.hpp).
+          // liveness channel, for a wait a closed connection does not wake (liveness.hpp). A
+          // desync the others cannot see for themselves goes out before the close: a peer woken
+          // by the close then finds it as the cause (consult_liveness) instead of announcing the
+          // closed connection as its own failure first.
+          const bool unshared = dynamic_cast<const UnsharedDesync*>(&e) != nullptr;
+          if (liveness() != nullptr && unshared) liveness()->announce_failure(rank_named(e.peer()), e.what());
           derived().close_transport();
           if (liveness() != nullptr && kind_of(e) == FailureKind::remote)
             liveness()->announce_failure(rank_named(e.peer()), e.what());

@@ -11,6 +11,16 @@ namespace comm::detail {
 
 enum class FailureKind { timeout, remote, backend };
 
+/// A DesyncError that only the ranks next to the disagreement can see: a header one receiver
+/// checks alone (the Gloo engine's headed operations). The core publishes it on the liveness
+/// channel as it does a closed connection (core.hpp, run()): a rank whose own peers agree with it
+/// learns of the desync only through closed connections otherwise, and those leave a receive
+/// libgloo had begun reading (or a send it had begun writing) waiting for its deadline.
+class UnsharedDesync : public DesyncError {
+ public:
+  explicit UnsharedDesync(const DesyncError& e) : DesyncError(e) {}
+};
+
 [[noreturn]] inline void throw_as(FailureKind kind, const std::string& op, int rank, const std::string& text,
                                   const std::string& peer = {}) {
   switch (kind) {

@@ -23,9 +23,10 @@
 // A rank whose operation failed on a closed connection publishes that too, on the same key
 // ("<rank>!<blamed rank>|<its error>", announce_failure; the first death or failure stays): the
 // other ranks fail at once, instead of at COMM_TIMEOUT where a closed connection alone would not
-// wake them (after a link cut, a send libgloo had begun writing). Only connection failures: a
-// desync or timeout is seen by every rank on its own, and naming the rank that was first to see it
-// would hide the error each rank reports.
+// wake them (after a link cut, a send libgloo had begun writing, a receive it had begun reading).
+// Connection failures, and a desync only some ranks can see (UnsharedDesync: a header one receiver
+// checks alone, announced before the close). Not a timeout or a desync that every rank sees on its
+// own: naming the rank that was first to see it would hide the error each rank reports.
 //
 // Cost: nothing on the operations' path (one thread, one request per silence/2 per rank, on
 // another socket; the thread sleeps in the store's reply). Leaving costs one short connection: a

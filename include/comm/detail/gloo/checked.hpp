@@ -38,6 +38,7 @@
 
 #include <comm/detail/base/copy.hpp>
 #include <comm/detail/diagnostics/desync.hpp>
+#include <comm/detail/engine/failure.hpp>
 #include <comm/detail/gloo/algorithms.hpp>
 #include <comm/detail/gloo/direct.hpp>
 #include <comm/error.hpp>
@@ -185,6 +186,10 @@ class FramedOp {
       else
         gloo::wait_recv(b, deadline_);
     } catch (const ::gloo::IoException& e) {
+      // A frame that came in before the communicator closed (a peer's failure, announced while
+      // this rank had not looked yet) is still read: a mismatch in it is this rank's own
+      // DesyncError, not the echo of the failure that mismatch caused elsewhere.
+      if (!send && gloo::arrived(b)) return;
       // gloo's text says whether it timed out or the connection closed; add who and what.
       throw ::gloo::IoException(std::string(e.what()) + " [" + (send ? "sending to rank " : "receiving from rank ") +
                                 std::to_string(peer) + " in op #" + std::to_string(fp_.seq) + "]");
@@ -209,8 +214,15 @@ class HeaderFrames {
   HeaderFrames(const FramedOp& f, int rank) : f_(f), me_(static_cast<std::size_t>(rank)) { f_.fill(me_, nullptr); }
   void expect(int peer) const { f_.post_recv(static_cast<std::size_t>(peer), peer); }
   void announce(int peer) const { f_.send(me_, peer); }
-  /// Waits for `peer`'s header: DesyncError when it called another operation.
-  void check(int peer) const { f_.wait_recv(static_cast<std::size_t>(peer), peer); }
+  /// Waits for `peer`'s header: DesyncError when it called another operation (one only the
+  /// ranks that receive from `peer` see: UnsharedDesync).
+  void check(int peer) const {
+    try {
+      f_.wait_recv(static_cast<std::size_t>(peer), peer);
+    } catch (const DesyncError& e) {
+      throw UnsharedDesync(e);
+    }
+  }
   void announced(int peer) const { f_.wait_send(me_, peer); }
 
  private:

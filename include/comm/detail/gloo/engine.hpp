@@ -505,8 +505,9 @@ class Engine : public EngineCore<Engine> {
       all_to_all_frames(f, size(), rank(), nullptr, false, [&](std::size_t q) {
         std::memcpy(&all[q], f.frame(q), fp);
         if (watch && headed_kind(all[q].kind) && std::memcmp(&all[q], &own_fingerprint(), fp) != 0)
-          throw DesyncError(op_name(static_cast<OpKind>(own_fingerprint().kind)), rank(),
-                            "desync: " + f.mismatch(all[q], static_cast<int>(q)), "rank " + std::to_string(q));
+          throw UnsharedDesync(DesyncError(op_name(static_cast<OpKind>(own_fingerprint().kind)), rank(),
+                                           "desync: " + f.mismatch(all[q], static_cast<int>(q)),
+                                           "rank " + std::to_string(q)));
       });
       return;
     }

@@ -84,4 +84,17 @@ inline void wait_send(::gloo::transport::UnboundBuffer& b, const Deadline& d) {
   if (!d.gate().wait(b, true, d.left())) throw ::gloo::IoException("send aborted");
 }
 
+/// After a receive's wait failed (the gate closed, the connection failed): whether the message
+/// came in all the same, taking its completion. libgloo answers a zero wait that finds none as a
+/// timeout and fails the context's pairs, which a failing communicator does anyway. Twice: a gate
+/// that closed just as an earlier wait succeeded leaves an abort flag the first call takes.
+[[nodiscard]] inline bool arrived(::gloo::transport::UnboundBuffer& b) noexcept {
+  try {
+    for (int i = 0; i < 2; ++i)
+      if (b.waitRecv(std::chrono::milliseconds(0))) return true;
+  } catch (...) {  // nothing came in (libgloo's timeout), or the pair's error
+  }
+  return false;
+}
+
 }  // namespace comm::detail::gloo
