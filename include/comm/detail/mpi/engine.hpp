@@ -393,8 +393,8 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
     if (packed.size() < n * stride) packed.resize(n * stride);  // grown only: no zeroing per call
     auto packs = [&](const P2PItem& it) { return it.count * es <= kPackMax; };
     // The receives' header requests (by item), then everything else: sends and payload receives.
-    // Kept in pending_ and reused, as `packed` is: a small send or receive costs about a
-    // microsecond here, and three allocations a call are a visible part of it.
+    // Kept in pending_ and reused, as `packed` is: allocating them per call cost ~0.09 us of an
+    // 8-byte send's 0.7 (benchmarks/RESULTS.md, "request lists kept between calls").
     auto& hreqs = pending_->hreqs;
     hreqs.assign(n, MPI_REQUEST_NULL);
     auto& reqs = pending_->reqs;
