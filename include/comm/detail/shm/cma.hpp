@@ -243,13 +243,15 @@ class SingleCopy {
       if (got <= 0) {
         const int err = got < 0 ? errno : EIO;
         if (err == EINTR) continue;
-        const Engine& e = self();
+        Engine& e = self();
         const std::string op_no = "op #" + std::to_string(e.op_seq_);
-        if (err == ESRCH)
+        if (err == ESRCH) {
+          e.declare_dead(p);
           throw RemoteError(e.op_name_, e.rank(),
                             "rank " + std::to_string(p) + " (pid " + std::to_string(e.ctl(p).pid) + ") exited while this rank " +
                                 (write ? "wrote to" : "read") + " its buffer (" + op_no + ")",
                             "rank " + std::to_string(p));
+        }
         throw BackendError(e.op_name_, e.rank(),
                            std::string(write ? "process_vm_writev" : "process_vm_readv") + " of " + std::to_string(bytes) +
                                " bytes " + (write ? "to" : "from") + " rank " + std::to_string(p) + " failed: " +

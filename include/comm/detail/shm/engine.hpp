@@ -347,9 +347,17 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
   }
 
   /// Tells every peer that this communicator failed (their waits end with RemoteError naming this
-  /// rank, unless a dead rank was named first) and wakes them.
+  /// rank, unless a dead rank was named first) and wakes them. A peer whose process is gone without
+  /// leaving the communicator is named dead first: this rank's failure is most likely its echo (the
+  /// liveness watch or a read of its buffer saw the death before the others' waits did), and the
+  /// others should report the cause, not this rank.
   void close_transport() noexcept {
     if (header_ == nullptr) return;
+    for (int p = 0; p < size(); ++p)
+      if (p != rank() && ctl(p).left.load(std::memory_order_acquire) == 0 && watch_[static_cast<std::size_t>(p)].exited()) {
+        declare_dead(p);
+        break;
+      }
     std::uint32_t none = 0;
     (void)header_->abort.compare_exchange_strong(none, static_cast<std::uint32_t>(rank() + 1));
     for (int p = 0; p < size(); ++p) ring(p);

@@ -143,6 +143,15 @@ class Steps {
     futex_wake_all(&ctl(p).bell);
   }
 
+  /// Records that rank `p`'s process is gone (the first such rank wins) and wakes every rank, so
+  /// that each survivor's error names the dead rank: a survivor that fails on it and aborts the
+  /// communicator must not be named in its place by the ranks that had not seen the death yet.
+  void declare_dead(int p) noexcept {
+    std::uint32_t none = 0;
+    (void)header_->dead.compare_exchange_strong(none, static_cast<std::uint32_t>(p + 1));
+    for (int q = 0; q < step_size_; ++q) ring(q);
+  }
+
   /// Waits until peer `p` has published step `s`, then checks its fingerprint.
   void wait_step(int p, std::uint64_t s) {
     wait_published(p, s);
@@ -405,9 +414,7 @@ class Steps {
                         "rank " + std::to_string(p) + " destroyed its communicator while this rank waited for it" + at(),
                         "rank " + std::to_string(p));
     if (probe && watch_[static_cast<std::size_t>(p)].exited()) {
-      std::uint32_t none = 0;
-      (void)header_->dead.compare_exchange_strong(none, static_cast<std::uint32_t>(p + 1));
-      for (int q = 0; q < step_size_; ++q) ring(q);
+      declare_dead(p);
       throw RemoteError(op_name_, step_rank_,
                         "rank " + std::to_string(p) + " (pid " + std::to_string(ctl(p).pid) +
                             ") died during the operation" + at(),
