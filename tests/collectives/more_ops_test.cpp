@@ -239,6 +239,46 @@ TEST_CASE("batch_isend_irecv: every pair both ways, several messages per pair in
   CHECK(c.batch_isend_irecv(std::vector<comm::P2POp<double>>{}).empty());
 }
 
+TEST_CASE("batch_isend_irecv: a receive whose sender waits on another peer does not hold up the others") {
+  // Rank 0 posts both receives at once; rank 2's large send can only end once rank 0 has taken it,
+  // and only then does rank 2 let rank 1 send. A batch that handled its receives one after the
+  // other (rank 1's first) would leave rank 2's send waiting forever: every rank at its deadline.
+  const auto& w = comm::test::world();
+  if (w.size < 3) {
+    MESSAGE("needs 3 ranks");
+    return;
+  }
+  Options o;
+  o.timeout = std::chrono::seconds(20);
+  auto c = make_comm(o);
+  const std::size_t big = std::size_t{1} << 18;  // 1 MiB of floats: above every eager limit
+  std::vector<float> large(big), small(1, -1.0f);
+  switch (c.rank()) {
+    case 0: {
+      std::fill(large.begin(), large.end(), -1.0f);
+      auto works = c.batch_isend_irecv({comm::irecv(std::span<float>(small), 1, 3), comm::irecv(std::span<float>(large), 2, 4)});
+      for (auto& x : works) x.wait();
+      CHECK(small[0] == 1.0f);
+      CHECK(std::count(large.begin(), large.end(), 2.0f) == static_cast<std::ptrdiff_t>(big));
+      break;
+    }
+    case 1:
+      c.recv(std::span<float>(small), 2, 5);
+      CHECK(small[0] == 2.0f);
+      small[0] = 1.0f;
+      c.send(std::span<const float>(small), 0, 3);
+      break;
+    case 2:
+      std::fill(large.begin(), large.end(), 2.0f);
+      c.send(std::span<const float>(large), 0, 4);
+      small[0] = 2.0f;
+      c.send(std::span<const float>(small), 1, 5);
+      break;
+    default: break;
+  }
+  comm::test::barrier();
+}
+
 TEST_CASE("point-to-point between collectives leaves the collectives' order intact (desync check on)") {
   Options o;
   o.desync_check = true;

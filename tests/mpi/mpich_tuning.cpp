@@ -8,7 +8,8 @@
 // before the exchange (from 4 MiB) and one below; a reduce_scatter whose blocks go whole (up to
 // 512 KiB) and one in chunks. Then ranks that disagree on the size: both above the threshold (the
 // count check: a BackendError naming the peer), and one on each side (the length checks of either
-// path), and the communicator refusing further work after it. The collective suites run under
+// path, also where the small side sends exactly as many bytes as the count check does), and the
+// communicator refusing further work after it. The collective suites run under
 // OpenMPI only, so this is where MPICH's paths are checked. Prints "mpich_tuning: N rank(s), 0
 // failed check(s): OK" on rank 0.
 #include <mpi.h>
@@ -217,6 +218,9 @@ int main(int argc, char** argv) {
     MPI_Barrier(MPI_COMM_WORLD);
     mismatch(2 * kThreshold, kThreshold, true);                  // both above: the count check
     mismatch(2 * kThreshold, std::size_t{4} << 10, false);       // rank 1 in comm's exchange
+    // Rank 1's exchange of 8 bytes, the length of the count check's own message: it must not take
+    // the others' sizes for data (it did when the sizes went on the schedules' tag).
+    mismatch(2 * kThreshold, 8, false);
     mismatch(kThreshold, kThreshold - (std::size_t{64} << 10), false);  // rank 1 in comm's reduce-scatter
   } catch (const std::exception& e) {
     ++g_failures;

@@ -369,10 +369,15 @@ class FlightRecorder {
     if (locked_) lock.lock();
     Slot& s = slots_[seq % capacity_];
     // The operation `capacity` back may still run on another thread: its record is reused only
-    // once its writer has left it ended (acquire: that writer's last touch is seen whole).
+    // once its writer has left it ended. The state is read as read() reads a record, between two
+    // loads of the version: an ended state stored by a write still in progress (its version not
+    // yet even again) shows as a changed version, and the record counts as in flight. Reusing it
+    // then would have had two writers in the record at once, and their version stores crossing
+    // leave it odd for good (every later issue into it skipped, every snapshot without it).
     const std::uint64_t v = s.version.load(std::memory_order_acquire);
-    const auto prev = static_cast<OpState>(s.state.load(std::memory_order_relaxed));
-    if (s.seq.load(std::memory_order_relaxed) != kUnused && ((v & 1) != 0 || !ended(prev))) {
+    const auto prev = static_cast<OpState>(s.state.load(std::memory_order_acquire));
+    const bool settled = (v & 1) == 0 && s.version.load(std::memory_order_acquire) == v;
+    if (s.seq.load(std::memory_order_relaxed) != kUnused && (!settled || !ended(prev))) {
       total_.store(seq + 1, std::memory_order_release);
       return;
     }

@@ -88,16 +88,19 @@ class OpQueue {
   void submit(Op&& op, std::shared_ptr<WorkState> state) {
     {
       std::lock_guard<QueueLock> lock(mu_);
+      if (!worker_alive_) {
+        // A worker that retired after idling has left serve() and needs no lock: join is immediate.
+        if (worker_.joinable()) worker_.join();
+        // Started before the operation is numbered and queued: a thread that cannot be created
+        // (std::system_error: a process or thread limit) leaves nothing behind that no worker
+        // would ever run, and the next call tries again. The new worker waits for this lock.
+        worker_ = std::thread(&OpQueue::serve, this);
+        worker_alive_ = true;
+      }
       const std::uint64_t id = next_id_++;
       const std::uint64_t seq = next_seq(op);
       issue_(owner_, op, id, seq, false);
       queue_.push_back(Task{std::move(op), std::move(state), id, seq});
-      if (!worker_alive_) {
-        // A worker that retired after idling has left serve() and needs no lock: join is immediate.
-        if (worker_.joinable()) worker_.join();
-        worker_alive_ = true;
-        worker_ = std::thread(&OpQueue::serve, this);
-      }
     }
     cv_.notify_all();
   }

@@ -36,8 +36,9 @@
 // order they were sent). Every receive's header and every send are posted before anything is
 // waited for (a batch that exchanges in both directions cannot deadlock); a payload receive is
 // posted only once its header checked out (check_p2p_header: a mismatch is comm::DesyncError,
-// never a payload written past a buffer), the headers of one operation in the order posted. Like a
-// collective, a point-to-point operation that times out leaves its requests pending (leaked).
+// never a payload written past a buffer), each peer's headers in the order posted and the peers'
+// as they come (a receive whose sender waits on another peer must not hold up that peer's). Like
+// a collective, a point-to-point operation that times out leaves its requests pending (leaked).
 
 #include <mpi.h>
 
@@ -231,6 +232,24 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
   // ---- the engine calls the core makes ----
 
   void perform(Op& op, std::uint64_t seq) {
+    try {
+      run_collective(op, seq);
+    } catch (const std::bad_alloc&) {
+      out_of_memory(op_name(op.desc.kind));
+    }
+  }
+
+  /// A failed allocation while this operation's requests may be posted: a std::bad_alloc would
+  /// pass the core as it is and leave the communicator usable, with MPI still writing into this
+  /// engine's buffers; as a BackendError it fails the communicator, which keeps them alive.
+  [[noreturn]] void out_of_memory(const char* name) {
+    leaked_ = true;
+    throw BackendError(name, rank(),
+                       "out of memory while this operation's MPI requests were posted: they stay pending and this "
+                       "communicator is unusable");
+  }
+
+  void run_collective(Op& op, std::uint64_t seq) {
     const char* name = op_name(op.desc.kind);
     Deadline deadline(timeout());
     const std::size_t es = op.elem_size;
@@ -375,9 +394,11 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
 
   /// Sends and receives of one operation on the point-to-point communicator (see the file
   /// comment): every receive's header and every send (header with a packed payload, or header then
-  /// payload) posted first, then the headers checked in the order posted, each one's packed
-  /// payload copied out or payload receive posted once it checked out, and everything waited for
-  /// by the deadline.
+  /// payload) posted first, then the headers checked as they arrive, each one's packed payload
+  /// copied out or payload receive posted once it checked out, and everything waited for by the
+  /// deadline. One peer's headers are taken in the order posted (its payloads must be received in
+  /// the order it sent them), the peers' independently: a receive whose sender first waits for
+  /// another rank (a large send that rank must take) must not hold up the receive from that rank.
   void perform_p2p(const Op& op, std::span<P2PItem> items) {
     const char* name = op_name(op.desc.kind);
     const std::size_t n = items.size();
@@ -401,6 +422,19 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
     reqs.clear();
     auto& recvs = pending_->recvs;  // items that receive, in order
     recvs.clear();
+    auto& arrived = pending_->arrived;  // by item: its header checked out
+    arrived.assign(n, 0);
+    auto& blocked = pending_->blocked;  // by peer: the pass that found one of its headers missing
+    if (blocked.size() < static_cast<std::size_t>(size())) blocked.assign(static_cast<std::size_t>(size()), 0);
+    {
+      // Room for every request before the first is posted: a failed allocation between two
+      // posts would leave a request that nothing tracks.
+      std::size_t posts = 0;
+      for (const P2PItem& it : items)
+        posts += (it.send ? 1 : 0) + (it.count * es <= kPackMax ? 0 : (it.count + kMaxCount - 1) / kMaxCount);
+      reqs.reserve(posts);
+      recvs.reserve(n);
+    }
     auto payload = [&](const P2PItem& it, bool send) {
       auto* buf = static_cast<std::byte*>(it.buf);
       for (std::size_t done = 0; done < it.count;) {
@@ -466,16 +500,28 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
         reqs.push_back(r);
         if (!packs(it)) payload(it, true);
       }
-      std::size_t checked = 0;  // receives whose header checked out (in order)
+      std::size_t first = 0;           // recvs before it have all checked out
+      std::size_t open = recvs.size();  // receives whose header has not checked out
       const bool done = poll([&] {
-        while (checked < recvs.size()) {
-          const std::size_t i = recvs[checked];
-          int flag = 0;
-          MPI_Status st;
-          COMM_MPI_CHECK(MPI_Test(&hreqs[i], &flag, &st), name, rank());
-          if (flag == 0) return false;
-          received(i, st);
-          ++checked;
+        if (open > 0) {
+          const std::uint64_t pass = ++pending_->pass;
+          for (std::size_t k = first; k < recvs.size(); ++k) {
+            const std::size_t i = recvs[k];
+            const auto peer = static_cast<std::size_t>(items[i].peer);
+            if (arrived[i] != 0 || blocked[peer] == pass) continue;
+            int flag = 0;
+            MPI_Status st;
+            COMM_MPI_CHECK(MPI_Test(&hreqs[i], &flag, &st), name, rank());
+            if (flag == 0) {
+              blocked[peer] = pass;  // this peer's later headers wait for this one
+              continue;
+            }
+            received(i, st);
+            arrived[i] = 1;
+            --open;
+          }
+          while (first < recvs.size() && arrived[recvs[first]] != 0) ++first;
+          if (open > 0) return false;
         }
         int all = 0;
         COMM_MPI_CHECK(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &all, MPI_STATUSES_IGNORE), name,
@@ -489,8 +535,8 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
       }
       // Name a peer: the first whose message has not arrived, else the first not yet received.
       std::string peer, what;
-      if (checked < recvs.size()) {
-        const P2PItem& it = items[recvs[checked]];
+      if (first < recvs.size()) {
+        const P2PItem& it = items[recvs[first]];
         peer = std::to_string(it.peer);
         what = "no message from rank " + peer + " arrived (this rank posted a receive of " +
                std::to_string(it.count) + " elements with tag " + std::to_string(it.tag) + ")";
@@ -505,6 +551,8 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
                         " ms (a rank is late, hung, or did not post the matching call). Its MPI requests stay pending "
                         "(MPI may still read and write this operation's buffers) and this communicator is unusable",
                     peer);
+    } catch (const std::bad_alloc&) {
+      out_of_memory(name);
     } catch (...) {
       leaked_ = true;  // requests may be pending: nothing they use is freed
       throw;
@@ -678,6 +726,9 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
     std::vector<MPI_Request> hreqs;      // ... each receive's header request (by item)
     std::vector<MPI_Request> reqs;       // ... the sends and payload receives
     std::vector<std::size_t> recvs;      // ... the items that receive, in order
+    std::vector<std::uint8_t> arrived;   // ... by item: its header checked out
+    std::vector<std::uint64_t> blocked;  // ... by peer: the last pass that found its header missing
+    std::uint64_t pass = 0;              // ... the header passes so far
     std::vector<int> counts;             // all_to_all_v: send counts, displs, receive counts, displs
     Step step;                           // the own schedules' requests in flight
     std::vector<std::byte> recv;         // ... and the blocks they receive

@@ -1,7 +1,7 @@
 #pragma once
 // comm's own schedules for the MPI engine (mpi/engine.hpp): on 2..kOwnMaxRanks ranks,
 // all_reduce, reduce_scatter, all_gather and broadcast are point-to-point messages on the data
-// communicator (tags kStepTag and kGatherTag; collectives never match them) that every rank posts
+// communicator (tags kStepTag, kGatherTag, kCountTag; collectives never match them) that every rank posts
 // to every other at once (sends first: each message leaves one MPI_Irecv sooner; the receives are
 // posted before the first MPI_Testall), then MPI_Reduce_local. MPI's non-blocking collectives run
 // their own, slower schedules (OpenMPI's libnbc: 1.5-6x its blocking calls on one node); MPI's blocking calls
@@ -133,6 +133,8 @@ class OwnSchedules {
   /// source and tag in order, so consecutive operations never mix).
   static constexpr int kStepTag = 1;
   static constexpr int kGatherTag = 2;
+  /// check_count's sizes (behind an empty message on kStepTag: see there).
+  static constexpr int kCountTag = 3;
 
   /// Whether `op` runs as comm's own schedule: one of the four operations, 2..kOwnMaxRanks ranks,
   /// every message within MPI's int count of bytes, and not a library_all_reduce.
@@ -161,8 +163,12 @@ class OwnSchedules {
   }
 
   /// Every rank sends its operation's size in bytes to every other and compares what comes back:
-  /// a peer with another size is a BackendError naming it. A peer in one of the own schedules
-  /// instead (its messages on the same tag, of other lengths) fails the length check on either side.
+  /// a peer with another size is a BackendError naming it. The sizes go on their own tag behind an
+  /// empty message on the schedules' tag, which no schedule sends (an operation of no bytes moves
+  /// nothing): a peer in one of the own schedules instead gets that empty message where it expects
+  /// data, and this rank the peer's data where it expects nothing, a length error on both sides.
+  /// (Sent on the schedules' tag, an 8-byte size would have been taken as the data of a peer's
+  /// 8-byte all_reduce, which would then have returned a wrong sum without an error.)
   void check_count(std::size_t bytes, const char* name, std::uint64_t seq, Deadline& deadline) {
     const int me = self().rank(), n = self().size();
     Step& s = self().pending_->step;
@@ -174,9 +180,15 @@ class OwnSchedules {
     std::byte* own = slots.at(static_cast<std::size_t>(n - 1));
     std::memcpy(own, &mine, sizeof mine);
     for (int p = 0; p < n; ++p)
-      if (p != me) post_send(s, own, sizeof mine, p, kStepTag, name);
+      if (p != me) {
+        post_send(s, own, 0, p, kStepTag, name);
+        post_send(s, own, sizeof mine, p, kCountTag, name);
+      }
     for (int p = 0; p < n; ++p)
-      if (p != me) post_recv(s, slots.at(slot_of(p)), sizeof mine, p, kStepTag, name);
+      if (p != me) {
+        post_recv(s, slots.at(slot_of(p)), 0, p, kStepTag, name);
+        post_recv(s, slots.at(slot_of(p)), sizeof mine, p, kCountTag, name);
+      }
     finish_step(s, name, seq, deadline);
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;

@@ -235,7 +235,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
         copy(slot + (m <= kP2PInline ? kP2PInlineAt : kLine), static_cast<const std::byte*>(it.buf) + g.done, m);
         c.posted.store(posted + 1, std::memory_order_relaxed);  // read by this rank only
         chunk_no(slot).store(posted + 1, peer_fence_ ? std::memory_order_release : std::memory_order_seq_cst);
-        if (ctl(rank()).sleepers.load(std::memory_order_seq_cst) != 0) ring(rank());
+        wake_sleepers();
         g.done += m;
         if (g.done == bytes) g.finished = true;
         return true;
@@ -259,7 +259,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
                                                 " were left of the message", "rank " + std::to_string(it.peer));
       copy(static_cast<std::byte*>(it.buf) + g.done, slot + (m <= kP2PInline ? kP2PInlineAt : kLine), m);
       c.taken.store(taken + 1, peer_fence_ ? std::memory_order_release : std::memory_order_seq_cst);
-      if (ctl(rank()).sleepers.load(std::memory_order_seq_cst) != 0) ring(rank());
+      wake_sleepers();
       g.done += m;
       if (g.done == bytes) g.finished = true;
       return true;
@@ -353,8 +353,10 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
   /// others should report the cause, not this rank.
   void close_transport() noexcept {
     if (header_ == nullptr) return;
+    // Exited first, then left: a peer that left and then exited between the two reads would
+    // otherwise be taken for dead.
     for (int p = 0; p < size(); ++p)
-      if (p != rank() && ctl(p).left.load(std::memory_order_acquire) == 0 && watch_[static_cast<std::size_t>(p)].exited()) {
+      if (p != rank() && watch_[static_cast<std::size_t>(p)].exited() && ctl(p).left.load(std::memory_order_acquire) == 0) {
         declare_dead(p);
         break;
       }

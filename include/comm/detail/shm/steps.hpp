@@ -135,6 +135,15 @@ class Steps {
       h->step.store(s, std::memory_order_release);
     else
       h->step.store(s, std::memory_order_seq_cst);
+    wake_sleepers();
+  }
+
+  /// After a publish: wakes this rank's sleepers, if one announced itself. Where the publish was a
+  /// plain release store, C++ would let the compiler move this load above it (a release store
+  /// orders only what comes before it); the sleeper's fence (wait.hpp) orders the two on the CPU,
+  /// but only as the program has them, so the compiler must keep them in that order too.
+  void wake_sleepers() noexcept {
+    std::atomic_signal_fence(std::memory_order_seq_cst);
     if (ctl(step_rank_).sleepers.load(std::memory_order_seq_cst) != 0) ring(step_rank_);
   }
 
@@ -146,9 +155,12 @@ class Steps {
   /// Records that rank `p`'s process is gone (the first such rank wins) and wakes every rank, so
   /// that each survivor's error names the dead rank: a survivor that fails on it and aborts the
   /// communicator must not be named in its place by the ranks that had not seen the death yet.
+  /// Once a rank has aborted the communicator, a death is no longer recorded: the abort names the
+  /// cause, and a rank that died after it (say of the uncaught error it brought) is its echo.
   void declare_dead(int p) noexcept {
     std::uint32_t none = 0;
-    (void)header_->dead.compare_exchange_strong(none, static_cast<std::uint32_t>(p + 1));
+    if (header_->abort.load(std::memory_order_acquire) == 0)
+      (void)header_->dead.compare_exchange_strong(none, static_cast<std::uint32_t>(p + 1));
     for (int q = 0; q < step_size_; ++q) ring(q);
   }
 
