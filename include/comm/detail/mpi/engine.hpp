@@ -426,15 +426,6 @@ class Engine : public EngineCore<Engine>, OwnSchedules<Engine> {
     arrived.assign(n, 0);
     auto& blocked = pending_->blocked;  // by peer: the pass that found one of its headers missing
     if (blocked.size() < static_cast<std::size_t>(size())) blocked.assign(static_cast<std::size_t>(size()), 0);
-    {
-      // Room for every request before the first is posted: a failed allocation between two
-      // posts would leave a request that nothing tracks.
-      std::size_t posts = 0;
-      for (const P2PItem& it : items)
-        posts += (it.send ? 1 : 0) + (it.count * es <= kPackMax ? 0 : (it.count + kMaxCount - 1) / kMaxCount);
-      reqs.reserve(posts);
-      recvs.reserve(n);
-    }
     auto payload = [&](const P2PItem& it, bool send) {
       auto* buf = static_cast<std::byte*>(it.buf);
       for (std::size_t done = 0; done < it.count;) {
