@@ -5,8 +5,8 @@
 // unlike OpenMPI's). On both sides of each limit: float sums close to the sum in double, avg, a
 // type MPI has no reduction for (bfloat16, comm's kernel in a user-defined MPI_Op), in place, out
 // of place and async; every rank's result the same bits. An all_gather whose own block is copied
-// before the exchange (from 4 MiB) and one below; a reduce_scatter whose blocks go whole (up to
-// 512 KiB) and one in chunks. Then ranks that disagree on the size: both above the threshold (the
+// before the exchange (from 4 MiB) and one below; reduce_scatters whose blocks go whole (up to
+// 8 MiB: one at the limit) and one just above it, in 33 uneven chunks. Then ranks that disagree on the size: both above the threshold (the
 // count check: a BackendError naming the peer), and one on each side (the length checks of either
 // path, also where the small side sends exactly as many bytes as the count check does), and the
 // communicator refusing further work after it. The collective suites run under
@@ -45,6 +45,7 @@ int g_failures = 0;
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 constexpr std::size_t kThreshold = std::size_t{512} << 10;  // bytes, Tuning::library_all_reduce under MPICH
+constexpr std::size_t kWholeMax = std::size_t{8} << 20;     // bytes, Tuning::whole_max under MPICH
 
 /// Rank r's input element i: varied floats (not integers), so that the order of the reduction
 /// shows in the bits; the same on every rank that computes it.
@@ -213,7 +214,7 @@ int main(int argc, char** argv) {
         exact(c, bytes);
       }
       for (std::size_t bytes : {(std::size_t{4} << 20) - 4, std::size_t{4} << 20}) gathers(c, bytes);
-      for (std::size_t bytes : {kThreshold, kThreshold + 8, 2 * kThreshold}) reduce_scatters(c, bytes);
+      for (std::size_t bytes : {kThreshold, kThreshold + 8, kWholeMax, kWholeMax + 8}) reduce_scatters(c, bytes);
     }
     MPI_Barrier(MPI_COMM_WORLD);
     mismatch(2 * kThreshold, kThreshold, true);                  // both above: the count check

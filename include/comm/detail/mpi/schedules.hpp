@@ -69,7 +69,11 @@ struct Tuning {
 ///   - MPI_Allreduce of 16 KiB is two 8 KiB eager messages and a reduction of 8 KiB, where one
 ///     exchange of the whole 16 KiB took 1.11x that: the exchange stops at 8 KiB (1.03-1.05x);
 ///   - a 1 MiB reduce_scatter took 1.04x with its 512 KiB blocks whole against 1.08x in two
-///     chunks, while a 4 MiB one took 1.02x in 256 KiB chunks against 1.08x in 512 KiB ones;
+///     chunks; on a later VM (2026-12-04, "Mpi under MPICH: reduce_scatter blocks whole up to
+///     8 MiB") 4 and 16 MiB ones took 0.93-1.02x and 0.90-0.99x with their blocks whole against
+///     1.07-1.13x and 1.03-1.11x in 256 KiB chunks, but a 64 MiB one 158-183 ms whole against
+///     13-16 ms in chunks (MPICH's own MPI_Reduce_scatter_block, one message per block, takes as
+///     long): blocks go whole up to 8 MiB;
 ///   - a 16 MiB all_gather with its own 8 MiB block copied before the exchange 1.01x, after it
 ///     1.07x (and from 0.90 to 1.09x between rounds);
 ///   - no eager pieces (MPICH 4 sends 8 KiB eagerly): this machine has a fast and a slow state
@@ -86,7 +90,7 @@ struct Tuning {
     return {.eager = 4000, .pieces_max = 12000, .exchange_max = 32 * KiB};
   if (v.substr(0, 5) == "MPICH")
     return {.exchange_max = 8 * KiB,
-            .whole_max = 512 * KiB,
+            .whole_max = 8192 * KiB,
             .library_all_reduce = 512 * KiB,
             .copy_first = 4096 * KiB};
   return {};
@@ -392,8 +396,12 @@ class OwnSchedules {
     return {b.data() + (misaligned == 0 ? 0 : kSlotAlign - misaligned), stride};
   }
 
+  /// (The slots' alignment slack on top of kScratchKeep is kept too: a whole 8 MiB block's slot
+  /// given back after every operation cost a zero-filled 8 MiB at the next, 1.03-1.07x against
+  /// 0.90-0.99x the blocking call for a 2-rank 16 MiB reduce_scatter under MPICH.)
   void release_slots() {
-    if (self().pending_->recv.capacity() > kScratchKeep) std::vector<std::byte>().swap(self().pending_->recv);
+    auto& b = self().pending_->recv;
+    if (b.capacity() > kScratchKeep + kSlotAlign) std::vector<std::byte>().swap(b);
   }
 
   /// The end of a reduction schedule of `count` elements: the scratch given back, then the
@@ -539,7 +547,7 @@ class OwnSchedules {
     };
     const std::size_t nc = chunks(len);
     const std::size_t depth = std::min(nc, kDepth);
-    const std::size_t chunk_bytes = (len / nc + 1) * es;
+    const std::size_t chunk_bytes = (len + nc - 1) / nc * es;  // the largest chunk: exactly a whole block
     const Slots slots = recv_slots((un - 1) * depth, chunk_bytes);
     auto slot = [&](int p, std::size_t c) { return slots.at(slot_of(p) * depth + c % depth); };
     auto post = [&](std::size_t c, int p) {
