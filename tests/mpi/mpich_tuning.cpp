@@ -6,8 +6,9 @@
 // type MPI has no reduction for (bfloat16, comm's kernel in a user-defined MPI_Op), in place, out
 // of place and async; every rank's result the same bits. An all_gather whose own block is copied
 // before the exchange (from 4 MiB) and one below; reduce_scatters whose blocks go whole (up to
-// 8 MiB: one at the limit) and one just above it, in 33 uneven chunks. Then ranks that disagree on the size: both above the threshold (the
-// count check: a BackendError naming the peer), and one on each side (the length checks of either
+// 8 MiB: one at the limit) and one just above it, in 33 uneven chunks. Then ranks that disagree
+// on the size: both above the threshold (the count check: a BackendError naming the peer), and
+// one on each side (the length checks of either
 // path, also where the small side sends exactly as many bytes as the count check does), and the
 // communicator refusing further work after it. The collective suites run under
 // OpenMPI only, so this is where MPICH's paths are checked. Prints "mpich_tuning: N rank(s), 0

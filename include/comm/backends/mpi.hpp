@@ -38,8 +38,8 @@
 ///   same result on every rank); above that a direct reduce-scatter (each rank reduces its block:
 ///   its own part, then the others in rank order, in chunks of 256 KiB reduced as they arrive,
 ///   through at most 4 reused chunk buffers per peer; under MPICH a block of up to 8 MiB goes
-///   whole) then a direct all-gather. reduce_scatter is
-///   the first step alone, all_gather the second, broadcast the root sending to each rank. A
+///   whole) then a direct all-gather. reduce_scatter is the first step alone, all_gather the
+///   second, broadcast the root sending to each rank. A
 ///   message a little above the library's eager limit (OpenMPI: 4 KiB up to 12,000 bytes; MPICH:
 ///   8 KiB up to 32 KiB) goes as several eager pieces instead of one rendezvous (the library is
 ///   recognized by MPI_Get_library_version). These run at the speed of the library's own

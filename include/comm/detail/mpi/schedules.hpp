@@ -71,7 +71,7 @@ struct Tuning {
 ///   - a 1 MiB reduce_scatter took 1.04x with its 512 KiB blocks whole against 1.08x in two
 ///     chunks; on a later VM (2026-12-04, "Mpi under MPICH: reduce_scatter blocks whole up to
 ///     8 MiB") 4 and 16 MiB ones took 0.93-1.02x and 0.90-0.99x with their blocks whole against
-///     1.07-1.13x and 1.03-1.11x in 256 KiB chunks, but a 64 MiB one 158-183 ms whole against
+///     1.07-1.14x and 1.03-1.11x in 256 KiB chunks, but a 64 MiB one 158-183 ms whole against
 ///     13-16 ms in chunks (MPICH's own MPI_Reduce_scatter_block, one message per block, takes as
 ///     long): blocks go whole up to 8 MiB;
 ///   - a 16 MiB all_gather with its own 8 MiB block copied before the exchange 1.01x, after it
