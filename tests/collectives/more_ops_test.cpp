@@ -776,8 +776,9 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
       c.broadcast(b, n - 1);
       CHECK(std::all_of(b.begin(), b.end(), [](double x) { return x == 2.5; }));
       // Bytes whose share per reader (a broadcast's readers take n - 1 parts each, every one
-      // starting at its own) is a whole number of cache lines plus a remainder: the last bytes
-      // must arrive too. Element i says i, so a part read to the wrong place shows.
+      // starting at its own; from 64-128 KiB n parts, one of them written by the root) is a whole
+      // number of cache lines plus a remainder: the last bytes must arrive too. Element i says i,
+      // so a part read or written to the wrong place shows.
       for (std::size_t bytes : {std::size_t{8193}, std::size_t{12289}, count + 1}) {
         std::vector<std::uint8_t> u(bytes);
         for (std::size_t i = 0; i < bytes; ++i) u[i] = me == 0 ? static_cast<std::uint8_t>(i * 7 + 1) : 0;

@@ -391,39 +391,72 @@ class SingleCopy {
   /// broadcast by cross-memory attach: the others read the root's buffer into theirs (read_root),
   /// in n - 1 parts, each reader starting at its own part, so that the readers do not pin and copy
   /// the same pages at once: 3 ranks 4 MiB 553-758 against 910-1,220 us, 4 ranks 16 MiB 7.8-8.3
-  /// against 8.2-8.9 ms (RESULTS.md, "A broadcast's readers start at their own parts").
-  void cma_broadcast(Op& op) { read_root(op, op.out, 0, true); }
+  /// against 8.2-8.9 ms (RESULTS.md, "A broadcast's readers start at their own parts"). From
+  /// share_min() the root, which otherwise waits, copies too: the message goes in n parts, and the
+  /// root writes into each reader the one part that reader does not read (the last of its order).
+  void cma_broadcast(Op& op) {
+    const bool share = op.out_count * op.elem_size >= share_min();
+    read_root(op, op.out, 0, share ? Parts::shared : Parts::staggered);
+  }
+  /// Where every rank has a core, 128 KiB: at 2 ranks 16 MiB took 666 against 2,036 us, 1 MiB 23
+  /// against 48, 128 KiB 6.3 against 7.0, but 64 KiB 5.3 against 5.0 (one more call and a wait
+  /// for the root). Where ranks share cores, 64 KiB, the smallest broadcast by single copy there:
+  /// 4 ranks on 2 cores 64 KiB 38 against 47 us, 16 MiB 3.5 against 4.6 ms (medians; RESULTS.md,
+  /// "A broadcast's root copies too").
+  [[nodiscard]] std::size_t share_min() const noexcept {
+    return cma_own_core_ ? std::size_t{128} << 10 : std::size_t{64} << 10;
+  }
 
   /// scatter by cross-memory attach: each rank takes its block of the root's input (read_root).
   void cma_scatter(Op& op) {
-    read_root(op, op.in, static_cast<std::size_t>(self().rank()) * op.out_count * op.elem_size, false);
+    read_root(op, op.in, static_cast<std::size_t>(self().rank()) * op.out_count * op.elem_size, Parts::whole);
   }
 
-  /// Step a (`buffer`'s address on the root; symmetric), each other rank reads `op.out`'s bytes
-  /// from the root's buffer at byte `at` (the root moves them itself unless they are already
-  /// there; `staggered`: in parts, as cma_broadcast says), step b (the root waits for every
-  /// reader).
-  void read_root(Op& op, const void* buffer, std::size_t at, bool staggered) {
+  /// How read_root's readers take the root's bytes: in one read; in n - 1 parts, each reader
+  /// starting at its own; or in n parts, one of them written by the root (cma_broadcast).
+  enum class Parts { whole, staggered, shared };
+
+  /// Step a (`buffer`'s address on the root, and on the others the address of `op.out`;
+  /// symmetric), each other rank reads `op.out`'s bytes from the root's buffer at byte `at` (the
+  /// root moves them itself unless they are already there), step b (the root waits for every
+  /// reader; Parts::shared: a reader waits for the root too, whose writes into it end there).
+  void read_root(Op& op, const void* buffer, std::size_t at, Parts how) {
     const int root = op.desc.root;
+    const int me = self().rank();
+    const int n = self().size();
     const std::size_t bytes = op.out_count * op.elem_size;
     const auto* from = static_cast<const std::byte*>(buffer) + at;
+    auto* out = static_cast<std::byte*>(op.out);
     const std::uint64_t a = self().next_step();
-    publish_addresses(a, {buffer});
-    if (self().rank() != root) {
-      const int n = self().size();
-      const auto parts = staggered ? static_cast<std::size_t>(n - 1) : std::size_t{1};
-      const std::size_t part = ((bytes + parts - 1) / parts + kLine - 1) / kLine * kLine;  // parts * part >= bytes
-      const auto v = static_cast<std::size_t>((self().rank() - root + n) % n - 1);
-      for (std::size_t i = 0; i < parts; ++i) {
-        const std::size_t lo = std::min(bytes, ((v + i) % parts) * part);
-        const std::size_t hi = std::min(bytes, lo + part);
-        if (hi > lo) cma_read(root, static_cast<std::byte*>(op.out) + lo, address_of(root, a, 0) + at + lo, hi - lo);
+    publish_addresses(a, {me == root ? buffer : out});
+    const auto parts = static_cast<std::size_t>(how == Parts::whole ? 1 : how == Parts::staggered ? n - 1 : n);
+    const std::size_t part = ((bytes + parts - 1) / parts + kLine - 1) / kLine * kLine;  // parts * part >= bytes
+    auto lo_of = [&](std::size_t i) { return std::min(bytes, i * part); };
+    auto hi_of = [&](std::size_t i) { return std::min(bytes, i * part + part); };
+    // A reader's place among the readers, 0 .. n - 2: the part it starts at.
+    auto place = [&](int p) { return static_cast<std::size_t>((p - root + n) % n - 1); };
+    if (me != root) {
+      const std::size_t v = place(me);
+      const std::size_t reads = how == Parts::shared ? parts - 1 : parts;
+      for (std::size_t i = 0; i < reads; ++i) {
+        const std::size_t lo = lo_of((v + i) % parts), hi = hi_of((v + i) % parts);
+        if (hi > lo) cma_read(root, out + lo, address_of(root, a, 0) + at + lo, hi - lo);
       }
-    } else if (op.out != from)
-      Engine::move(static_cast<std::byte*>(op.out), from, bytes);
+    } else {
+      if (out != from) Engine::move(out, from, bytes);
+      if (how == Parts::shared)
+        for (int p = 0; p < n; ++p) {
+          if (p == root) continue;
+          const std::size_t i = (place(p) + parts - 1) % parts;
+          if (hi_of(i) > lo_of(i)) cma_write(p, address_of(p, a, 0) + lo_of(i), from + lo_of(i), hi_of(i) - lo_of(i));
+        }
+    }
     const std::uint64_t b = self().next_step();
     self().publish(b);
-    if (self().rank() == root) self().wait_all(b);
+    if (me == root)
+      self().wait_all(b);
+    else if (how == Parts::shared)
+      self().wait_step(root, b);
   }
 
   /// gather by cross-memory attach: step a (the root's output address; symmetric), every other
