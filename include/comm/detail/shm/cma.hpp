@@ -401,7 +401,7 @@ class SingleCopy {
   /// Where every rank has a core, 128 KiB: at 2 ranks 16 MiB took 666 against 2,036 us, 1 MiB 23
   /// against 48, 128 KiB 6.3 against 7.0, but 64 KiB 5.3 against 5.0 (one more call and a wait
   /// for the root). Where ranks share cores, 64 KiB, the smallest broadcast by single copy there:
-  /// 4 ranks on 2 cores 64 KiB 38 against 47 us, 16 MiB 3.5 against 4.6 ms (medians; RESULTS.md,
+  /// 4 ranks on 2 cores 64 KiB 38 against 47 us, 64 MiB 18.2-18.4 against 24.1-25.3 ms (RESULTS.md,
   /// "A broadcast's root copies too").
   [[nodiscard]] std::size_t share_min() const noexcept {
     return cma_own_core_ ? std::size_t{128} << 10 : std::size_t{64} << 10;
