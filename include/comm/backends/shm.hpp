@@ -34,10 +34,10 @@
 ///   slice), and broadcast, scatter and gather from COMM_SHM_CMA_ROOTED_MIN (16 KiB of a message
 ///   or of one rank's block where the host has a core for every rank, else 64 KiB) move between
 ///   the ranks' own buffers with `process_vm_readv` and `process_vm_writev` (cross-memory
-///   attach): one copy by the kernel instead of two through the segment (from 128 KiB a
-///   broadcast's root writes one part into each reader while the readers read the others). Every rank tries it on
-///   every peer at creation; if any rank cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp)
-///   every rank uses the segment. Under ptrace_scope 1 each rank allows it with
+///   attach): one copy by the kernel instead of two through the segment (from 128 KiB, 64 KiB
+///   where ranks share cores, a broadcast's root writes one part into each reader while the
+///   readers read the others). Every rank tries it on every peer at creation; if any rank
+///   cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp) every rank uses the segment. Under ptrace_scope 1 each rank allows it with
 ///   `prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)` (process-wide; COMM_SHM_CMA=0 avoids it).
 /// - **Waiting** spins briefly (long only while every rank has a core), then yields, then sleeps on
 ///   a futex, so more ranks than cores still progress; a wait whose spin ran out keeps the full
