@@ -166,10 +166,11 @@ TEST_CASE("watchdog: a stuck operation ends with Timeout naming it and the rank;
   INFO("message: ", msg);
   CHECK(contains(msg, "comm: all_reduce on rank 0"));
   CHECK(took < 10s);
-  // Later operations fail at once with the first cause.
+  // Later operations fail at once with the first cause, also while the watchdog is still inside
+  // NCCL's abort (which took a second on an H200 with NCCL 2.28.3).
   const auto t1 = std::chrono::steady_clock::now();
   CHECK_THROWS_AS(c.all_reduce(d.span()), comm::Timeout);
-  CHECK(std::chrono::steady_clock::now() - t1 < 1s);
+  CHECK(std::chrono::steady_clock::now() - t1 < 200ms);
   CHECK(c.backend().failure() != nullptr);
 }
 

@@ -183,6 +183,7 @@ class NcclCore : public WatchTarget, public CommCore, public DesyncCheck<NcclCor
   [[nodiscard]] ncclComm_t split(int color, int key, const InitConfig& config) {
     constexpr const char* op = "split";
     const OpDesc d{OpKind::split, OpDesc::none, OpDesc::none, -1, 0};
+    throw_if_failed(op);  // before the lock as well, as in issue_state
     std::lock_guard lock(nccl_mu_);
     throw_if_failed(op);
     if (comm_ == nullptr) throw BackendError(op, rank(), "the NCCL communicator is no longer usable");
@@ -321,6 +322,9 @@ class NcclCore : public WatchTarget, public CommCore, public DesyncCheck<NcclCor
                                       nvtx::ScopedRange& range) {
     const char* op = op_name(d.kind);
     std::shared_ptr<NcclOp> state;
+    // Checked before the lock too: after a failure the watchdog holds nccl_mu_ while NCCL aborts
+    // (which can take a second), and a later call must fail at once with the first cause.
+    throw_if_failed(op);
     std::lock_guard lock(nccl_mu_);
     throw_if_failed(op);
     if (comm_ == nullptr)  // adopted and failed, or aborted: failure() says why
