@@ -37,8 +37,9 @@
 ///   attach): one copy by the kernel instead of two through the segment (from 128 KiB, 64 KiB
 ///   where ranks share cores, a broadcast's root writes one part into each reader while the
 ///   readers read the others). Every rank tries it on every peer at creation; if any rank
-///   cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp) every rank uses the segment. Under ptrace_scope 1 each rank allows it with
-///   `prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)` (process-wide; COMM_SHM_CMA=0 avoids it).
+///   cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp) every rank uses the segment. Under
+///   ptrace_scope 1 each rank allows it with `prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`
+///   (process-wide; COMM_SHM_CMA=0 avoids it).
 /// - **Waiting** spins briefly (long only while every rank has a core), then yields, then sleeps on
 ///   a futex, so more ranks than cores still progress; a wait whose spin ran out keeps the full
 ///   spin when the peer runs on another CPU and drops to 16 pauses when it last ran on this one,
