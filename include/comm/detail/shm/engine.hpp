@@ -533,6 +533,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     if (one_step) {
       if (rank() != root) wait_step(root, s);
       if (rank() == root || size() > 2) leave_unchecked(s);
+      take_next_line(s);
     } else if (first) {
       wait_all(s);
     } else if (rank() != root) {
@@ -645,6 +646,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
           copy(dst, payload(p, s, c * e), c * e);
         }
       }
+      if (m <= k) take_next_line(s);
     });
   }
 
@@ -658,6 +660,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
       copy(begin(s, count * op.elem_size), op.in, count * op.elem_size);
       publish(s);
       leave_unchecked(s);
+      take_next_line(s);
       return;
     }
     publish(s);
@@ -666,6 +669,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
       srcs_[static_cast<std::size_t>(p)] = p == rank() ? op.in : payload(p, s, count * op.elem_size);
     }
     reduce_from(op, op.out, count, true);
+    take_next_line(s);
   }
 
   // A channel slot's header line: the chunk's number + 1 (its ready word), the message's P2PHeader
