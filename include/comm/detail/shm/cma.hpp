@@ -98,17 +98,18 @@ struct CmaConfig {
     if (rooted_min != 0) return rooted_min;
     return own_core ? std::size_t{16} << 10 : std::size_t{64} << 10;
   }
-  /// Smallest reduce moved by a single copy: 64 KiB where every rank has a core, 1 MiB elsewhere
-  /// (as min_for; the one-step segment reduce, or an all_reduce above the chunk, below it). With
-  /// the root's slice the larger (Slices) it met OpenMPI's reduce at 2 ranks from 64 KiB in both
-  /// line states of a quiet run (64 KiB 8.0 / 8.8 us against 8.0 / 8.7, 256 KiB 24 / 25 against
-  /// 26 / 27) and stayed within 1.12x in a busier one, where the segment's one step, the faster in
-  /// the fast state (7.5-7.8 us), took 29-38 us in the slow one (113-129 at 256 KiB); at 32 KiB
-  /// single copy was 1.13x OpenMPI in both states and the segment 0.75x fast, 2.6x slow: it keeps
-  /// the segment (benchmarks/RESULTS.md, "Reduce by single copy from 64 KiB").
+  /// Smallest reduce moved by a single copy: 128 KiB where every rank has a core, 1 MiB elsewhere
+  /// (as min_for; the one-step segment reduce, or an all_reduce above the chunk, below it). Set
+  /// at 64 KiB when the segment's one step took 29-38 us at 2 ranks in the VM's slow line state
+  /// (single copy 8.8, OpenMPI 8.7; benchmarks/RESULTS.md, "Reduce by single copy from 64 KiB").
+  /// Since the deeper ring and the next line taken ahead that step runs at its fast-state speed in
+  /// the slow state too: at 2 ranks, 15 rounds in each of two runs, 64 KiB took 6.9-7.0 us by it
+  /// against 10.0-10.1 by single copy (OpenMPI 8.4-8.7) and 96 KiB 10.1-10.4 against 10.9-11.2;
+  /// from 128 KiB single copy is the faster (12.3-12.9 against 13.3-13.7), as at 32 KiB the
+  /// segment is (RESULTS.md, "Reduce: the segment up to 96 KiB").
   [[nodiscard]] std::size_t reduce_for(bool own_core) const noexcept {
     if (reduce_min != 0) return reduce_min;
-    return own_core ? std::size_t{64} << 10 : std::size_t{1} << 20;
+    return own_core ? std::size_t{128} << 10 : std::size_t{1} << 20;
   }
   /// Bytes per read in a reduction among `n` ranks: 1 MiB, less where n - 1 blocks of scratch would
   /// pass 4 MiB, never under 64 KiB. Each read pins its pages and runs one syscall; at 2 ranks,
