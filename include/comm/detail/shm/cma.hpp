@@ -102,11 +102,11 @@ struct CmaConfig {
   /// (as min_for; the one-step segment reduce, or an all_reduce above the chunk, below it). Set
   /// at 64 KiB when the segment's one step took 29-38 us at 2 ranks in the VM's slow line state
   /// (single copy 8.8, OpenMPI 8.7; benchmarks/RESULTS.md, "Reduce by single copy from 64 KiB").
-  /// Since the deeper ring and the next line taken ahead that step runs at its fast-state speed in
-  /// the slow state too: at 2 ranks, 15 rounds in each of two runs, 64 KiB took 6.9-7.0 us by it
-  /// against 10.0-10.1 by single copy (OpenMPI 8.4-8.7) and 96 KiB 10.1-10.4 against 10.9-11.2;
-  /// from 128 KiB single copy is the faster (12.3-12.9 against 13.3-13.7), as at 32 KiB the
-  /// segment is (RESULTS.md, "Reduce: the segment up to 96 KiB").
+  /// It no longer slows so (the step's path changed several times since; which change did it was
+  /// not isolated): in the slow state, at 2 ranks, 15 rounds in each of two runs, 64 KiB took
+  /// 6.9-7.0 us by it against 10.0-10.1 by single copy (OpenMPI 8.4-8.7) and 96 KiB 10.1-10.4
+  /// against 10.9-11.2; from 128 KiB single copy is the faster (12.3-12.9 against 13.3-13.7), as
+  /// at 32 KiB the segment is (RESULTS.md, "Reduce: the segment up to 96 KiB").
   [[nodiscard]] std::size_t reduce_for(bool own_core) const noexcept {
     if (reduce_min != 0) return reduce_min;
     return own_core ? std::size_t{128} << 10 : std::size_t{1} << 20;
