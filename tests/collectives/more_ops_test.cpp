@@ -712,6 +712,49 @@ TEST_CASE("shm: back-to-back small broadcasts that every rank roots are a Desync
   CHECK(a[0] == static_cast<float>(me));
 }
 
+// Above two ranks the deferred comparison compares a sum over each rank's last kRing steps (64)
+// and looks at single steps only where the sums differ (steps.hpp, settle_by_window): a long run
+// of small rooted operations with every root in turn, all of them matched, must deliver every
+// value without a false DesyncError; then a rank that alone takes itself for the root of a run
+// of broadcasts, whose header nobody reads, must be found by the ranks that matched the real root
+// through that comparison alone, within kLag + 1 broadcasts.
+TEST_CASE("shm: small rooted operations compared late: no false report, and a root nobody reads is found") {
+  const auto& w = comm::test::world();
+  if (w.size < 2) return;
+  const int me = w.rank;
+  const int n = w.size;
+  const auto un = static_cast<std::size_t>(n);
+  auto c = make_comm();
+  long long bad = 0;
+  for (int i = 0; i < 150; ++i) {
+    const int root = i % n;
+    std::vector<long long> b(2, me == root ? i : -1);
+    c.broadcast(b, root);
+    bad += (b[0] != i) + (b[1] != i);
+    std::vector<long long> mine(1, 100LL * i + me), all(un, -1);
+    c.gather(std::span<const long long>(mine), std::span<long long>(all), root);
+    if (me == root)
+      for (std::size_t p = 0; p < un; ++p) bad += all[p] != 100LL * i + static_cast<long long>(p);
+  }
+  CHECK(bad == 0);
+  int thrown_at = -1;
+  std::string what;
+  for (int i = 0; i < 40 && thrown_at < 0; ++i) {
+    std::vector<float> a(2, 1.f);
+    try {
+      c.broadcast(a, me == n - 1 ? n - 1 : 0);
+    } catch (const comm::DesyncError& e) {
+      thrown_at = i;
+      what = e.what();
+    }
+  }
+  INFO("rank ", me, " threw at broadcast #", thrown_at, ": ", what);
+  CHECK(thrown_at >= 0);
+  CHECK(thrown_at <= 33);
+  CHECK(shm_has(what, "root 0"));
+  CHECK(shm_has(what, "root " + std::to_string(n - 1)));
+}
+
 // Large messages by cross-memory attach (process_vm_readv), from 4 KiB here (all_reduce, reduce,
 // broadcast, all_gather, all_to_all); and a rank that turns it off (COMM_SHM_CMA=0), asks a
 // larger threshold or a smaller reduce slice (the root then reduces alone) brings every rank to

@@ -57,8 +57,10 @@
 ///   (the root of a one-step broadcast or scatter, a non-root of a one-step gather or reduce, and
 ///   with more than 2 ranks a non-root of a one-step broadcast or scatter, which reads only the
 ///   root's) returns from it and throws the DesyncError, naming the mismatched calls, at the start
-///   of its next collective that is not a one-step rooted one, or at the latest 8 collectives
-///   later (point-to-point calls in between do not check). As after any failed
+///   of its next collective that is not a one-step rooted one, or at the latest 32 collectives
+///   later (point-to-point calls in between do not check; above 2 ranks it compares a hash sum
+///   over each rank's last 64 steps, and single steps only where the sums differ, so a
+///   mismatch is missed only where two sums collide, a chance of 2^-64). As after any failed
 ///   operation the communicator is then unusable; with the desync check on, every rank throws
 ///   before the mismatched operation moves anything and the communicator stays usable.
 /// - **Reductions:** every built-in op on every element type (bitwise: integers only), and custom

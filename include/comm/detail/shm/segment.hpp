@@ -7,7 +7,7 @@
 //   Header                 magic, version, size, chunk, the abort words
 //   RankCtl[size]          per rank: pid, the futex bell and its sleeper count, "left" flag
 //   Head[size][kRing]      per rank, a ring of step header lines (by step mod kRing): {step, fp,
-//                          verified step} that the rank publishes in every step, then up to
+//                          check word} that the rank publishes in every step, then up to
 //                          kInline bytes of payload (so a step of a few bytes moves one line)
 //   Body[size][kBodyRing]  per rank, a ring of kLaneBytes payloads (by step mod kBodyRing) for
 //                          the steps that carry more than kInline bytes and at most kLaneBytes
@@ -104,8 +104,9 @@ struct alignas(kLine) ChannelCtl {
 };
 
 /// A header line: the step it holds, then the fingerprint of that step's operation (32 bytes),
-/// the step up to which the rank had compared its steps with the peers (8 bytes; steps.hpp), then
-/// up to kInline bytes of the step's payload.
+/// a check word (8 bytes; steps.hpp: at two ranks the step up to which the rank had compared its
+/// steps with its peer, above two the sum over its last kRing steps), then up to kInline bytes of
+/// the step's payload.
 struct alignas(kLine) StepHeader {
   std::atomic<std::uint64_t> step;
   std::byte rest[kLine - sizeof(std::uint64_t)];
@@ -121,7 +122,7 @@ struct alignas(kLine) StepHeader {
 inline constexpr std::uint64_t kRing = 64;
 inline constexpr std::uint64_t kLag = 32;
 static_assert(kLag >= 1 && kLag <= kRing - kLag);
-/// Payload bytes in a header line, after the step, the fingerprint and the verified step.
+/// Payload bytes in a header line, after the step, the fingerprint and the check word.
 inline constexpr std::size_t kInline = kLine - 8 - 32 - 8;
 /// Payload bytes of a body: every one-step operation up to this size moves through the lanes (the
 /// default small all_reduce limit, 16 KiB, fits). Bodies are fewer than header lines (they are

@@ -7,6 +7,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -38,6 +39,7 @@ class Steps {
         seen_(static_cast<std::size_t>(size), 0),
         watch_(static_cast<std::size_t>(size)),
         table_(static_cast<std::size_t>(size)),
+        window_matched_(static_cast<std::size_t>(size), 0),
         step_rank_(rank),
         step_size_(size),
         wait_limit_(timeout) {
@@ -77,9 +79,12 @@ class Steps {
     if (bytes <= kInline) return reinterpret_cast<std::byte*>(slot(p, s)) + kInlineAt;
     return bytes <= kLaneBytes ? body(p, s) : half(p, s);
   }
-  // Where the parts of a header line lie (segment.hpp, StepHeader).
+  // Where the parts of a header line lie (segment.hpp, StepHeader). The word after the
+  // fingerprint is the verified step at two ranks (settle_by_peer) and the window sum above two
+  // (settle_by_window).
   static constexpr std::size_t kFpAt = sizeof(std::uint64_t);
   static constexpr std::size_t kVerifiedAt = kFpAt + sizeof(Fingerprint);
+  static constexpr std::size_t kWindowAt = kVerifiedAt;
   static constexpr std::size_t kInlineAt = kVerifiedAt + sizeof(std::uint64_t);
   static_assert(kInlineAt + kInline == kLine);
 
@@ -128,8 +133,17 @@ class Steps {
     ensure_free(s, 0);
     StepHeader* h = slot(step_rank_, s);
     std::memcpy(reinterpret_cast<std::byte*>(h) + kFpAt, &fp_, sizeof(Fingerprint));
-    const std::uint64_t verified = std::min(unchecked_.empty() ? s - 1 : unchecked_.front().step - 1, verified_cap_);
-    std::memcpy(reinterpret_cast<std::byte*>(h) + kVerifiedAt, &verified, sizeof verified);
+    if (step_size_ == 2) {
+      const std::uint64_t verified =
+          std::min(unchecked_.empty() ? s - 1 : unchecked_.front().step - 1, verified_cap_);
+      std::memcpy(reinterpret_cast<std::byte*>(h) + kVerifiedAt, &verified, sizeof verified);
+    } else {
+      std::uint64_t& old = window_terms_[s % kRing];
+      const std::uint64_t term = window_term(s, fp_);
+      window_ += term - old;
+      old = term;
+      std::memcpy(reinterpret_cast<std::byte*>(h) + kWindowAt, &window_, sizeof window_);
+    }
     note_cpu();
     if (peer_fence_)
       h->step.store(s, std::memory_order_release);
@@ -201,14 +215,23 @@ class Steps {
   // broadcast or scatter, a non-root of a gather or reduce) returns without waiting for the peers;
   // it leaves that step unchecked. The peers' fingerprints of the step stay in their slots until
   // this rank has published kLag more steps (ensure_free), so the comparison can wait: the next
-  // operation's entry compares whatever unchecked steps the peers have published by then; a small
-  // rooted operation waits only for those kLag steps old, so that a root of back-to-back small
-  // broadcasts runs ahead of its readers; any other operation compares all of them. A mismatch is
-  // a DesyncError, naming the mismatched calls, thrown before this rank publishes anything of the
-  // operation it is entering. At two ranks the peer has usually compared the step itself (it read
-  // this rank's header): its newest header says so (settle_by_peer), and a small rooted operation
-  // leaves the other steps until they are due, where more ranks compare what has been published.
-  // So a root of back-to-back small broadcasts reads one line of its reader's per kLag steps.
+  // operation's entry compares them all; a small rooted operation compares them once the oldest
+  // is kLag steps old, so that a root of back-to-back small broadcasts runs ahead of its readers.
+  // A mismatch is a DesyncError, naming the mismatched calls, thrown before this rank publishes
+  // anything of the operation it is entering. At two ranks the peer has usually compared the step
+  // itself (it read this rank's header): its newest header says so (settle_by_peer). Above two
+  // ranks a reader of a broadcast compared only the root's header, so every rank has unchecked
+  // steps, and comparing each of them with every peer read n - 1 freshly written lines per call:
+  // 4-rank 8-16 B rooted operations took 0.23-0.25 us a call, 0.12-0.19 with no comparison at
+  // all. There every header carries the sum of a hash of each of the rank's last kRing steps
+  // (step number and fingerprint): equal sums at step t say that the two ranks ran the same
+  // operations in every step of that window, which holds every unchecked step up to t
+  // (settle_by_window); only where the sums differ are the steps compared one by one, to find and
+  // name the mismatch. Two windows that differ but hash to the same sum (a chance of 2^-64)
+  // would leave a mismatch unreported; every step a rank reads is still compared in full, so
+  // nothing of another operation is ever read. Since then the 4-rank 8-16 B broadcast and scatter
+  // take 0.12-0.17 us, reduce 0.18-0.22 (benchmarks/RESULTS.md, "Above two ranks: one
+  // comparison for many steps").
 
   /// Marks step `s` of the current operation as not compared with every peer.
   void leave_unchecked(std::uint64_t s) {
@@ -238,27 +261,87 @@ class Steps {
   }
 
   /// Compares the unchecked steps with every peer's, waiting for the peers: all of them (`all`),
-  /// or those that entering step `next` requires (at least kLag steps old) and, above two ranks,
-  /// without waiting any others whose headers every peer has published (at two ranks the peer's
-  /// verified step does that, settle_by_peer). DesyncError on a mismatch.
+  /// or, entering step `next`, once the oldest is kLag steps old. DesyncError on a mismatch.
   void settle(bool all, std::uint64_t next = 0) {
-    if (unchecked_.empty()) return;
-    const bool pair = step_size_ == 2;
-    if (pair && (all || unchecked_.front().step + kLag <= next)) settle_by_peer();
-    std::size_t done = 0;
-    for (; done < unchecked_.size(); ++done) {
-      const Unchecked& u = unchecked_[done];
-      const bool due = all || u.step + kLag <= next;
-      if (!due && (pair || !published_by_all(u.step))) break;
-      // Every peer's header first, then compare: a rank must not throw (and abort the
-      // communicator) while a peer has yet to publish the step, or that peer's own check, and
-      // the error table here, would read a slot that does not hold it.
-      for (int p = 0; p < step_size_; ++p)
-        if (p != step_rank_) wait_published(p, u.step);
-      for (int p = 0; p < step_size_; ++p)
-        if (p != step_rank_ && !same(*header_fp(p, u.step), u.fp)) mismatch_found(u);
+    if (unchecked_.empty() || (!all && unchecked_.front().step + kLag > next)) return;
+    if (step_size_ == 2) {
+      settle_by_peer();
+      std::size_t done = 0;
+      for (; done < unchecked_.size() && (all || unchecked_[done].step + kLag <= next); ++done)
+        compare_step(unchecked_[done]);
+      unchecked_.erase(unchecked_.begin(), unchecked_.begin() + static_cast<std::ptrdiff_t>(done));
+    } else {
+      settle_by_window(all);
     }
+  }
+
+  /// Waits for every peer to publish `u`'s step, then compares its fingerprint with every peer's.
+  /// Every peer's header first: a rank must not throw (and abort the communicator) while a peer
+  /// has yet to publish the step, or that peer's own check, and the error table here, would read
+  /// a slot that does not hold it.
+  void compare_step(const Unchecked& u) {
+    for (int p = 0; p < step_size_; ++p)
+      if (p != step_rank_) wait_published(p, u.step);
+    for (int p = 0; p < step_size_; ++p)
+      if (p != step_rank_ && !same(*header_fp(p, u.step), u.fp)) mismatch_found(u);
+  }
+
+  /// Above two ranks (settle): settles the unchecked steps by the window sums, peer by peer.
+  /// Equal sums at step t with peer p cover every step up to t with p (every unchecked step lies
+  /// within kRing of t: none is older than kLag steps); a step is settled once that holds for
+  /// every peer. A peer already matched up to the steps needed (all of them, or the oldest, which
+  /// is due) is not looked at, so a peer that kept up is read once per kLag / 2 steps or so, and
+  /// one that lags (the root of a gather, whose writers run ahead) at its line of the due step,
+  /// which ensure_free reads then anyway. Each peer's t is the newest unchecked step if the peer
+  /// has published it (all, or the probe of its line finds it there), else the middle between
+  /// the oldest and it if published, else the oldest (waiting for it, as the step is due).
+  void settle_by_window(bool all) {
+    const std::uint64_t oldest = unchecked_.front().step;
+    const std::uint64_t newest = unchecked_.back().step;
+    std::uint64_t settled = newest;
+    for (int p = 0; p < step_size_; ++p) {
+      if (p == step_rank_) continue;
+      auto& matched = window_matched_[static_cast<std::size_t>(p)];
+      if (matched < (all ? newest : oldest)) {
+        std::uint64_t t = newest;
+        if (!all) {
+          auto& seen = seen_[static_cast<std::size_t>(p)];
+          const std::uint64_t mid = oldest + (newest - oldest) / 2;
+          if (seen < t && slot(p, t)->step.load(std::memory_order_acquire) >= t) seen = t;
+          if (seen < mid && slot(p, mid)->step.load(std::memory_order_acquire) >= mid) seen = mid;
+          t = std::max(oldest, std::min(t, seen));
+        }
+        wait_published(p, t);
+        if (window_of(p, t) != window_of(step_rank_, t))
+          for (std::size_t k = 0; k < unchecked_.size() && unchecked_[k].step <= t; ++k) compare_step(unchecked_[k]);
+        matched = t;
+      }
+      settled = std::min(settled, matched);
+    }
+    std::size_t done = 0;
+    while (done < unchecked_.size() && unchecked_[done].step <= settled) ++done;
     unchecked_.erase(unchecked_.begin(), unchecked_.begin() + static_cast<std::ptrdiff_t>(done));
+  }
+
+  /// Rank p's window sum in its header of step t (published; not yet rewritten).
+  [[nodiscard]] std::uint64_t window_of(int p, std::uint64_t t) const noexcept {
+    std::uint64_t w = 0;
+    std::memcpy(&w, reinterpret_cast<const std::byte*>(slot(p, t)) + kWindowAt, sizeof w);
+    return w;
+  }
+
+  /// A step's term of the window sum: its number and its fingerprint, mixed so that another
+  /// operation, count or root, or the same operations in another order, change the sum.
+  [[nodiscard]] static std::uint64_t window_term(std::uint64_t s, const Fingerprint& f) noexcept {
+    std::uint64_t words[sizeof(Fingerprint) / sizeof(std::uint64_t)];
+    std::memcpy(words, &f, sizeof words);
+    std::uint64_t h = s * 0x9e3779b97f4a7c15ULL;
+    for (const std::uint64_t w : words) {
+      h ^= w;
+      h *= 0xbf58476d1ce4e5b9ULL;
+      h ^= h >> 31;
+    }
+    return h;
   }
 
   /// Two ranks: drops the unchecked steps that the peer's newest header (of the last step this
@@ -281,18 +364,6 @@ class Steps {
     std::size_t k = 0;
     while (k < unchecked_.size() && unchecked_[k].step <= verified) ++k;
     unchecked_.erase(unchecked_.begin(), unchecked_.begin() + static_cast<std::ptrdiff_t>(k));
-  }
-
-  /// Whether every peer has published step `s` (no waiting).
-  [[nodiscard]] bool published_by_all(std::uint64_t s) noexcept {
-    for (int p = 0; p < step_size_; ++p) {
-      if (p == step_rank_) continue;
-      auto& seen = seen_[static_cast<std::size_t>(p)];
-      if (seen >= s) continue;
-      if (slot(p, s)->step.load(std::memory_order_acquire) < s) return false;
-      seen = s;
-    }
-    return true;
   }
 
   [[noreturn]] void mismatch_found(Unchecked u) {
@@ -492,6 +563,10 @@ class Steps {
   const char* op_name_ = "shm";
   std::vector<Unchecked> unchecked_;  // settle(): steps not compared with every peer, oldest first
   std::uint64_t verified_cap_ = ~std::uint64_t{0};  // below the first mismatch this rank found
+  // Above two ranks: the sum of window_terms_, the terms of this rank's last kRing steps.
+  std::uint64_t window_ = 0;
+  std::array<std::uint64_t, kRing> window_terms_{};
+  std::vector<std::uint64_t> window_matched_;  // per peer: the window sums agreed up to this step
 
  private:
   int step_rank_;
