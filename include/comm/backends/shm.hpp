@@ -60,8 +60,10 @@
 ///   of its next collective that is not a one-step rooted one, or at the latest 32 collectives
 ///   later (point-to-point calls in between do not check; above 2 ranks it compares a hash sum
 ///   over each rank's last 64 steps, and single steps only where the sums differ, so a
-///   mismatch is missed only where two sums collide, a chance of 2^-64). As after any failed
-///   operation the communicator is then unusable; with the desync check on, every rank throws
+///   mismatch is missed only where two sums collide, a chance of 2^-64). A rank waiting on a peer
+///   when another rank throws it (which aborts the communicator) compares its own unchecked steps
+///   first and throws that DesyncError, not a RemoteError. As after any failed operation the
+///   communicator is then unusable; with the desync check on, every rank throws
 ///   before the mismatched operation moves anything and the communicator stays usable.
 /// - **Reductions:** every built-in op on every element type (bitwise: integers only), and custom
 ///   callables `T(T, T)` (applied in rank order).

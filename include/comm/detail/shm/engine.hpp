@@ -473,17 +473,25 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     auto* out = static_cast<std::byte*>(op.out);
     if (use_cma_reduce_scatter(static_cast<std::size_t>(n) * m * e)) return cma_reduce_scatter(op);
     const std::size_t k = per_step(e, static_cast<std::size_t>(n));
+    const std::byte* own = in + static_cast<std::size_t>(rank()) * m * e;
+    // This rank's own piece is reduced from `in`, not copied into the segment where nobody else
+    // reads it (at 2 ranks half the bytes; 8 B-16 KiB took 0.72-0.85x the time). Except a custom
+    // callable in place: reduce_from would then start from `out`, out of rank order.
+    const bool own_from_in = op.many != nullptr || out != own;
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
       const std::size_t bytes = static_cast<std::size_t>(n) * c * e;
       std::byte* mine = begin(s, bytes);
       // Piece r of this step: in[r*m + off, +c), at r*c in the payload.
       for (int r = 0; r < n; ++r)
-        copy(mine + static_cast<std::size_t>(r) * c * e, in + (static_cast<std::size_t>(r) * m + off) * e, c * e);
+        if (r != rank() || !own_from_in)
+          copy(mine + static_cast<std::size_t>(r) * c * e, in + (static_cast<std::size_t>(r) * m + off) * e, c * e);
       publish(s);
       wait_all(s);
       for (int p = 0; p < n; ++p)
-        srcs_[static_cast<std::size_t>(p)] = payload(p, s, bytes) + static_cast<std::size_t>(rank()) * c * e;
+        srcs_[static_cast<std::size_t>(p)] = p == rank() && own_from_in
+                                                 ? own + off * e
+                                                 : payload(p, s, bytes) + static_cast<std::size_t>(rank()) * c * e;
       reduce_from(op, out + off * e, c, true);
     });
   }

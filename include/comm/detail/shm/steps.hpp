@@ -366,6 +366,25 @@ class Steps {
     unchecked_.erase(unchecked_.begin(), unchecked_.begin() + static_cast<std::ptrdiff_t>(k));
   }
 
+  /// A peer aborted the communicator while this rank waited: if a step this rank left unchecked
+  /// is mismatched, that was most likely the peer's cause, and this rank reports the DesyncError
+  /// itself rather than a RemoteError naming the peer. Above two ranks a rank waiting on one peer
+  /// (a due step, a line to reuse) may not yet have compared the window it shares with another,
+  /// while a third rank did and threw. Only steps that every peer has published are compared,
+  /// without waiting (nobody may publish again), each peer's line read only while it still holds
+  /// that step (a line is not rewritten while this rank has the step unchecked: ensure_free).
+  void desync_behind_abort() {
+    for (const Unchecked& u : unchecked_) {
+      bool all = true, differ = false;
+      for (int p = 0; p < step_size_ && all; ++p) {
+        if (p == step_rank_) continue;
+        all = slot(p, u.step)->step.load(std::memory_order_acquire) == u.step;
+        differ = differ || (all && !same(*header_fp(p, u.step), u.fp));
+      }
+      if (all && differ) mismatch_found(u);
+    }
+  }
+
   [[noreturn]] void mismatch_found(Unchecked u) {
     const std::uint64_t s = u.step;
     verified_cap_ = std::min(verified_cap_, s - 1);
@@ -509,6 +528,7 @@ class Steps {
                         "rank " + std::to_string(r));
     }
     if (const auto a = header_->abort.load(std::memory_order_acquire); a != 0 && static_cast<int>(a) - 1 != step_rank_) {
+      desync_behind_abort();
       const int r = static_cast<int>(a) - 1;
       throw RemoteError(op_name_, step_rank_,
                         "rank " + std::to_string(r) + " failed and aborted the communicator" + at(),
