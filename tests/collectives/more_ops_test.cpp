@@ -744,6 +744,7 @@ TEST_CASE("shm: small rooted operations compared late: no false report, and a ro
     CHECK(bad == 0);
     int thrown_at = -1;
     std::string what;
+    bool desync = false;
     for (int i = 0; i < 40 && thrown_at < 0; ++i) {
       std::vector<float> a(2, 1.f);
       try {
@@ -751,10 +752,14 @@ TEST_CASE("shm: small rooted operations compared late: no false report, and a ro
       } catch (const comm::DesyncError& e) {
         thrown_at = i;
         what = e.what();
+        desync = true;
+      } catch (const comm::Error& e) {  // caught, so every rank goes on to the next round with the others
+        thrown_at = i;
+        what = e.what();
       }
     }
     INFO("round ", round, ": rank ", me, " threw at broadcast #", thrown_at, ": ", what);
-    CHECK(thrown_at >= 0);
+    CHECK(desync);
     CHECK(thrown_at <= 33);
     CHECK(shm_has(what, "root 0"));
     CHECK(shm_has(what, "root " + std::to_string(n - 1)));

@@ -381,11 +381,15 @@ class Steps {
         all = slot(p, u.step)->step.load(std::memory_order_acquire) == u.step;
         differ = differ || (all && !same(*header_fp(p, u.step), u.fp));
       }
-      if (all && differ) mismatch_found(u);
+      if (all && differ)
+        mismatch_found(u, "found in a later operation of this rank, while it waited for a peer after another rank had "
+                          "aborted the communicator");
     }
   }
 
-  [[noreturn]] void mismatch_found(Unchecked u) {
+  [[noreturn]] void mismatch_found(Unchecked u,
+                                   const char* where = "found at the start of a later operation of this rank, before "
+                                                       "it published anything") {
     const std::uint64_t s = u.step;
     verified_cap_ = std::min(verified_cap_, s - 1);
     unchecked_.clear();  // the error reports them all: the next operation starts clean
@@ -394,9 +398,8 @@ class Steps {
     auto msg = desync_message(table_);
     if (msg.empty()) msg = "a peer ran a different step";
     throw DesyncError(op_name_, step_rank_,
-                      "desync (always checked on shm; found at the start of a later operation of this rank, before it "
-                      "published anything): " +
-                          msg + "; every rank must issue the same collectives in the same order with matching sizes");
+                      std::string("desync (always checked on shm; ") + where + "): " + msg +
+                          "; every rank must issue the same collectives in the same order with matching sizes");
   }
 
   [[nodiscard]] const Fingerprint* header_fp(int p, std::uint64_t s) const noexcept {
