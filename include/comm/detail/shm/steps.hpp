@@ -371,8 +371,9 @@ class Steps {
   /// itself rather than a RemoteError naming the peer. Above two ranks a rank waiting on one peer
   /// (a due step, a line to reuse) may not yet have compared the window it shares with another,
   /// while a third rank did and threw. Only steps that every peer has published are compared,
-  /// without waiting (nobody may publish again), each peer's line read only while it still holds
-  /// that step (a line is not rewritten while this rank has the step unchecked: ensure_free).
+  /// without waiting (the rank that aborted publishes nothing more), each peer's line read only
+  /// while it holds that step (a line is not rewritten while this rank has the step unchecked:
+  /// ensure_free).
   void desync_behind_abort() {
     for (const Unchecked& u : unchecked_) {
       bool all = true, differ = false;
