@@ -253,6 +253,10 @@ class SingleCopy {
                                 (write ? "wrote to" : "read") + " its buffer (" + op_no + ")",
                             "rank " + std::to_string(p));
         }
+        // A peer that gave up the operation (another rank died or aborted) may have freed the
+        // buffer: report that cause, as a wait would, rather than the copy's EFAULT.
+        (void)e.check_peer(p, Clock::time_point::max(), true, [] { return false; },
+                           [&] { return " (" + op_no + ")"; });
         throw BackendError(e.op_name_, e.rank(),
                            std::string(write ? "process_vm_writev" : "process_vm_readv") + " of " + std::to_string(bytes) +
                                " bytes " + (write ? "to" : "from") + " rank " + std::to_string(p) + " failed: " +
