@@ -30,13 +30,15 @@
 /// - **Single copy:** all_reduce, all_gather and all_to_all of at least COMM_SHM_CMA_MIN bytes
 ///   (32 KiB where the host has a core for every rank, else 1 MiB), reduce_scatter from
 ///   COMM_SHM_CMA_MIN where the host has a core for every rank, reduce from COMM_SHM_CMA_REDUCE_MIN
-///   (64 KiB where the host has a core for every rank, else 1 MiB; the root reduces the larger
-///   slice), and broadcast, scatter and gather from COMM_SHM_CMA_ROOTED_MIN (16 KiB of a message
-///   or of one rank's block where the host has a core for every rank, else 64 KiB) move between
-///   the ranks' own buffers with `process_vm_readv` and `process_vm_writev` (cross-memory
-///   attach): one copy by the kernel instead of two through the segment (from 128 KiB, 64 KiB
-///   where ranks share cores, a broadcast's root writes one part into each reader while the
-///   readers read the others). Every rank tries it on every peer at creation; if any rank
+///   (128 KiB where the host has a core for every rank, else 1 MiB; the root reduces the larger
+///   slice), scatter and gather from COMM_SHM_CMA_ROOTED_MIN (one rank's block: 16 KiB where the
+///   host has a core for every rank, else 64 KiB), and broadcast from 16 KiB where the host has a
+///   core for every rank (where ranks share cores only from COMM_SHM_CMA_ROOTED_MIN when it is
+///   set: the segment is the faster there) move between the ranks' own buffers with
+///   `process_vm_readv` and `process_vm_writev` (cross-memory attach): one copy by the kernel
+///   instead of two through the segment (from 128 KiB, 64 KiB where ranks share cores, a
+///   broadcast's root writes one part into each reader while the readers read the others).
+///   Every rank tries it on every peer at creation; if any rank
 ///   cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp) every rank uses the segment. Under
 ///   ptrace_scope 1 each rank allows it with `prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`
 ///   (process-wide; COMM_SHM_CMA=0 avoids it).

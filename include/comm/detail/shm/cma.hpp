@@ -49,6 +49,7 @@ struct CmaConfig {
   std::size_t slice_max = SIZE_MAX;  // COMM_SHM_CMA_SLICE_MAX: largest slice a non-root reduces (reduce)
   std::size_t rooted_min = 0;       // COMM_SHM_CMA_ROOTED_MIN: broadcast; scatter, gather per rank (0: rooted_for)
   std::size_t reduce_min = 0;       // COMM_SHM_CMA_REDUCE_MIN: reduce (0: reduce_for)
+  std::size_t broadcast_min = 0;    // broadcast: the agreed broadcast_for (set by agree_cma, not by the environment)
   static CmaConfig from_env() {
     CmaConfig c;
     if (auto v = env_nonneg_int("COMM_SHM_CMA")) c.enabled = *v != 0;
@@ -97,6 +98,20 @@ struct CmaConfig {
   [[nodiscard]] std::size_t rooted_for(bool own_core) const noexcept {
     if (rooted_min != 0) return rooted_min;
     return own_core ? std::size_t{16} << 10 : std::size_t{64} << 10;
+  }
+  /// Smallest broadcast moved by a single copy: COMM_SHM_CMA_ROOTED_MIN where it is set, else
+  /// rooted_for's 16 KiB where every rank has a core, and none where ranks share cores. There the
+  /// readers take their turns on a core one after another, and each pulls the whole message from
+  /// the root's buffer, out of memory by then, while the segment's chunks stay in the cache
+  /// between the root's write and the last reader: with 3 and 4 ranks on 2 cores the segment took
+  /// 0.50-0.81x single copy's time at 64-256 KiB and 16-64 MiB and 0.96-1.18x at 1-4 MiB (within
+  /// the rounds' spread), 4 ranks 64 KiB 35.9 against 55.1 us (OpenMPI 41.7), 64 MiB 12.2 against
+  /// 19.7 ms; scatter and gather kept single copy's lead from 1 MiB (4 ranks 4 MiB 167 / 151 us
+  /// against 376 / 274 by the segment; RESULTS.md, "Broadcast on shared cores: the segment at
+  /// every size").
+  [[nodiscard]] std::size_t broadcast_for(bool own_core) const noexcept {
+    if (rooted_min != 0 || own_core) return rooted_for(own_core);
+    return SIZE_MAX;
   }
   /// Smallest reduce moved by a single copy: 128 KiB where every rank has a core, 1 MiB elsewhere
   /// (as min_for; the one-step segment reduce, or an all_reduce above the chunk, below it). Set
@@ -155,6 +170,7 @@ class SingleCopy {
     self().ctl(self().rank()).cma_slice_max = cma_.slice_max;
     self().ctl(self().rank()).cma_own_core = own_core ? 1 : 0;
     self().ctl(self().rank()).cma_rooted_min = cma_.rooted_for(own_core);
+    self().ctl(self().rank()).cma_broadcast_min = cma_.broadcast_for(own_core);
     self().ctl(self().rank()).cma_reduce_min = cma_.reduce_for(own_core);
     self().ctl(self().rank()).cma.store(ok ? 2 : 1, std::memory_order_relaxed);
     s = self().next_step();
@@ -165,11 +181,13 @@ class SingleCopy {
     cma_on_ = true;
     cma_own_core_ = true;
     cma_.rooted_min = 0;
+    cma_.broadcast_min = 0;
     cma_.reduce_min = 0;
     cma_.min_bytes = 0;
     for (int p = 0; p < self().size(); ++p) {
       cma_own_core_ = cma_own_core_ && self().ctl(p).cma_own_core == 1;
       cma_.rooted_min = std::max<std::size_t>(cma_.rooted_min, self().ctl(p).cma_rooted_min);
+      cma_.broadcast_min = std::max<std::size_t>(cma_.broadcast_min, self().ctl(p).cma_broadcast_min);
       cma_.reduce_min = std::max<std::size_t>(cma_.reduce_min, self().ctl(p).cma_reduce_min);
       cma_on_ = cma_on_ && self().ctl(p).cma.load(std::memory_order_relaxed) == 2;
       cma_.min_bytes = std::max<std::size_t>(cma_.min_bytes, self().ctl(p).cma_min);
@@ -184,9 +202,13 @@ class SingleCopy {
   }
 
   [[nodiscard]] bool use_cma(std::size_t bytes) const noexcept { return cma_on_ && bytes >= cma_.min_bytes && bytes != 0; }
-  /// For broadcast (the message), scatter and gather (a rank's block): the agreed rooted threshold.
+  /// For scatter and gather (a rank's block): the agreed rooted threshold.
   [[nodiscard]] bool use_cma_rooted(std::size_t bytes) const noexcept {
     return cma_on_ && bytes >= cma_.rooted_min && bytes != 0;
+  }
+  /// For broadcast (the message): the agreed broadcast threshold (broadcast_for).
+  [[nodiscard]] bool use_cma_broadcast(std::size_t bytes) const noexcept {
+    return cma_on_ && bytes >= cma_.broadcast_min && bytes != 0;
   }
   /// For reduce (the message): the agreed reduce threshold.
   [[nodiscard]] bool use_cma_reduce(std::size_t bytes) const noexcept {
@@ -405,9 +427,9 @@ class SingleCopy {
   }
   /// Where every rank has a core, 128 KiB: at 2 ranks 16 MiB took 666 against 2,036 us, 1 MiB 23
   /// against 48, 128 KiB 6.3 against 7.0, but 64 KiB 5.3 against 5.0 (one more call and a wait
-  /// for the root). Where ranks share cores, 64 KiB, the smallest broadcast by single copy there:
-  /// 4 ranks on 2 cores 64 KiB 38 against 47 us, 64 MiB 18.2-18.4 against 24.1-25.3 ms (RESULTS.md,
-  /// "A broadcast's root copies too").
+  /// for the root). Where ranks share cores (a broadcast goes by single copy there only when
+  /// COMM_SHM_CMA_ROOTED_MIN asks it: broadcast_for), 64 KiB: 4 ranks on 2 cores 64 KiB 38 against
+  /// 47 us, 64 MiB 18.2-18.4 against 24.1-25.3 ms (RESULTS.md, "A broadcast's root copies too").
   [[nodiscard]] std::size_t share_min() const noexcept {
     return cma_own_core_ ? std::size_t{128} << 10 : std::size_t{64} << 10;
   }

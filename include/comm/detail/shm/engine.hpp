@@ -522,7 +522,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
   [[nodiscard]] bool one_step_rooted(const Op& op) const noexcept {
     const std::size_t e = op.elem_size;
     switch (op.desc.kind) {
-      case OpKind::broadcast: return !use_cma_rooted(op.out_count * e) && op.out_count <= per_step(e);
+      case OpKind::broadcast: return !use_cma_broadcast(op.out_count * e) && op.out_count <= per_step(e);
       case OpKind::scatter:
         return !use_cma_rooted(op.out_count * e) && op.out_count <= per_step(e, static_cast<std::size_t>(size()));
       case OpKind::gather: return !use_cma_rooted(op.in_count * e) && op.in_count <= per_step(e);
@@ -610,7 +610,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const std::size_t m = op.out_count;
     const int root = op.desc.root;
     auto* data = static_cast<std::byte*>(op.out);
-    if (use_cma_rooted(m * e)) return cma_broadcast(op);
+    if (use_cma_broadcast(m * e)) return cma_broadcast(op);
     const std::size_t k = per_step(e);
     bool first = true;
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
