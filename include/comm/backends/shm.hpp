@@ -27,18 +27,20 @@
 ///   rank, those of at most 16 KiB through a ring of 16 bodies, so a root of back-to-back small
 ///   rooted operations runs up to 32 of them (15 above 16 bytes) ahead of its slowest reader, as an
 ///   MPI's eager protocol lets it.
-/// - **Single copy:** all_reduce, all_gather and all_to_all of at least COMM_SHM_CMA_MIN bytes
-///   (32 KiB where the host has a core for every rank, else 1 MiB), reduce_scatter from
-///   COMM_SHM_CMA_MIN where the host has a core for every rank, reduce from COMM_SHM_CMA_REDUCE_MIN
-///   (128 KiB where the host has a core for every rank, else 1 MiB; the root reduces the larger
-///   slice), scatter and gather from COMM_SHM_CMA_ROOTED_MIN (one rank's block: 16 KiB where the
-///   host has a core for every rank, else 64 KiB), and broadcast from 16 KiB where the host has a
-///   core for every rank (where ranks share cores only from COMM_SHM_CMA_ROOTED_MIN when it is
-///   set: the segment is the faster there) move between the ranks' own buffers with
-///   `process_vm_readv` and `process_vm_writev` (cross-memory attach): one copy by the kernel
-///   instead of two through the segment (from 128 KiB, 64 KiB where ranks share cores, a
-///   broadcast's root writes one part into each reader while the readers read the others).
-///   Every rank tries it on every peer at creation; if any rank
+/// - **Single copy:** all_reduce and all_to_all of at least COMM_SHM_CMA_MIN bytes (32 KiB where
+///   the host has a core for every rank, else 1 MiB), all_gather from 32 KiB where the host has a
+///   core for every rank, reduce_scatter from COMM_SHM_CMA_MIN where the host has a core for every
+///   rank, reduce from COMM_SHM_CMA_REDUCE_MIN (128 KiB where the host has a core for every rank,
+///   else 1 MiB; the root reduces the larger slice), scatter and gather from
+///   COMM_SHM_CMA_ROOTED_MIN (one rank's block: 16 KiB where the host has a core for every rank,
+///   else 64 KiB), and broadcast from 16 KiB where the host has a core for every rank move between
+///   the ranks' own buffers with `process_vm_readv` and `process_vm_writev` (cross-memory
+///   attach): one copy by the kernel instead of two through the segment (from 128 KiB, 64 KiB
+///   where ranks share cores, a broadcast's root writes one part into each reader while the
+///   readers read the others). Where ranks share cores a broadcast and an all_gather take the
+///   segment at every size (there the readers take turns on a core and the segment's chunks are
+///   still in the cache), unless COMM_SHM_CMA_ROOTED_MIN or COMM_SHM_CMA_MIN is set. Every rank
+///   tries it on every peer at creation; if any rank
 ///   cannot (COMM_SHM_CMA=0, Yama ptrace_scope 2-3, seccomp) every rank uses the segment. Under
 ///   ptrace_scope 1 each rank allows it with `prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`
 ///   (process-wide; COMM_SHM_CMA=0 avoids it).

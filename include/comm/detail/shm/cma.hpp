@@ -50,6 +50,7 @@ struct CmaConfig {
   std::size_t rooted_min = 0;       // COMM_SHM_CMA_ROOTED_MIN: broadcast; scatter, gather per rank (0: rooted_for)
   std::size_t reduce_min = 0;       // COMM_SHM_CMA_REDUCE_MIN: reduce (0: reduce_for)
   std::size_t broadcast_min = 0;    // broadcast: the agreed broadcast_for (set by agree_cma, not by the environment)
+  std::size_t all_gather_min = 0;   // all_gather: the agreed all_gather_for (set by agree_cma, not by the environment)
   static CmaConfig from_env() {
     CmaConfig c;
     if (auto v = env_nonneg_int("COMM_SHM_CMA")) c.enabled = *v != 0;
@@ -77,6 +78,18 @@ struct CmaConfig {
   [[nodiscard]] std::size_t min_for(bool own_core) const noexcept {
     if (min_bytes != 0) return min_bytes;
     return own_core ? std::size_t{32} << 10 : std::size_t{1} << 20;
+  }
+  /// Smallest all_gather (the whole output) moved by a single copy: COMM_SHM_CMA_MIN where it is
+  /// set, else min_for's 32 KiB where every rank has a core, and none where ranks share cores: as
+  /// for broadcast (broadcast_for), each rank there pulls every other rank's block out of memory
+  /// in its turn on a core, where the segment's chunks are still in the cache. With 3 and 4 ranks
+  /// on 2 cores the segment took 0.54-0.80x single copy's time at 4-64 MiB (3 ranks) and 1-64 MiB
+  /// (4 ranks): 4 ranks 16 MiB 2.87 against 5.34 ms (OpenMPI 8.00), 64 MiB 14.9 against 25.7;
+  /// all_reduce, all_to_all and reduce kept single copy's lead or par at 1-4 MiB, so they keep
+  /// min_for (RESULTS.md, "Broadcast and all_gather on shared cores: the segment").
+  [[nodiscard]] std::size_t all_gather_for(bool own_core) const noexcept {
+    if (min_bytes != 0 || own_core) return min_for(own_core);
+    return SIZE_MAX;
   }
   /// Smallest broadcast (scatter, gather: block per rank) moved by a single copy: 16 KiB where
   /// every rank has a core, 64 KiB elsewhere. Where every rank has a core, one read by the kernel
@@ -107,8 +120,8 @@ struct CmaConfig {
   /// 0.50-0.81x single copy's time at 64-256 KiB and 16-64 MiB and 0.96-1.18x at 1-4 MiB (within
   /// the rounds' spread), 4 ranks 64 KiB 35.9 against 55.1 us (OpenMPI 41.7), 64 MiB 12.2 against
   /// 19.7 ms; scatter and gather kept single copy's lead from 1 MiB (4 ranks 4 MiB 167 / 151 us
-  /// against 376 / 274 by the segment; RESULTS.md, "Broadcast on shared cores: the segment at
-  /// every size").
+  /// against 376 / 274 by the segment; RESULTS.md, "Broadcast and all_gather on shared cores: the
+  /// segment").
   [[nodiscard]] std::size_t broadcast_for(bool own_core) const noexcept {
     if (rooted_min != 0 || own_core) return rooted_for(own_core);
     return SIZE_MAX;
@@ -171,6 +184,7 @@ class SingleCopy {
     self().ctl(self().rank()).cma_own_core = own_core ? 1 : 0;
     self().ctl(self().rank()).cma_rooted_min = cma_.rooted_for(own_core);
     self().ctl(self().rank()).cma_broadcast_min = cma_.broadcast_for(own_core);
+    self().ctl(self().rank()).cma_all_gather_min = cma_.all_gather_for(own_core);
     self().ctl(self().rank()).cma_reduce_min = cma_.reduce_for(own_core);
     self().ctl(self().rank()).cma.store(ok ? 2 : 1, std::memory_order_relaxed);
     s = self().next_step();
@@ -182,12 +196,14 @@ class SingleCopy {
     cma_own_core_ = true;
     cma_.rooted_min = 0;
     cma_.broadcast_min = 0;
+    cma_.all_gather_min = 0;
     cma_.reduce_min = 0;
     cma_.min_bytes = 0;
     for (int p = 0; p < self().size(); ++p) {
       cma_own_core_ = cma_own_core_ && self().ctl(p).cma_own_core == 1;
       cma_.rooted_min = std::max<std::size_t>(cma_.rooted_min, self().ctl(p).cma_rooted_min);
       cma_.broadcast_min = std::max<std::size_t>(cma_.broadcast_min, self().ctl(p).cma_broadcast_min);
+      cma_.all_gather_min = std::max<std::size_t>(cma_.all_gather_min, self().ctl(p).cma_all_gather_min);
       cma_.reduce_min = std::max<std::size_t>(cma_.reduce_min, self().ctl(p).cma_reduce_min);
       cma_on_ = cma_on_ && self().ctl(p).cma.load(std::memory_order_relaxed) == 2;
       cma_.min_bytes = std::max<std::size_t>(cma_.min_bytes, self().ctl(p).cma_min);
@@ -205,6 +221,10 @@ class SingleCopy {
   /// For scatter and gather (a rank's block): the agreed rooted threshold.
   [[nodiscard]] bool use_cma_rooted(std::size_t bytes) const noexcept {
     return cma_on_ && bytes >= cma_.rooted_min && bytes != 0;
+  }
+  /// For all_gather (the whole output): the agreed all_gather threshold (all_gather_for).
+  [[nodiscard]] bool use_cma_all_gather(std::size_t bytes) const noexcept {
+    return cma_on_ && bytes >= cma_.all_gather_min && bytes != 0;
   }
   /// For broadcast (the message): the agreed broadcast threshold (broadcast_for).
   [[nodiscard]] bool use_cma_broadcast(std::size_t bytes) const noexcept {

@@ -500,7 +500,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const std::size_t e = op.elem_size;
     const std::size_t m = op.in_count;
     const int n = size();
-    if (use_cma(m * e * static_cast<std::size_t>(n))) return cma_all_gather(op);
+    if (use_cma_all_gather(m * e * static_cast<std::size_t>(n))) return cma_all_gather(op);
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
     const std::size_t k = per_step(e);
