@@ -769,7 +769,9 @@ TEST_CASE("shm: small rooted operations compared late: no false report, and a ro
 // Large messages by cross-memory attach (process_vm_readv), from 4 KiB here (all_reduce, reduce,
 // broadcast, all_gather, all_to_all); and a rank that turns it off (COMM_SHM_CMA=0), asks a
 // larger threshold or a smaller reduce slice (the root then reduces alone) brings every rank to
-// the same path, or the results below would be wrong or the ranks would hang. A reduce's slices
+// the same path, or the results below would be wrong or the ranks would hang (the last setting:
+// where ranks share cores, rank 0 alone asks single copy for all_gather and broadcast from 4 KiB,
+// which the others, by default, take only through the segment there). A reduce's slices
 // depend on its root (the root's is the larger where every rank has a core), so it runs to the
 // last rank and to rank 0.
 TEST_CASE("shm: single-copy large messages, and every rank takes the path the least capable one allows") {
@@ -786,7 +788,8 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
   const char* big = me == n - 1 ? "1048576" : "4096";
   for (const Setting s : {Setting{"1", "4096", "8388608", "4096", "4096"}, Setting{me == 0 ? "0" : "1", "4096", "8388608", "4096", "4096"},
                           Setting{"1", big, "8388608", big, big},
-                          Setting{"1", me == 0 ? "4096" : nullptr, me == 0 ? "4096" : "8388608", nullptr, nullptr}}) {
+                          Setting{"1", me == 0 ? "4096" : nullptr, me == 0 ? "4096" : "8388608", me == 0 ? "4096" : nullptr,
+                                  nullptr}}) {
     INFO("COMM_SHM_CMA=", s.cma, " COMM_SHM_CMA_MIN=", s.min ? s.min : "(unset)", " COMM_SHM_CMA_SLICE_MAX=", s.slice_max,
          " COMM_SHM_CMA_ROOTED_MIN=", s.rooted_min ? s.rooted_min : "(unset)",
          " COMM_SHM_CMA_REDUCE_MIN=", s.reduce_min ? s.reduce_min : "(unset)");
