@@ -148,3 +148,45 @@ TEST_CASE("all_reduce: more than a million elements") {
   c.all_reduce(v);
   CHECK(first_mismatch(v, [&](std::size_t i) { return reference<float>(ReduceOp::sum, n, i); }) == -1);
 }
+
+#if defined(COMM_TEST_BACKEND_SHM)
+// Shm folds a custom callable from the left in rank order (docs/BACKENDS.md): with one that is
+// neither commutative nor associative, every rank gets the rank-ordered fold, in place or not, on
+// each path the size picks (one step, the segment's chunks, single copy from 1 MiB). In place, a
+// rank whose input is not the first operand once started the fold from its own input.
+TEST_CASE("all_reduce and reduce: a custom callable is folded in rank order") {
+  auto c = make_comm();
+  const int n = c.size();
+  auto f = [](std::uint32_t a, std::uint32_t b) { return a * 31u + b; };
+  auto input = [](int r, std::size_t i) { return static_cast<std::uint32_t>(r) * 1000003u + static_cast<std::uint32_t>(i) * 7u + 1u; };
+  auto want = [&](std::size_t i) {
+    std::uint32_t acc = input(0, i);
+    for (int r = 1; r < n; ++r) acc = f(acc, input(r, i));
+    return acc;
+  };
+  for (std::size_t count : {std::size_t{13}, std::size_t{2000}, std::size_t{20000}, std::size_t{300000}}) {
+    for (bool in_place : {true, false}) {
+      INFO("count=", count, std::string(in_place ? " in-place" : " out-of-place"));
+      std::vector<std::uint32_t> in(count), out(count);
+      for (std::size_t i = 0; i < count; ++i) in[i] = input(c.rank(), i);
+      if (in_place) {
+        c.all_reduce(in, f);
+        CHECK(first_mismatch(in, want) == -1);
+      } else {
+        c.all_reduce(std::span<const std::uint32_t>(in), std::span<std::uint32_t>(out), f);
+        CHECK(first_mismatch(out, want) == -1);
+      }
+      // reduce at the last rank: in place its input is the last operand.
+      const int root = n - 1;
+      for (std::size_t i = 0; i < count; ++i) in[i] = input(c.rank(), i);
+      if (in_place) {
+        c.reduce(in, root, f);
+        if (c.rank() == root) CHECK(first_mismatch(in, want) == -1);
+      } else {
+        c.reduce(std::span<const std::uint32_t>(in), std::span<std::uint32_t>(out), root, f);
+        if (c.rank() == root) CHECK(first_mismatch(out, want) == -1);
+      }
+    }
+  }
+}
+#endif

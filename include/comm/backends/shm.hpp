@@ -70,7 +70,7 @@
 ///   communicator is then unusable; with the desync check on, every rank throws
 ///   before the mismatched operation moves anything and the communicator stays usable.
 /// - **Reductions:** every built-in op on every element type (bitwise: integers only), and custom
-///   callables `T(T, T)` (applied in rank order).
+///   callables `T(T, T)` (folded from the left in rank order, in place or not).
 /// - **Diagnostics:** flight recorder, desync check option, monitored_barrier (through the store),
 ///   as on Gloo.
 

@@ -398,21 +398,41 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     } else if (op.many != nullptr) {
       op.many(out, srcs_.data(), n, count);
     } else {
-      // A custom callable, pairwise (it must be associative and commutative). When `out` is one of
-      // the inputs (in place), that one is the accumulator, so it is not overwritten before use.
+      // A custom callable, folded from the left in rank order: every rank that reduces the same
+      // elements applies the same operands in the same order, so all get the same bits even for
+      // a callable that is not associative (float sums) or not commutative. When `out` is rank
+      // k's input (in place) and k > 0, `out` cannot hold the fold before input k is used: the
+      // callable is element-wise, so the fold runs block by block in scratch.
       int acc = -1;
       for (int k = 0; k < n; ++k)
         if (srcs_[static_cast<std::size_t>(k)] == out) acc = k;
-      if (acc < 0) {
+      if (acc <= 0) {
         op.custom(op.custom_arg, out, srcs_[0], srcs_[1], count);
         for (int k = 2; k < n; ++k) op.custom(op.custom_arg, out, out, srcs_[static_cast<std::size_t>(k)], count);
       } else {
-        for (int k = 0; k < n; ++k)
-          if (k != acc) op.custom(op.custom_arg, out, out, srcs_[static_cast<std::size_t>(k)], count);
+        fold_in_scratch(op, static_cast<std::byte*>(out), count);
       }
     }
     if (finish && op.finish != nullptr) op.finish(out, count, n);
   }
+
+  /// reduce_from's custom fold where `out` is one of the later inputs: each block of elements is
+  /// folded in scratch that stays in the cache, then copied over `out`'s block.
+  void fold_in_scratch(const Op& op, std::byte* out, std::size_t count) {
+    const std::size_t e = op.elem_size;
+    const std::size_t per = std::max<std::size_t>(kFoldBlock / e, 1);
+    if (fold_.size() < per * e) fold_.resize(per * e);
+    std::byte* tmp = fold_.data();
+    const int n = size();
+    for (std::size_t off = 0; off < count; off += per) {
+      const std::size_t c = std::min(per, count - off);
+      auto src = [&](int k) { return static_cast<const std::byte*>(srcs_[static_cast<std::size_t>(k)]) + off * e; };
+      op.custom(op.custom_arg, tmp, src(0), src(1), c);
+      for (int k = 2; k < n; ++k) op.custom(op.custom_arg, tmp, tmp, src(k), c);
+      std::memcpy(out + off * e, tmp, c * e);
+    }
+  }
+  static constexpr std::size_t kFoldBlock = 16 << 10;
 
   void do_all_reduce(Op& op) {
     const std::size_t e = op.elem_size;
@@ -475,23 +495,20 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const std::size_t k = per_step(e, static_cast<std::size_t>(n));
     const std::byte* own = in + static_cast<std::size_t>(rank()) * m * e;
     // This rank's own piece is reduced from `in`, not copied into the segment where nobody else
-    // reads it (at 2 ranks half the bytes; 8 B-16 KiB took 0.72-0.85x the time). Except a custom
-    // callable in place: reduce_from would then start from `out`, out of rank order.
-    const bool own_from_in = op.many != nullptr || out != own;
+    // reads it (at 2 ranks half the bytes; 8 B-16 KiB took 0.72-0.85x the time).
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
       const std::size_t bytes = static_cast<std::size_t>(n) * c * e;
       std::byte* mine = begin(s, bytes);
       // Piece r of this step: in[r*m + off, +c), at r*c in the payload.
       for (int r = 0; r < n; ++r)
-        if (r != rank() || !own_from_in)
+        if (r != rank())
           copy(mine + static_cast<std::size_t>(r) * c * e, in + (static_cast<std::size_t>(r) * m + off) * e, c * e);
       publish(s);
       wait_all(s);
       for (int p = 0; p < n; ++p)
-        srcs_[static_cast<std::size_t>(p)] = p == rank() && own_from_in
-                                                 ? own + off * e
-                                                 : payload(p, s, bytes) + static_cast<std::size_t>(rank()) * c * e;
+        srcs_[static_cast<std::size_t>(p)] =
+            p == rank() ? own + off * e : payload(p, s, bytes) + static_cast<std::size_t>(rank()) * c * e;
       reduce_from(op, out + off * e, c, true);
     });
   }
@@ -694,6 +711,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
 
   std::size_t small_max_;
   std::vector<const void*> srcs_;  // reduction inputs, one per rank
+  std::vector<std::byte> fold_;    // fold_in_scratch's block
   P2PCounters p2p_numbers_{size()};
   struct P2PProgress {
     std::size_t done = 0;      // bytes moved
