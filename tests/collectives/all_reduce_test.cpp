@@ -153,8 +153,9 @@ TEST_CASE("all_reduce: more than a million elements") {
 // Shm folds a custom callable from the left in rank order (docs/BACKENDS.md): with one that is
 // neither commutative nor associative, every rank gets the rank-ordered fold, in place or not, on
 // each path the size picks (one step, the segment's chunks, single copy from 1 MiB). In place, a
-// rank whose input is not the first operand once started the fold from its own input.
-TEST_CASE("all_reduce and reduce: a custom callable is folded in rank order") {
+// rank whose input is not the first operand once started the fold from its own input (all_reduce,
+// reduce), or copied its own block through the segment to avoid that (reduce_scatter).
+TEST_CASE("all_reduce, reduce_scatter and reduce: a custom callable is folded in rank order") {
   auto c = make_comm();
   const int n = c.size();
   auto f = [](std::uint32_t a, std::uint32_t b) { return a * 31u + b; };
@@ -175,6 +176,17 @@ TEST_CASE("all_reduce and reduce: a custom callable is folded in rank order") {
       } else {
         c.all_reduce(std::span<const std::uint32_t>(in), std::span<std::uint32_t>(out), f);
         CHECK(first_mismatch(out, want) == -1);
+      }
+      // reduce_scatter: in place the output is this rank's block of the input.
+      {
+        const auto me = static_cast<std::size_t>(c.rank());
+        std::vector<std::uint32_t> all(count * static_cast<std::size_t>(n));
+        for (std::size_t i = 0; i < all.size(); ++i) all[i] = input(c.rank(), i);
+        const std::span<std::uint32_t> mine =
+            in_place ? std::span<std::uint32_t>(all.data() + me * count, count) : std::span<std::uint32_t>(out);
+        c.reduce_scatter(std::span<const std::uint32_t>(all), mine, f);
+        const std::vector<std::uint32_t> got(mine.begin(), mine.end());
+        CHECK(first_mismatch(got, [&](std::size_t i) { return want(me * count + i); }) == -1);
       }
       // reduce at the last rank: in place its input is the last operand.
       const int root = n - 1;
