@@ -429,7 +429,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
       auto src = [&](int k) { return static_cast<const std::byte*>(srcs_[static_cast<std::size_t>(k)]) + off * e; };
       op.custom(op.custom_arg, tmp, src(0), src(1), c);
       for (int k = 2; k < n; ++k) op.custom(op.custom_arg, tmp, tmp, src(k), c);
-      std::memcpy(out + off * e, tmp, c * e);
+      copy(out + off * e, tmp, c * e);
     }
   }
   static constexpr std::size_t kFoldBlock = 16 << 10;
