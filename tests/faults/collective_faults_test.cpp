@@ -292,6 +292,18 @@ void mismatch_battery(const BackendCase& b) {
           } else {
             CHECK(e.code == 0);
           }
+          // The operation after the mismatch (fault_peer's after_failure): under the desync check
+          // nothing was sent and the communicator works; without it the communicator failed, and a
+          // DesyncError stays the first cause, class and all (it read BackendError until
+          // 2026-12-05), unless a peer's announcement of the desync reached this rank first
+          // (RemoteError; never on Shm, which announces none).
+          for (const auto& l : w[r].lines("NEXT ")) {
+            const std::string next = fields(l.substr(5)).at("kind");
+            INFO("rank ", r, " after its ", what, ": ", l);
+            if (desync && res.at("status") == "error") CHECK(next == "none");
+            if (!desync && what == "DesyncError")
+              CHECK((next == "DesyncError" || (!b.always_desync && next == "RemoteError")));
+          }
         }
         if (what.rfind("ABORT", 0) == 0 || res.empty() || res.at("status") != "error")
           worst = std::max(worst, ms_since(t0, w[r].exited_at()));

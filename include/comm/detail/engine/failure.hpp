@@ -9,7 +9,9 @@
 
 namespace comm::detail {
 
-enum class FailureKind { timeout, remote, backend };
+// A desync keeps its class after it failed the communicator: the later calls that fail with it
+// as the first cause are DesyncError too, as a Timeout's are Timeout (they were BackendError).
+enum class FailureKind { timeout, remote, desync, backend };
 
 /// A DesyncError that only the ranks next to the disagreement can see: a header one receiver
 /// checks alone (the Gloo engine's headed operations). The core publishes it on the liveness
@@ -26,6 +28,7 @@ class UnsharedDesync : public DesyncError {
   switch (kind) {
     case FailureKind::timeout: throw Timeout(op, rank, text, peer);
     case FailureKind::remote: throw RemoteError(op, rank, text, peer);
+    case FailureKind::desync: throw DesyncError(op, rank, text, peer);
     case FailureKind::backend: break;
   }
   throw BackendError(op, rank, text, peer);
@@ -34,6 +37,7 @@ class UnsharedDesync : public DesyncError {
 [[nodiscard]] inline FailureKind kind_of(const Error& e) {
   if (dynamic_cast<const Timeout*>(&e) != nullptr) return FailureKind::timeout;
   if (dynamic_cast<const RemoteError*>(&e) != nullptr) return FailureKind::remote;
+  if (dynamic_cast<const DesyncError*>(&e) != nullptr) return FailureKind::desync;
   return FailureKind::backend;
 }
 
