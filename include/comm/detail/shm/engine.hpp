@@ -401,12 +401,13 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
       // A custom callable, folded from the left in rank order: every rank that reduces the same
       // elements applies the same operands in the same order, so all get the same bits even for
       // a callable that is not associative (float sums) or not commutative. When `out` is rank
-      // k's input (in place) and k > 0, `out` cannot hold the fold before input k is used: the
-      // callable is element-wise, so the fold runs block by block in scratch.
+      // k's input (in place) and k > 1, `out` cannot hold the fold before input k is used: the
+      // callable is element-wise, so the fold runs block by block in scratch. (k = 1 is the first
+      // step's operand, read at each index before that index is written.)
       int acc = -1;
       for (int k = 0; k < n; ++k)
         if (srcs_[static_cast<std::size_t>(k)] == out) acc = k;
-      if (acc <= 0) {
+      if (acc <= 1) {
         op.custom(op.custom_arg, out, srcs_[0], srcs_[1], count);
         for (int k = 2; k < n; ++k) op.custom(op.custom_arg, out, out, srcs_[static_cast<std::size_t>(k)], count);
       } else {
@@ -416,7 +417,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     if (finish && op.finish != nullptr) op.finish(out, count, n);
   }
 
-  /// reduce_from's custom fold where `out` is one of the later inputs: each block of elements is
+  /// reduce_from's custom fold where `out` is input 2 or later: each block of elements is
   /// folded in scratch that stays in the cache, then copied over `out`'s block.
   void fold_in_scratch(const Op& op, std::byte* out, std::size_t count) {
     const std::size_t e = op.elem_size;
