@@ -6,7 +6,9 @@
 // are in flight at once as real ranks would be. Three phases, each bounded in time:
 //
 //   rendezvous  every rank connects, publishes its record (set "<run>/member/<r>"), waits for all
-//               and reads all: --pattern batched is what comm does now (one multi_get),
+//               and reads all: --pattern batched is what comm does now (one multi_get, the
+//               highest rank's key first), batched-ascending the same lowest first (as comm
+//               asked before 2026-12-05),
 //               --pattern per-key what it did before (a wait and a get per other rank);
 //   watch       every rank opens a second connection with a will (Op::watch, the liveness key)
 //               and keeps a heartbeat parked on it, renewed when answered (every silence/2), as
@@ -53,6 +55,7 @@ struct Args {
   std::vector<int> ranks{256, 1024, 4096};
   int threads = 2;
   bool batched = true;
+  bool descending = true;  // the multi_get's keys highest rank first
   int silence_ms = 2000;
   double steady_s = 5;
   double bound_s = 120;  // per phase
@@ -150,6 +153,8 @@ struct Shared {
   // (built once: the ranks of a real job build theirs in parallel, on their own cores).
   Bytes all_keys;
   std::vector<std::size_t> key_off;
+  // The place of rank r's key in all_keys (and of the i-th key's rank: the map is its own inverse).
+  [[nodiscard]] int place_of(int r) const noexcept { return a.descending ? n - 1 - r : r; }
 };
 
 void put_frame(Link& l, sp::Op op, auto&& fields) {
@@ -361,7 +366,7 @@ class Driver {
         put_frame(l, static_cast<sp::Op>(11), [&](sp::Writer& w) {
           w.u32(static_cast<std::uint32_t>(s_.n - 1));
           const auto* k = s_.all_keys.data();
-          const auto me = static_cast<std::size_t>(r.r);
+          const auto me = static_cast<std::size_t>(s_.place_of(r.r));
           w.raw(std::span(k, s_.key_off[me]));
           w.raw(std::span(k + s_.key_off[me + 1], s_.all_keys.size() - s_.key_off[me + 1]));
           w.u64(60000);
@@ -446,10 +451,12 @@ void run_one(const Args& a, int n) {
   s.victim = n / 2;
   s.seen_s.assign(static_cast<std::size_t>(n), -1);
   {
+    // Highest rank first, as detail/engine/membership.hpp asks (key_off[i]: where the i-th key
+    // starts; place_of: a rank's i).
     sp::Writer w(s.all_keys);
-    for (int q = 0; q < n; ++q) {
+    for (int i = 0; i < n; ++i) {
       s.key_off.push_back(s.all_keys.size());
-      w.str(s.run + "/member/" + std::to_string(q));
+      w.str(s.run + "/member/" + std::to_string(s.place_of(i)));
     }
     s.key_off.push_back(s.all_keys.size());
   }
@@ -491,7 +498,7 @@ void run_one(const Args& a, int n) {
       "{\"schema\":\"store-scale/1\",\"ranks\":%d,\"pattern\":\"%s\",\"threads\":%d,\"rendezvous_s\":%.3f,"
       "\"rendezvous_server_cpu_s\":%.2f,\"watch_setup_s\":%.3f,\"silence_ms\":%d,\"steady_server_cpu_frac\":%.4f,"
       "\"death_seen_median_ms\":%.2f,\"death_seen_max_ms\":%.2f}\n",
-      n, a.batched ? "batched" : "per-key", a.threads, rdv, cpu_rdv, watch_setup, a.silence_ms, steady_cpu,
+      n, !a.batched ? "per-key" : a.descending ? "batched" : "batched-ascending", a.threads, rdv, cpu_rdv, watch_setup, a.silence_ms, steady_cpu,
       median(seen) * 1e3, *std::max_element(seen.begin(), seen.end()) * 1e3);
   std::fflush(stdout);
 }
@@ -518,11 +525,12 @@ int main(int argc, char** argv) {
       a.threads = std::max(1, std::stoi(val()));
     } else if (k == "--pattern") {
       const auto v = val();
-      if (v != "batched" && v != "per-key") {
-        std::fprintf(stderr, "--pattern batched|per-key\n");
+      if (v != "batched" && v != "batched-ascending" && v != "per-key") {
+        std::fprintf(stderr, "--pattern batched|batched-ascending|per-key\n");
         return 2;
       }
-      a.batched = v == "batched";
+      a.batched = v != "per-key";
+      a.descending = v == "batched";
     } else if (k == "--silence-ms") {
       a.silence_ms = std::max(4, std::stoi(val()));
     } else if (k == "--steady") {
@@ -531,7 +539,7 @@ int main(int argc, char** argv) {
       a.bound_s = std::stod(val());
     } else {
       std::fprintf(stderr,
-                   "usage: comm-bench-store-scale [--ranks 256,1024,4096] [--threads 2] [--pattern batched|per-key]\n"
+                   "usage: comm-bench-store-scale [--ranks 256,1024,4096] [--threads 2] [--pattern batched|batched-ascending|per-key]\n"
                    "       [--silence-ms 2000] [--steady 5] [--bound 120]\n");
       return 2;
     }

@@ -878,3 +878,74 @@ TEST_CASE("many parked requests on one key, and many timers: each is answered on
   CHECK(timed_out.load() == n / 2);
   check_healthy(s.port());
 }
+
+TEST_CASE("requests sent behind a parked one wait for it: not run before it, answered in order after it") {
+  comm::TcpStore s("127.0.0.1", 0, server_options());
+  Raw r(s.port());
+  REQUIRE(r.hello() == 0);
+  // The server reads what comes on a connection whose request is parked (so that parking
+  // changes nothing it has registered with epoll), but it must not act on it yet.
+  Bytes batch;
+  auto add = [&](const Bytes& f) { batch.insert(batch.end(), f.begin(), f.end()); };
+  add(frame(sp::Op::get, [](sp::Writer& w) {
+    w.str("late");
+    w.u64(5000);
+  }));
+  add(frame(sp::Op::set, [](sp::Writer& w) {
+    w.str("behind");
+    w.str("b");
+  }));
+  add(frame(sp::Op::get, [](sp::Writer& w) {
+    w.str("behind");
+    w.u64(0);
+  }));
+  r.send(batch);
+  std::this_thread::sleep_for(50ms);
+  CHECK_FALSE(s.check({"behind"}));
+  s.set("late", "l");
+  auto p = r.reply();
+  REQUIRE(p.size() == 10);
+  CHECK(std::string(p.begin() + 9, p.end()) == "l");
+  p = r.reply();
+  CHECK(p == Bytes{0});
+  p = r.reply();
+  REQUIRE(p.size() == 10);
+  CHECK(std::string(p.begin() + 9, p.end()) == "b");
+  CHECK(s.check({"behind"}));
+  check_healthy(s.port());
+}
+
+TEST_CASE("multi_get: a burst of large answers (every rank's when the last joins) each carries its own values") {
+  // Replies above what a connection keeps are built one at a time, in their connections' turns,
+  // from one reused buffer: each must still hold its own keys' values in its own order.
+  comm::TcpStore s("127.0.0.1", 0, server_options());
+  constexpr int n = 12;
+  constexpr int keys = 4;
+  auto value_of = [](int k) { return std::string(40000 + 1000 * k, static_cast<char>('a' + k)); };
+  std::vector<std::unique_ptr<comm::TcpStore>> clients;
+  for (int i = 0; i < n; ++i) clients.push_back(std::make_unique<comm::TcpStore>("127.0.0.1", s.port(), client_options()));
+  std::vector<std::vector<Bytes>> got(n);
+  std::vector<std::vector<int>> asked(n);
+  std::vector<std::thread> ts;
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < keys; ++j) asked[static_cast<std::size_t>(i)].push_back((i + j) % keys);  // rotated per client
+    ts.emplace_back([&, i] {
+      std::vector<std::string> names;
+      for (const int k : asked[static_cast<std::size_t>(i)]) names.push_back("big/" + std::to_string(k));
+      got[static_cast<std::size_t>(i)] = clients[static_cast<std::size_t>(i)]->multi_get(names, 10s);
+    });
+  }
+  std::this_thread::sleep_for(50ms);
+  for (int k = 0; k < keys; ++k) s.set("big/" + std::to_string(k), value_of(k));
+  for (auto& t : ts) t.join();
+  for (int i = 0; i < n; ++i) {
+    const auto& g = got[static_cast<std::size_t>(i)];
+    REQUIRE(g.size() == static_cast<std::size_t>(keys));
+    for (int j = 0; j < keys; ++j)
+      CHECK_MESSAGE(text(g[static_cast<std::size_t>(j)]) == value_of(asked[static_cast<std::size_t>(i)][static_cast<std::size_t>(j)]),
+                    "client " << i << ", value " << j);
+  }
+  // Then a small reply on each: nothing of the large ones is left behind.
+  for (auto& c : clients) CHECK(text(c->multi_get({"big/0"}, 1s)[0]) == value_of(0));
+  check_healthy(s.port());
+}

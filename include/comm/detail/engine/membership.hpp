@@ -123,10 +123,13 @@ inline void check_membership(comm::Store& store, const std::string& prefix, std:
     check_record(0, store.get(key_of(0)));
   }
   // Then every other record in one request (Store::multi_get: one round trip on a TcpStore, where
-  // a wait and a get per rank made a rendezvous of N ranks cost 2N^2 requests).
+  // a wait and a get per rank made a rendezvous of N ranks cost 2N^2 requests). Highest rank
+  // first: a parked request waits on its first missing key, and launchers start ranks in order,
+  // so it waits on about the last to come instead of stepping on with every rank that joins (N^2
+  // steps across the server for N ranks: benchmarks/RESULTS.md, "Control plane on a slower VM").
   std::vector<int> ranks;
   std::vector<std::string> keys;
-  for (int p = 1; p < size; ++p)
+  for (int p = size - 1; p >= 1; --p)
     if (p != rank) {
       ranks.push_back(p);
       keys.push_back(key_of(p));
@@ -137,9 +140,10 @@ inline void check_membership(comm::Store& store, const std::string& prefix, std:
     records = store.multi_get(keys, timeout);
   } catch (const Timeout&) {
     // As one rank at a time would have found: a mismatch before the first missing rank wins.
-    int first_missing = ranks.front();
+    int first_missing = ranks.back();
     try {
-      for (const int p : ranks) {
+      for (auto it = ranks.rbegin(); it != ranks.rend(); ++it) {  // lowest rank first
+        const int p = *it;
         if (!store.check(key_of(p))) {
           first_missing = p;
           break;
@@ -155,7 +159,7 @@ inline void check_membership(comm::Store& store, const std::string& prefix, std:
   if (records.size() != keys.size())
     throw InvalidArgument(op, rank, "the store's multi_get returned " + std::to_string(records.size()) +
                                         " values for " + std::to_string(keys.size()) + " keys");
-  for (std::size_t i = 0; i < ranks.size(); ++i) check_record(ranks[i], records[i]);
+  for (std::size_t i = ranks.size(); i-- > 0;) check_record(ranks[i], records[i]);  // lowest rank first
 }
 
 }  // namespace comm::detail

@@ -105,7 +105,9 @@ class Writer {
 
  private:
   void put(std::uint64_t v, int n) {
-    for (int i = 0; i < n; ++i) buf_.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+    std::uint8_t b[8];  // one insert, not n push_backs: a multi_get reply writes a length per value
+    for (int i = 0; i < n; ++i) b[i] = static_cast<std::uint8_t>(v >> (8 * i));
+    buf_.insert(buf_.end(), b, b + n);
   }
   std::vector<std::uint8_t>& buf_;
 };

@@ -142,7 +142,11 @@ class TcpStoreServer : private TcpStoreRequests {
   static constexpr std::size_t read_chunk = std::size_t{64} << 10;
   static constexpr std::size_t max_read_chunk = std::size_t{4} << 20;
   static constexpr std::size_t reject_slack = 64;  // rejected connections kept to deliver the reason
-  static constexpr std::size_t keep_capacity = std::size_t{1} << 20;
+  static constexpr std::size_t min_room = 4096;  // read_some's least room for a read
+  // A connection keeps buffers up to this between requests. A rendezvous' multi_get reply is
+  // N records (~180 KiB at 4,096 ranks) on a connection that then stays open and idle: kept, that
+  // was ~0.75 GiB held by the process that hosts the store.
+  static constexpr std::size_t keep_capacity = std::size_t{64} << 10;
 
   void run() noexcept {
     try {
@@ -179,10 +183,14 @@ class TcpStoreServer : private TcpStoreRequests {
   // Brings connection `c`'s registration and timer up to date after anything happened to it.
   void settle(Conn& c) {
     if (c.dead) return;
+    // A parked request keeps EPOLLIN (what comes meanwhile is buffered, not handled) and EPOLLRDHUP
+    // (a parked client that goes away) as a reading connection has them, so that parking and
+    // answering a heartbeat (every watch, every silence/2) changes nothing registered: two
+    // epoll_ctl calls of five system calls a heartbeat before.
     std::uint32_t ev = 0;
-    if (wants_read(c)) ev |= EPOLLIN;
+    if (wants_read(c)) ev |= EPOLLIN | EPOLLRDHUP;
     if (c.out_pending()) ev |= EPOLLOUT;
-    if (c.pending) ev |= EPOLLRDHUP;  // a parked client that goes away
+    if (c.pending) ev |= EPOLLRDHUP;
     if (ev != c.events) {
       epoll_event e{};
       e.events = ev;
@@ -272,7 +280,7 @@ class TcpStoreServer : private TcpStoreRequests {
   }
 
   [[nodiscard]] bool wants_read(const Conn& c) const noexcept {
-    if (c.dead || c.pending) return false;
+    if (c.dead) return false;
     if (c.phase == Phase::draining) return true;
     if (c.phase == Phase::closing || c.out_pending()) return false;
     return c.unread() < frame_cap_ + store_proto::frame_header_size + store_proto::max_token_bytes + 16;
@@ -281,7 +289,8 @@ class TcpStoreServer : private TcpStoreRequests {
   void on_events(Conn& c, std::uint32_t re, Clock::time_point now) {
     if ((re & EPOLLERR) != 0) return drop(c);
     if (c.pending) {
-      if ((re & (EPOLLRDHUP | EPOLLHUP)) != 0) drop(c);
+      if ((re & (EPOLLRDHUP | EPOLLHUP)) != 0) return drop(c);
+      if ((re & EPOLLIN) != 0 && wants_read(c)) read_some(c, now);  // buffered until it is answered
       return;
     }
     if ((re & EPOLLOUT) != 0) {
@@ -314,7 +323,7 @@ class TcpStoreServer : private TcpStoreRequests {
       c->fd = std::move(owned);
       c->id = next_id_++;
       c->accepted = c->progress = now;
-      c->events = EPOLLIN;
+      c->events = EPOLLIN | EPOLLRDHUP;  // as settle() keeps a reading connection
       if (!ep_add(fd, c->events, c->id)) continue;  // closes it at once
       Conn& ref = *c;
       conns_.emplace(c->id, std::move(c));
@@ -352,28 +361,39 @@ class TcpStoreServer : private TcpStoreRequests {
       c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(c.in_off));
       c.in_off = 0;
     }
-    // Read what is waiting (FIONREAD), at least a page and at most a bounded chunk: memory follows
-    // the bytes that really arrived, never a length the peer claims.
-    int avail = 0;
-    if (::ioctl(c.fd.get(), FIONREAD, &avail) != 0) avail = 0;
-    const std::size_t want = std::clamp<std::size_t>(static_cast<std::size_t>(std::max(avail, 0)), 4096,
-                                                     c.phase == Phase::ready ? max_read_chunk : read_chunk);
-    const std::size_t old = c.in.size();
-    c.in.resize(old + want);
-    ssize_t n = 0;
-    do {
-      n = ::recv(c.fd.get(), c.in.data() + old, want, 0);
-    } while (n < 0 && errno == EINTR);
-    if (n <= 0) {
-      c.in.resize(old);
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-      // EOF or reset: finish the complete requests already here, then forget the connection.
-      process(c, now);
-      return drop(c);
+    // Read into the room the buffer already has: a small request (a heartbeat, a set) costs one
+    // recv. Only a read that fills the room asks the socket how much more waits (FIONREAD) and
+    // grows the buffer by that, within a bounded chunk: memory follows the bytes that really
+    // arrived, never a length the peer claims. The room is not zeroed first (InBytes): that was
+    // a tenth of the server's CPU in a 4,096-rank rendezvous (benchmarks/RESULTS.md, "Control
+    // plane on a slower VM").
+    const std::size_t limit = c.phase == Phase::ready ? max_read_chunk : read_chunk;
+    if (c.in.capacity() - c.in.size() < min_room) c.in.reserve(c.in.size() + min_room);
+    std::size_t room = std::min(c.in.capacity() - c.in.size(), limit);
+    bool got = false;
+    for (int pass = 0; pass < 2; ++pass) {
+      const std::size_t old = c.in.size();
+      c.in.resize(old + room);
+      ssize_t n = 0;
+      do {
+        n = ::recv(c.fd.get(), c.in.data() + old, room, 0);
+      } while (n < 0 && errno == EINTR);
+      if (n <= 0) {
+        c.in.resize(old);
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        // EOF or reset: finish the complete requests already here, then forget the connection.
+        process(c, now);
+        return drop(c);
+      }
+      c.in.resize(old + static_cast<std::size_t>(n));
+      c.progress = now;
+      got = true;
+      if (static_cast<std::size_t>(n) < room) break;
+      int avail = 0;
+      if (pass == 1 || ::ioctl(c.fd.get(), FIONREAD, &avail) != 0 || avail <= 0) break;
+      room = std::min(static_cast<std::size_t>(avail), limit);
     }
-    c.in.resize(old + static_cast<std::size_t>(n));
-    c.progress = now;
-    process(c, now);
+    if (got) process(c, now);
   }
 
   void process(Conn& c, Clock::time_point now) {
@@ -383,7 +403,11 @@ class TcpStoreServer : private TcpStoreRequests {
         flush(c, now);
         if (c.dead || c.out_pending()) return;
       }
-      if (c.pending || (c.phase != Phase::hello && c.phase != Phase::ready)) return;
+      if (c.pending) {
+        if (answer_complete(c)) continue;  // its reply goes out at the loop's top
+        return;
+      }
+      if (c.phase != Phase::hello && c.phase != Phase::ready) return;
       if (c.phase == Phase::hello) {
         if (!process_hello(c, now)) {
           if (!c.dead && c.out_pending()) flush(c, now);
@@ -408,7 +432,7 @@ class TcpStoreServer : private TcpStoreRequests {
       if (c.in_off == c.in.size()) {
         c.in.clear();
         c.in_off = 0;
-        if (c.in.capacity() > keep_capacity) Bytes().swap(c.in);
+        if (c.in.capacity() > keep_capacity) InBytes().swap(c.in);
       }
     }
   }
@@ -516,9 +540,7 @@ class TcpStoreServer : private TcpStoreRequests {
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
       return drop(c);
     }
-    c.out.clear();
-    c.out_off = 0;
-    if (c.out.capacity() > keep_capacity) Bytes().swap(c.out);
+    recycle_out(c, keep_capacity);
     if (c.phase == Phase::closing) {
       // Half-close and read until the peer closes, so that unread input does not turn our
       // close into a reset that could destroy the reply before the peer reads it.
@@ -535,9 +557,9 @@ class TcpStoreServer : private TcpStoreRequests {
     if (c.counted) clients_.store(--active_, std::memory_order_relaxed);
     dead_.push_back(c.id);
     c.fd.reset();  // closing it also takes it out of the epoll set
-    Bytes().swap(c.in);
-    Bytes().swap(c.out);
-    c.in_off = c.out_off = 0;
+    InBytes().swap(c.in);
+    c.in_off = 0;
+    recycle_out(c, 0);
   }
 
   // Connections that may have buffered requests to go on with (after a reply went out).
