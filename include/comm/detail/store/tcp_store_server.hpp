@@ -283,6 +283,10 @@ class TcpStoreServer : private TcpStoreRequests {
     if (c.dead) return false;
     if (c.phase == Phase::draining) return true;
     if (c.phase == Phase::closing || c.out_pending()) return false;
+    // A parked client has no reason to send (comm's clients wait for each reply): what one sends
+    // anyway is held only up to this, then left to the kernel and TCP's flow control as before,
+    // so a parked request cannot hold a frame's worth of a stranger's bytes for its whole wait.
+    if (c.pending) return c.unread() < keep_capacity;
     return c.unread() < frame_cap_ + store_proto::frame_header_size + store_proto::max_token_bytes + 16;
   }
 
@@ -367,7 +371,9 @@ class TcpStoreServer : private TcpStoreRequests {
     // arrived, never a length the peer claims. The room is not zeroed first (InBytes): that was
     // a tenth of the server's CPU in a 4,096-rank rendezvous (benchmarks/RESULTS.md, "Control
     // plane on a slower VM").
-    const std::size_t limit = c.phase == Phase::ready ? max_read_chunk : read_chunk;
+    const std::size_t limit = c.pending                    ? keep_capacity - std::min(c.unread(), keep_capacity)
+                              : c.phase == Phase::ready ? max_read_chunk
+                                                        : read_chunk;
     if (c.in.capacity() - c.in.size() < min_room) c.in.reserve(c.in.size() + min_room);
     std::size_t room = std::min(c.in.capacity() - c.in.size(), limit);
     bool got = false;
@@ -388,7 +394,7 @@ class TcpStoreServer : private TcpStoreRequests {
       c.in.resize(old + static_cast<std::size_t>(n));
       c.progress = now;
       got = true;
-      if (static_cast<std::size_t>(n) < room) break;
+      if (static_cast<std::size_t>(n) < room || c.pending) break;
       int avail = 0;
       if (pass == 1 || ::ioctl(c.fd.get(), FIONREAD, &avail) != 0 || avail <= 0) break;
       room = std::min(static_cast<std::size_t>(avail), limit);
