@@ -10,14 +10,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <new>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
-#include <utility>
 #include <vector>
 
 #include <comm/detail/net/socket.hpp>
@@ -49,27 +47,6 @@ class TcpStoreRequests {
 
   enum class Phase : std::uint8_t { hello, ready, closing, draining };
 
-  // The allocator of a connection's input buffer: a resize leaves the new bytes as they are,
-  // since a recv() overwrites them (std::allocator would zero every read's room first).
-  template <class T>
-  struct NoZeroAllocator : std::allocator<T> {
-    template <class U>
-    struct rebind {
-      using other = NoZeroAllocator<U>;
-    };
-    NoZeroAllocator() = default;
-    template <class U>
-    NoZeroAllocator(const NoZeroAllocator<U>&) noexcept {}
-    template <class U>
-    void construct(U* p) noexcept {
-      ::new (static_cast<void*>(p)) U;  // default-initialised: left as it is
-    }
-    template <class U, class... Args>
-    void construct(U* p, Args&&... args) {
-      ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
-    }
-  };
-  using InBytes = std::vector<std::uint8_t, NoZeroAllocator<std::uint8_t>>;
 
   // A parked request keeps its keys as they came on the wire (u64 length | bytes each, one
   // allocation however many keys) and waits on one missing key at a time: `at` is the offset of
@@ -126,7 +103,7 @@ class TcpStoreRequests {
     Fd fd;
     std::uint64_t id = 0;
     Phase phase = Phase::hello;
-    InBytes in;
+    Bytes in;
     std::size_t in_off = 0;
     Bytes out;
     std::size_t out_off = 0;

@@ -368,9 +368,10 @@ class TcpStoreServer : private TcpStoreRequests {
     // Read into the room the buffer already has: a small request (a heartbeat, a set) costs one
     // recv. Only a read that fills the room asks the socket how much more waits (FIONREAD) and
     // grows the buffer by that, within a bounded chunk: memory follows the bytes that really
-    // arrived, never a length the peer claims. The room is not zeroed first (InBytes): that was
-    // a tenth of the server's CPU in a 4,096-rank rendezvous (benchmarks/RESULTS.md, "Control
-    // plane on a slower VM").
+    // arrived, never a length the peer claims. (An allocator that left the room unzeroed saved a
+    // tenth of the server's CPU in a 4,096-rank rendezvous, but it constructs byte by byte where
+    // the build does not optimize: at -O0 a 4 MiB read took tens of ms, enough to starve
+    // heartbeats into a false death in CI.)
     const std::size_t limit = c.pending                    ? keep_capacity - std::min(c.unread(), keep_capacity)
                               : c.phase == Phase::ready ? max_read_chunk
                                                         : read_chunk;
@@ -438,7 +439,7 @@ class TcpStoreServer : private TcpStoreRequests {
       if (c.in_off == c.in.size()) {
         c.in.clear();
         c.in_off = 0;
-        if (c.in.capacity() > keep_capacity) InBytes().swap(c.in);
+        if (c.in.capacity() > keep_capacity) Bytes().swap(c.in);
       }
     }
   }
@@ -563,7 +564,7 @@ class TcpStoreServer : private TcpStoreRequests {
     if (c.counted) clients_.store(--active_, std::memory_order_relaxed);
     dead_.push_back(c.id);
     c.fd.reset();  // closing it also takes it out of the epoll set
-    InBytes().swap(c.in);
+    Bytes().swap(c.in);
     c.in_off = 0;
     recycle_out(c, 0);
   }
