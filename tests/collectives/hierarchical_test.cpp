@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include <comm/detail/hierarchical/cross.hpp>
 #include <comm/detail/hierarchical/topology.hpp>
 
 using namespace suite;
@@ -47,6 +48,31 @@ TEST_CASE("peers named by a member are translated to ranks of the communicator")
   CHECK(h::map_peer("rank 3", group) == "rank 3");  // not a member rank: left alone
   CHECK(h::map_peer("10.0.0.1:4000", group) == "10.0.0.1:4000");
   CHECK(h::map_peer("", group).empty());
+}
+
+TEST_CASE("the cross-node form by node count, size and step") {
+  constexpr std::size_t KiB = 1024;
+  using h::Cross;
+  using h::Step;
+  auto form = [](std::size_t nodes, std::size_t bytes, Step s) { return h::cross_form(Cross::automatic, nodes, bytes, s); };
+  for (Step s : {Step::alone, Step::segment}) {
+    INFO("segment ", s == Step::segment);
+    CHECK(form(2, 1024 * KiB, s) == Cross::member);  // one exchange at 2 nodes
+    CHECK(form(4, 64 * KiB, s) == Cross::member);    // doubling below kCrossRsagMin
+    CHECK(form(3, 128 * KiB, s) == Cross::rsag);
+    CHECK(form(4, 256 * KiB, s) == Cross::rsag);     // where the member would double
+    CHECK(form(4, 2048 * KiB, s) == Cross::member);  // blocks above kCrossBlockMax
+  }
+  // Above the member's doubling: its ring alone, rsag as a pipeline's segment.
+  CHECK(form(4, 512 * KiB, Step::alone) == Cross::member);
+  CHECK(form(4, 1024 * KiB, Step::alone) == Cross::member);
+  CHECK(form(4, 512 * KiB, Step::segment) == Cross::rsag);
+  CHECK(form(4, 1024 * KiB, Step::segment) == Cross::rsag);
+  CHECK(form(3, 768 * KiB, Step::segment) == Cross::rsag);
+  // A forced form wins everywhere.
+  CHECK(h::cross_form(Cross::gather, 2, 8, Step::alone) == Cross::gather);
+  CHECK(h::cross_form(Cross::rsag, 4, 4096 * KiB, Step::alone) == Cross::rsag);
+  CHECK(h::cross_form(Cross::member, 4, 256 * KiB, Step::segment) == Cross::member);
 }
 
 namespace {
@@ -181,7 +207,8 @@ TEST_CASE("the cross-node all_reduce forms at 3 and 4 nodes (gather, reduce_scat
   if (w.size != 4) return;
   // Uniform nodes of one rank (every all_reduce is the cross-node step), and 3 nodes of different
   // sizes (the leaders' step). "" is the automatic choice: the member's all_reduce up to 4097
-  // elements, rsag (padded to whole blocks) for 90001. Forced forms run at every count.
+  // elements, rsag (padded to whole blocks) for 50001, the member's ring for 90001 (360 KB). Forced
+  // forms run at every count.
   const std::vector<Layout> layouts{{"4 nodes of 1", {0, 1, 2, 3}, 4, true}, {"3 nodes, 2+1+1", {0, 0, 1, 2}, 3, false}};
   for (const auto& l : layouts) {
     for (const char* form : {"", "gather", "rsag", "member"}) {
@@ -192,7 +219,7 @@ TEST_CASE("the cross-node all_reduce forms at 3 and 4 nodes (gather, reduce_scat
       auto c = make_comm(o);
       CHECK(c.backend().num_nodes() == l.nodes);
       for (std::size_t count : {std::size_t{1}, std::size_t{3}, std::size_t{5}, std::size_t{1000}, std::size_t{4097},
-                                std::size_t{90001}})
+                                std::size_t{50001}, std::size_t{90001}})
         check_ops(c, count, false);
     }
   }

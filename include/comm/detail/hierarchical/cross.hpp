@@ -7,7 +7,8 @@
 //   rsag: an inter reduce_scatter then an inter all_gather: two latencies at any M and 2(M-1)/M B
 //     each way, the least an all_reduce can move, where doubling sends log2(M) B (2 B at 3 and 4
 //     nodes). Picked from 3 nodes and kCrossRsagMin while a node's block B/M is a message Gloo
-//     sends directly (kCrossBlockMax);
+//     sends directly (kCrossBlockMax), and, for a step that runs alone, while the member would
+//     still double (up to kCrossRingFrom);
 //   gather: an inter all_gather and a local reduction (one latency at any M, but M(M-1) messages
 //     against doubling's M log2(M)): measured slower on this project's 2-core machine
 //     (benchmarks/RESULTS.md, "Growth with nodes"), so only when forced.
@@ -30,6 +31,16 @@ enum class Cross : std::uint8_t { automatic, member, gather, rsag };
 // (detail/gloo/checked.hpp's kCheckedMax is the largest message Gloo sends directly).
 inline constexpr std::size_t kCrossRsagMin = std::size_t{128} << 10;
 inline constexpr std::size_t kCrossBlockMax = std::size_t{256} << 10;
+// Above this the member's all_reduce is its ring (detail/gloo/algorithms.hpp's doubling_max), which
+// moves as few bytes as rsag. Alone, at 4 nodes of one rank, the ring was 1-3 % faster at 512 KiB-1 MiB
+// and within 1 % at 384 KiB (its steps overlap receiving and reducing; rsag's all_gather starts
+// only after the whole reduce_scatter), and as fast at 3. As a pipeline's segment rsag stays: the member queues the segments' steps back
+// to back, and there rsag was as fast or faster (4 x 2, 8 and 16 MiB). benchmarks/RESULTS.md,
+// "Steady state across nodes".
+inline constexpr std::size_t kCrossRingFrom = std::size_t{256} << 10;
+
+/// Whether a cross-node step runs alone or as one of a pipeline's segments.
+enum class Step : std::uint8_t { alone, segment };
 
 [[nodiscard]] inline Cross cross_from_env(int rank) {
   const auto v = getenv_str("COMM_HIERARCHICAL_CROSS");
@@ -44,10 +55,11 @@ inline constexpr std::size_t kCrossBlockMax = std::size_t{256} << 10;
 }
 
 /// The form for `bytes` per rank across `nodes` nodes: the same on every rank, as it depends on
-/// the size, the node count and the forced form only.
-[[nodiscard]] constexpr Cross cross_form(Cross forced, std::size_t nodes, std::size_t bytes) noexcept {
+/// the size, the node count, the step and the forced form only.
+[[nodiscard]] constexpr Cross cross_form(Cross forced, std::size_t nodes, std::size_t bytes, Step step) noexcept {
   if (forced != Cross::automatic) return forced;
   if (nodes <= 2 || bytes < kCrossRsagMin) return Cross::member;
+  if (step == Step::alone && bytes > kCrossRingFrom) return Cross::member;
   return (bytes + nodes - 1) / nodes <= kCrossBlockMax ? Cross::rsag : Cross::member;
 }
 
