@@ -6,9 +6,9 @@
 //     two; a ring above);
 //   rsag: an inter reduce_scatter then an inter all_gather: two latencies at any M and 2(M-1)/M B
 //     each way, the least an all_reduce can move, where doubling sends log2(M) B (2 B at 3 and 4
-//     nodes). Picked from 3 nodes and kCrossRsagMin while a node's block B/M is a message Gloo
-//     sends directly (kCrossBlockMax), and, for a step that runs alone, while the member would
-//     still double (up to kCrossRingFrom);
+//     nodes). Picked from 3 nodes, kCrossRsagMin and kCrossNodeMin while a node's block B/M is a
+//     message Gloo sends directly (kCrossBlockMax), and, for a step that runs alone, while the
+//     member would still double (up to kCrossRingFrom);
 //   gather: an inter all_gather and a local reduction (one latency at any M, but M(M-1) messages
 //     against doubling's M log2(M)): measured slower on this project's 2-core machine
 //     (benchmarks/RESULTS.md, "Growth with nodes"), so only when forced.
@@ -26,17 +26,25 @@ namespace comm::detail::hierarchical {
 
 enum class Cross : std::uint8_t { automatic, member, gather, rsag };
 
-// At 64 KiB doubling was as fast or faster at 3-4 nodes of one rank; from 128 KiB per rank rsag
-// was faster. Above kCrossBlockMax per block Gloo's ring is as frugal, in one operation
-// (detail/gloo/checked.hpp's kCheckedMax is the largest message Gloo sends directly).
-inline constexpr std::size_t kCrossRsagMin = std::size_t{128} << 10;
-inline constexpr std::size_t kCrossBlockMax = std::size_t{256} << 10;
-// Above this the member's all_reduce is its ring (detail/gloo/algorithms.hpp's doubling_max), which
-// moves as few bytes as rsag. Alone, at 4 nodes of one rank, the ring was 1-3 % faster at 512 KiB-1 MiB
-// and within 1 % at 384 KiB (its steps overlap receiving and reducing; rsag's all_gather starts
-// only after the whole reduce_scatter), and as fast at 3. As a pipeline's segment rsag stays: the member queues the segments' steps back
-// to back, and there rsag was as fast or faster (4 x 2, 8 and 16 MiB). benchmarks/RESULTS.md,
+// rsag from kCrossRsagMin per rank while the node's ranks put kCrossNodeMin or more on its link
+// together (its cross-node steps run at once, one per local rank): there the bytes decide. On the
+// emulated 1 Gbit link, 64 KiB slices at 2 ranks per node took rsag 0.65-0.78x doubling's time
+// with tc's burst spent (60 iterations) and 0.61-0.62x while it lasted (10). At one rank per node
+// and 64 KiB the two regimes disagree: rsag 0.66-0.75x with the burst spent, doubling (one latency
+// less) 0.55-0.69x rsag's time while it lasts; doubling is kept there. benchmarks/RESULTS.md,
 // "Steady state across nodes".
+inline constexpr std::size_t kCrossRsagMin = std::size_t{64} << 10;
+inline constexpr std::size_t kCrossNodeMin = std::size_t{128} << 10;
+// Above kCrossBlockMax per block Gloo's ring is as frugal, in one operation
+// (detail/gloo/checked.hpp's kCheckedMax is the largest message Gloo sends directly).
+inline constexpr std::size_t kCrossBlockMax = std::size_t{256} << 10;
+// Above kCrossRingFrom the member's all_reduce is its ring (detail/gloo/algorithms.hpp's
+// doubling_max), which moves as few bytes as rsag. Alone, at 4 nodes of one rank, the ring was 1-3 %
+// faster at 512 KiB-1 MiB and within 1 % at 384 KiB (its steps overlap receiving and reducing;
+// rsag's all_gather starts only after the whole reduce_scatter), and as fast at 3. As a
+// pipeline's segment rsag stays: the member queues the segments' steps back to back, and there
+// rsag was as fast or faster (4 x 2, 8 and 16 MiB). benchmarks/RESULTS.md, "Steady state across
+// nodes".
 inline constexpr std::size_t kCrossRingFrom = std::size_t{256} << 10;
 
 /// Whether a cross-node step runs alone or as one of a pipeline's segments.
@@ -54,11 +62,13 @@ enum class Step : std::uint8_t { alone, segment };
                         "COMM_HIERARCHICAL_CROSS='" + t.substr(0, 32) + "': use auto, member, gather or rsag");
 }
 
-/// The form for `bytes` per rank across `nodes` nodes: the same on every rank, as it depends on
-/// the size, the node count, the step and the forced form only.
-[[nodiscard]] constexpr Cross cross_form(Cross forced, std::size_t nodes, std::size_t bytes, Step step) noexcept {
+/// The form for `bytes` per rank across `nodes` nodes, with `streams` of the node's ranks running
+/// such a step at once: the same on every rank, as it depends on the size, the node structure, the
+/// step and the forced form only.
+[[nodiscard]] constexpr Cross cross_form(Cross forced, std::size_t nodes, std::size_t streams, std::size_t bytes,
+                                         Step step) noexcept {
   if (forced != Cross::automatic) return forced;
-  if (nodes <= 2 || bytes < kCrossRsagMin) return Cross::member;
+  if (nodes <= 2 || bytes < kCrossRsagMin || bytes * streams < kCrossNodeMin) return Cross::member;
   if (step == Step::alone && bytes > kCrossRingFrom) return Cross::member;
   return (bytes + nodes - 1) / nodes <= kCrossBlockMax ? Cross::rsag : Cross::member;
 }
