@@ -29,7 +29,7 @@ enum class Cross : std::uint8_t { automatic, member, gather, rsag };
 // rsag from kCrossRsagMin per rank while the node's ranks put kCrossNodeMin or more on its link
 // together (its cross-node steps run at once, one per local rank): there the bytes decide. On the
 // emulated 1 Gbit link, 64 KiB slices at 2 ranks per node took rsag 0.65-0.78x doubling's time
-// with tc's burst spent (60 iterations) and 0.61-0.62x while it lasted (10). At one rank per node
+// with tc's burst spent (60 iterations) and 0.38-0.62x while it lasted (10). At one rank per node
 // and 64 KiB the two regimes disagree: rsag 0.66-0.75x with the burst spent, doubling (one latency
 // less) 0.55-0.69x rsag's time while it lasts; doubling is kept there. benchmarks/RESULTS.md,
 // "Steady state across nodes".
