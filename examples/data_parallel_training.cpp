@@ -47,6 +47,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <comm/comm.hpp>
@@ -431,10 +432,15 @@ int train_elastic(const Args& args) {
     have_state = true;
   };
 
+  // A newcomer joined inside the members' grow_world() of this step boundary, so its loop starts
+  // past that call: calling it again would put this process one grow ahead of the members, and
+  // with another replacement waiting it would admit it alone, connecting while the members run
+  // this step's all_reduces (each side then waits for the other until the timeout).
+  bool past_grow = have_state && replacement;
   while (step < args.steps) {
     try {
       const int before = world.size();
-      comm::grow_world();  // at each step boundary: one store round trip when nobody waits
+      if (!std::exchange(past_grow, false)) comm::grow_world();  // each step boundary: one store round trip when nobody waits
       if (world.size() != before) {
         share_state(0);  // rank 0 is a member: members rank before newcomers
         if (world.rank() == 0) std::printf("grew from %d to %d rank(s) at step %d\n", before, world.size(), step);
