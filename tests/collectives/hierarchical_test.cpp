@@ -61,17 +61,19 @@ TEST_CASE("the cross-node form by node count, streams per node, size and step") 
     INFO("segment ", s == Step::segment);
     CHECK(form(2, 1, 1024 * KiB, s) == Cross::member);  // one exchange at 2 nodes
     CHECK(form(2, 2, 128 * KiB, s) == Cross::member);
-    // One rank per node: doubling below 128 KiB, rsag from there while the member doubles.
-    CHECK(form(4, 1, 64 * KiB, s) == Cross::member);
-    CHECK(form(3, 1, 127 * KiB, s) == Cross::member);
-    CHECK(form(3, 1, 128 * KiB, s) == Cross::rsag);
+    // One rank per node: doubling below 64 KiB (the node's bytes), rsag from there while the
+    // member doubles.
+    CHECK(form(3, 1, 32 * KiB, s) == Cross::member);
+    CHECK(form(4, 1, 63 * KiB, s) == Cross::member);
+    CHECK(form(3, 1, 64 * KiB, s) == Cross::rsag);
+    CHECK(form(4, 1, 64 * KiB, s) == Cross::rsag);
     CHECK(form(4, 1, 256 * KiB, s) == Cross::rsag);
-    // Two streams per node: rsag from 64 KiB a rank, never below it.
-    CHECK(form(4, 2, 32 * KiB, s) == Cross::member);
-    CHECK(form(3, 2, 63 * KiB, s) == Cross::member);
-    CHECK(form(3, 2, 64 * KiB, s) == Cross::rsag);
+    // Two streams per node and more: rsag from 32 KiB a rank, never below it.
+    CHECK(form(4, 2, 31 * KiB, s) == Cross::member);
+    CHECK(form(3, 2, 32 * KiB, s) == Cross::rsag);
     CHECK(form(4, 2, 64 * KiB, s) == Cross::rsag);
-    CHECK(form(4, 8, 32 * KiB, s) == Cross::member);
+    CHECK(form(4, 8, 16 * KiB, s) == Cross::member);
+    CHECK(form(4, 8, 32 * KiB, s) == Cross::rsag);
     CHECK(form(4, 1, 2048 * KiB, s) == Cross::member);  // blocks above kCrossBlockMax
   }
   // Above the member's doubling: its ring alone, rsag as a pipeline's segment.
@@ -248,9 +250,10 @@ TEST_CASE("3 nodes of 2: the cross-node forms in the slice and pipelined all_red
     o.small_max = 0;
     auto c = make_comm(o);
     CHECK(c.backend().num_nodes() == 3);
-    // 7 and 4097: slices padded to whole blocks; 40001: one segment whose 80 KB slices take rsag
-    // automatically; 300001: pipelined segments, the last one padded.
-    for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{4097}, std::size_t{40001}, std::size_t{300001}})
+    // 7 and 4097: slices padded to whole blocks; 20001 and 40001: one segment whose 40 and 80 KB
+    // slices take rsag automatically; 300001: pipelined segments, the last one padded.
+    for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{4097}, std::size_t{20001}, std::size_t{40001},
+                              std::size_t{300001}})
       check_ops(c, count, count == 7);
   }
 }

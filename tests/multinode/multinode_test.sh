@@ -489,7 +489,19 @@ scenario_cluster() {
   "$c" up --nodes 2 --prefix "$p" --rate fast >/dev/null 2>&1 || rc=$?
   ((rc != 0)) || fail "up accepted --rate fast"
   [[ -z $(ip netns list | grep "^$p-") ]] || fail "a failed up left namespaces"
-  say "run tears down after failure and SIGTERM; a failed up removes what it made"
+  for bad in "--rate 1gbit --burst 65536" "--rate 1gbit --burst 12x" "--burst 262144"; do
+    rc=0
+    # shellcheck disable=SC2086  # $bad is several words on purpose
+    "$c" up --nodes 2 --prefix "$p" $bad >/dev/null 2>&1 || rc=$?
+    ((rc != 0)) || fail "up accepted $bad"
+    [[ -z $(ip netns list | grep "^$p-") ]] || fail "a failed up ($bad) left namespaces"
+  done
+  local q
+  q=$("$c" run --nodes 1 --prefix "$p" --rate 1gbit --burst 262144 -- bash -c 'ip netns exec "$COMM_CLUSTER_PREFIX-n0" tc qdisc show dev eth0')
+  # tc stores the bucket as time at the rate and prints it back rounded (262125b): within 1 %.
+  [[ $q =~ burst\ ([0-9]+)b ]] && ((BASH_REMATCH[1] > 259500 && BASH_REMATCH[1] < 264800)) ||
+    fail "--burst 262144 did not reach tbf: $q"
+  say "run tears down after failure and SIGTERM; a failed up removes what it made; --burst sets tbf's bucket"
 }
 
 # Fault-tolerant training across nodes (docs/RELIABILITY.md, "Fault-tolerant communicators"):

@@ -27,14 +27,16 @@ namespace comm::detail::hierarchical {
 enum class Cross : std::uint8_t { automatic, member, gather, rsag };
 
 // rsag from kCrossRsagMin per rank while the node's ranks put kCrossNodeMin or more on its link
-// together (its cross-node steps run at once, one per local rank): there the bytes decide. On the
-// emulated 1 Gbit link, 64 KiB slices at 2 ranks per node took rsag 0.65-0.78x doubling's time
-// with tc's burst spent (60 iterations) and 0.38-0.62x while it lasted (10). At one rank per node
-// and 64 KiB the two regimes disagree: rsag 0.66-0.75x with the burst spent, doubling (one latency
-// less) 0.55-0.69x rsag's time while it lasts; doubling is kept there. benchmarks/RESULTS.md,
-// "Steady state across nodes".
-inline constexpr std::size_t kCrossRsagMin = std::size_t{64} << 10;
-inline constexpr std::size_t kCrossNodeMin = std::size_t{128} << 10;
+// together (its cross-node steps run at once, one per local rank): there the bytes decide on a link
+// that never runs above its rate. On the emulated 1 Gbit link with tc's burst spent (60
+// iterations) or a 128 KiB bucket, an all_reduce of 64 KiB at 3-4 nodes took rsag 1.00-1.03x
+// OpenMPI TCP at one rank per node (doubling, which sends 2 S where the bound is 1.5 S at 4
+// nodes: 1.33-1.54x) and 0.95-0.99x at 3 nodes of 2 (doubling 1.35x); at 4 x 2 the two forms were
+// even. Only while tc's 1.25 MB bucket carries the bytes, which no wire does, was doubling
+// (one peer a step, where rsag's steps wait for every node) the faster. Below 64 KiB a node doubling stays: latency is what counts.
+// benchmarks/RESULTS.md, "The emulated link's bucket, and rsag from 64 KiB a node".
+inline constexpr std::size_t kCrossRsagMin = std::size_t{32} << 10;
+inline constexpr std::size_t kCrossNodeMin = std::size_t{64} << 10;
 // Above kCrossBlockMax per block Gloo's ring is as frugal, in one operation
 // (detail/gloo/checked.hpp's kCheckedMax is the largest message Gloo sends directly).
 inline constexpr std::size_t kCrossBlockMax = std::size_t{256} << 10;
