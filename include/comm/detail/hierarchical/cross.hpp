@@ -32,8 +32,9 @@ enum class Cross : std::uint8_t { automatic, member, gather, rsag };
 // iterations) or a 128 KiB bucket, an all_reduce of 64 KiB at 3-4 nodes took rsag 1.00-1.03x
 // OpenMPI TCP at one rank per node (doubling, which sends 2 S where the bound is 1.5 S at 4
 // nodes: 1.33-1.54x) and 0.95-0.99x at 3 nodes of 2 (doubling 1.35x); at 4 x 2 the two forms were
-// even. Only while tc's 1.25 MB bucket carries the bytes, which no wire does, was doubling
-// (one peer a step, where rsag's steps wait for every node) the faster. Below 64 KiB a node doubling stays: latency is what counts.
+// even. Only while tc's 1.25 MB bucket carries the bytes, which no wire does, was doubling (one
+// peer a step, where rsag's steps wait for every node) the faster. Below 64 KiB a node doubling
+// stays: latency is what counts.
 // benchmarks/RESULTS.md, "The emulated link's bucket, and rsag from 64 KiB a node".
 inline constexpr std::size_t kCrossRsagMin = std::size_t{32} << 10;
 inline constexpr std::size_t kCrossNodeMin = std::size_t{64} << 10;
