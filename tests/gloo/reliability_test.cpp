@@ -134,6 +134,64 @@ TEST_CASE("a peer that stops mid-transfer: the send gloo began writing ends when
   }
 }
 
+TEST_CASE("a peer's closed connection that blames this rank is not the cause once this rank's operation timed out") {
+  const auto& w = comm::test::world();
+  if (w.size != 2) {
+    comm::test::report_needs_ranks(2);
+    return;
+  }
+  // libgloo closes a context's connections when one of its waits times out, so the peer fails on
+  // the close and announces it, blaming this rank, sometimes before this rank has recorded its
+  // Timeout (faults.gloo, "mismatched root (gather to 0 vs to 1)", 2026-12-06). Rank 0 runs an
+  // operation that outlives the 1 s timeout without failing (a monitored barrier, 10 s), and rank 1
+  // publishes an announcement on the liveness key while it runs: a closed connection blaming rank 0
+  // after the timeout is that timeout's echo and must leave the communicator working; the same
+  // announcement while the operation is young, or a mismatch rank 1 diagnosed, is news.
+  struct Case {
+    const char* name;
+    std::chrono::milliseconds at;  // after the first operation
+    char mark;                     // '!': a closed connection, '#': a mismatch the announcer diagnosed
+    bool adopted;
+  };
+  const Case cases[] = {{"closed connection after the timeout: an echo", 2000ms, '!', false},
+                        {"closed connection before the timeout: news", 100ms, '!', true},
+                        {"diagnosed mismatch after the timeout: news", 2000ms, '#', true}};
+  for (const auto& k : cases) {
+    INFO(k.name);
+    comm::backends::Gloo::Options o;
+    o.timeout = 1000ms;
+    o.desync_check = false;
+    auto store = comm::test::fresh_store();
+    comm::test::barrier();  // both join within the short timeout
+    auto c = Comm::create(store, w.rank, w.size, o);
+    std::vector<float> v(4, 1.0F);
+    c.all_reduce(std::span(v), ReduceOp::sum);  // starts the liveness watch
+    if (w.rank == 1) {
+      std::this_thread::sleep_for(k.at);
+      const std::string a = std::string("1") + k.mark + "0|test: connection closed by peer";
+      (void)store->compare_set("comm/gloo/1/liveness/dead", {},
+                               std::span(reinterpret_cast<const std::uint8_t*>(a.data()), a.size()));
+      std::this_thread::sleep_for(3000ms - k.at);
+    }
+    try {
+      c.monitored_barrier(10s);
+    } catch (const comm::Error& e) {
+      MESSAGE("monitored_barrier: ", e.what());
+    }
+    std::string what;
+    try {
+      c.all_reduce(std::span(v), ReduceOp::sum);
+    } catch (const comm::Error& e) {
+      what = e.what();
+    }
+    if (w.rank == 0) {
+      CHECK_MESSAGE(what.empty() != k.adopted, "rank 0 after the announcement: ", (what.empty() ? "works" : what));
+      if (k.adopted) CHECK(contains(what, "rank 1's operation failed"));
+    }
+    comm::test::barrier();
+  }
+}
+
 TEST_CASE("membership: a world size mismatch is an error naming both processes") {
   const auto& w = comm::test::world();
   if (w.size != 2) {

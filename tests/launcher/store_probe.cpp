@@ -63,7 +63,7 @@ int survive(const comm::InitResult& init) {
   int dead = -1;
   long long dead_at = 0;
   std::string why;
-  auto live = comm::detail::Liveness::start(init.store, "survive/", rank, size, [&](int r, const std::string& w) {
+  auto live = comm::detail::Liveness::start(init.store, "survive/", rank, size, [&](int r, const std::string& w, bool) {
     std::lock_guard g(mu);
     dead_at = now_ns();
     dead = r;

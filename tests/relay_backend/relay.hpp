@@ -17,6 +17,7 @@
 // - Waits are store waits in slices of `poll`, so that a failure elsewhere (close_transport, the
 //   liveness watch) ends them at once; the operation's deadline gives comm::Timeout naming the
 //   rank waited for.
+// - The rank hosting the store leaves last (linger), at most 5 s after the others.
 
 #include <algorithm>
 #include <atomic>
@@ -65,7 +66,10 @@ class Engine : public comm::detail::EngineCore<Engine> {
       : Core(std::move(store), rank, size, cfg, "relay"), p2p_(size) {
     host_buffers_only("the relay test backend moves host memory through the store");
   }
-  ~Engine() { shutdown(); }
+  ~Engine() {
+    linger();
+    shutdown();
+  }
 
  private:
   friend Core;
@@ -161,6 +165,33 @@ class Engine : public comm::detail::EngineCore<Engine> {
   }
 
   void close_transport() noexcept { closed_.store(true, std::memory_order_release); }
+
+  /// Every rank says it leaves; the rank hosting the store then waits, at most kLinger, until every
+  /// peer has said so: the store, this backend's transport, ends with that process, and a peer may
+  /// still be reading this rank's blob of the last step (a barrier the host finished first failed
+  /// with RemoteError on the peer: faults.relay, 2026-12-06). Not after a failure: the peers then
+  /// fail by their own means.
+  void linger() noexcept {
+    constexpr auto kLinger = std::chrono::seconds(5);
+    if (size() < 2 || has_failed() || closed_.load(std::memory_order_acquire)) return;
+    try {
+      store()->set(key_prefix() + "bye/" + std::to_string(rank()), Blob{1});
+      if (store_host() != rank()) return;
+      const auto deadline = Clock::now() + kLinger;
+      for (int p = 0; p < size(); ++p) {
+        if (p == rank()) continue;
+        const std::string key = key_prefix() + "bye/" + std::to_string(p);
+        while (!has_failed() && Clock::now() < deadline) {
+          try {
+            store()->wait({key}, std::chrono::milliseconds(50));
+            break;
+          } catch (const Timeout&) {
+          }
+        }
+      }
+    } catch (...) {  // the store is gone: nothing to hold open
+    }
+  }
 
   // ---- the store steps ----
 

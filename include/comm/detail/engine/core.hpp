@@ -288,17 +288,21 @@ class EngineCore : public CommCore {
   /// The liveness watch's news (`why`: "rank 2 is dead: ...", "rank 1's operation failed: ..."):
   /// fails the communicator with RemoteError naming `peer` and the operation running here, and
   /// closes the transport so that the running operation ends now. Any thread.
-  void peer_failed(int peer, const std::string& why) {
-    if (note_peer_failure(peer, why)) derived().close_transport();
+  void peer_failed(int peer, const std::string& why, bool echo = false) {
+    if (note_peer_failure(peer, why, echo)) derived().close_transport();
   }
 
   /// The engine's error `e` (a peer closed, or a wait timed out) may be the echo of a death the
-  /// liveness watch knows of: ask it now, and let that death be the recorded cause.
+  /// liveness watch knows of: ask it now, and let that death be the recorded cause. Not for a
+  /// Timeout and a peer's closed connection that blames this rank: that close was this timeout's.
   void consult_liveness(const Error& e) {
     if (liveness() == nullptr || has_failed()) return;
-    if (dynamic_cast<const RemoteError*>(&e) == nullptr && dynamic_cast<const Timeout*>(&e) == nullptr) return;
-    if (auto v = liveness()->verdict_now(std::chrono::milliseconds(500)); v && v->source != rank())
-      peer_failed(v->rank, v->why);
+    const bool timed_out = dynamic_cast<const Timeout*>(&e) != nullptr;
+    if (dynamic_cast<const RemoteError*>(&e) == nullptr && !timed_out) return;
+    if (auto v = liveness()->verdict_now(std::chrono::milliseconds(500)); v && v->source != rank()) {
+      if (timed_out && v->echo) return;
+      peer_failed(v->rank, v->why, v->echo);
+    }
   }
 
  protected:
@@ -341,7 +345,7 @@ class EngineCore : public CommCore {
           // by the close then finds it as the cause (consult_liveness) instead of announcing the
           // closed connection as its own failure first.
           const bool unshared = dynamic_cast<const UnsharedDesync*>(&e) != nullptr;
-          if (liveness() != nullptr && unshared) liveness()->announce_failure(rank_named(e.peer()), e.what());
+          if (liveness() != nullptr && unshared) liveness()->announce_failure(rank_named(e.peer()), e.what(), true);
           derived().close_transport();
           if (liveness() != nullptr && kind_of(e) == FailureKind::remote)
             liveness()->announce_failure(rank_named(e.peer()), e.what());
@@ -591,7 +595,7 @@ class EngineCore : public CommCore {
   std::vector<P2PItem> compose_items_;       // compose(): a collective's sends and receives
   CommsLog log_;  // COMM_COMMS_LOG, COMM_TRACE
   void start_liveness_once() {
-    CommCore::start_liveness_once([this](int peer, const std::string& why) { peer_failed(peer, why); });
+    CommCore::start_liveness_once([this](int peer, const std::string& why, bool echo) { peer_failed(peer, why, echo); });
   }
   std::shared_ptr<AbortHandle> abort_ = std::make_shared<AbortHandle>(this, &EngineCore::abort_thunk);
   OpQueue queue_{this, &EngineCore::execute_thunk, &EngineCore::issue_thunk};  // last: drained first

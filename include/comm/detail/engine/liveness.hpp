@@ -25,8 +25,11 @@
 // other ranks fail at once, instead of at COMM_TIMEOUT where a closed connection alone would not
 // wake them (after a link cut, a send libgloo had begun writing, a receive it had begun reading).
 // Connection failures, and a desync only some ranks can see (UnsharedDesync: a header one receiver
-// checks alone, announced before the close). Not a timeout or a desync that every rank sees on its
-// own: naming the rank that was first to see it would hide the error each rank reports.
+// checks alone, announced before the close, "<rank>#<blamed rank>|"). Not a timeout or a desync
+// that every rank sees on its own: naming the rank that was first to see it would hide the error
+// each rank reports. Nor, at the rank it blames, a closed connection announced after that rank's
+// own operation outlived the timeout: libgloo closes the connections of a wait that timed out, so
+// the announcement is the timeout's echo, and that rank reports its Timeout (Verdict::echo).
 //
 // Cost: nothing on the operations' path (one thread, one request per silence/2 per rank, on
 // another socket; the thread sleeps in the store's reply). Leaving costs one short connection: a
@@ -112,7 +115,8 @@ class Liveness {
   static constexpr std::size_t kAnnouncedMax = 1024;
 
  public:
-  using OnDead = std::function<void(int rank, const std::string& why)>;
+  /// `echo`: the news is a closed connection announced by a rank that blames this one (Verdict).
+  using OnDead = std::function<void(int rank, const std::string& why, bool echo)>;
 
   /// Starts watching the ranks of a communicator whose keys live under `key_prefix` on `store`;
   /// null when liveness is off or cannot work here (see the file comment). Throws what connecting
@@ -157,6 +161,11 @@ class Liveness {
     std::string why;  // "rank 2 is dead: ...", "rank 1's operation failed: ..."
     int source = -1;  // the rank the news is about or from (a rank ignores its own)
     bool left = false;  // the store's host left normally: no verdict, the watch ends
+    // A closed connection announced by a rank that blames this one. When this rank's own
+    // operation has timed out, that is its echo: libgloo closes a context's connections when a
+    // wait times out, so the peer fails on the close and announces it before this rank has
+    // recorded its Timeout (EngineCore::consult_liveness, CommCore::note_peer_failure).
+    bool echo = false;
   };
 
   /// Asks the store now whether a rank of the communicator is dead (on a connection of its own,
@@ -189,13 +198,15 @@ class Liveness {
   }
 
   /// Publishes that this rank's operation failed on a closed connection (`blamed`: the rank it
-  /// blames, -1 if none), unless a death or failure is published already. On a connection of its
-  /// own, at most 200 ms; never throws (the others then find out by their own means).
-  void announce_failure(int blamed, const std::string& what) noexcept {
+  /// blames, -1 if none), or on a mismatch it diagnosed itself (`diagnosed`: UnsharedDesync),
+  /// unless a death or failure is published already. On a connection of its own, at most 200 ms;
+  /// never throws (the others then find out by their own means).
+  void announce_failure(int blamed, const std::string& what, bool diagnosed = false) noexcept {
     try {
       TcpStore s = short_connection(std::chrono::milliseconds(200));
       // The server bounds values; an error's text is a few hundred bytes.
-      publish_first(s, std::to_string(rank_) + "!" + std::to_string(blamed) + "|" + what.substr(0, kAnnouncedMax));
+      publish_first(s, std::to_string(rank_) + (diagnosed ? "#" : "!") + std::to_string(blamed) + "|" +
+                           what.substr(0, kAnnouncedMax));
     } catch (...) {
     }
   }
@@ -275,7 +286,7 @@ class Liveness {
           else
             verdict_ = d;
         }
-        if (!d.left && d.source != rank_) notify(d.rank, d.why);
+        if (!d.left && d.source != rank_) notify(d.rank, d.why, d.echo);
         break;  // one death is enough: the communicator has failed
       } catch (const Timeout&) {
         // The server did not answer for `silence`: the process hosting it is stopped or hung.
@@ -289,7 +300,7 @@ class Liveness {
           std::lock_guard g(io_mu_);
           verdict_ = d;
         }
-        if (d) notify(d->rank, d->why);
+        if (d) notify(d->rank, d->why, false);
         withdraw = false;
         break;
       } catch (const RemoteError& e) {
@@ -302,7 +313,7 @@ class Liveness {
           if (!host_left_) d = host_verdict();
           if (d) verdict_ = d;
         }
-        if (d && !stop_requested()) notify(d->rank, d->why);
+        if (d && !stop_requested()) notify(d->rank, d->why, false);
         log(LogLevel::detail, std::string("comm: liveness watch ended: ") + e.what());
         withdraw = false;
         break;
@@ -347,7 +358,8 @@ class Liveness {
   }
 
   /// "<rank>|<reason>": the server fired a rank's will (a death); "<host>~|left": the store's
-  /// host left normally; "<rank>!<blamed>|<error>": a rank's operation failed (announce_failure);
+  /// host left normally; "<rank>!<blamed>|<error>": a rank's operation failed on a closed
+  /// connection, "<rank>#<blamed>|<error>": on a mismatch it diagnosed (announce_failure);
   /// "<rank>^|<reason>": a rank revoked the communicator (revoke_value()).
   /// An announcement that blames this rank names its announcer: the rank this one failed to reach.
   [[nodiscard]] Verdict parse(const Store::Bytes& v) const {
@@ -367,7 +379,7 @@ class Liveness {
       d.why = "rank " + std::to_string(d.source) + " revoked the communicator" + (tail.empty() ? "" : ": " + tail);
       return d;
     }
-    const auto bang = head.find('!');
+    const auto bang = head.find_first_of("!#");
     d.source = rank_in(head.substr(0, bang));
     if (bang == std::string_view::npos) {
       d.rank = d.source;
@@ -376,13 +388,14 @@ class Liveness {
     }
     const int blamed = rank_in(head.substr(bang + 1));
     d.rank = blamed >= 0 && blamed < size_ && blamed != rank_ ? blamed : d.source;
+    d.echo = blamed == rank_ && head[bang] == '!';
     d.why = "rank " + std::to_string(d.source) + "'s operation failed: " + tail;
     return d;
   }
 
-  void notify(int dead, const std::string& reason) noexcept {
+  void notify(int dead, const std::string& reason, bool echo) noexcept {
     try {
-      on_dead_(dead, reason);
+      on_dead_(dead, reason, echo);
     } catch (...) {
     }
   }
