@@ -88,6 +88,17 @@ TEST_CASE("the cross-node form by node count, streams per node, size and step") 
   CHECK(h::cross_form(Cross::member, 4, 2, 256 * KiB, Step::segment) == Cross::member);
 }
 
+TEST_CASE("a node's leader carries its buffer across alone from 32 to 128 KiB, with several ranks per node") {
+  constexpr std::size_t KiB = 1024;
+  CHECK_FALSE(h::leaders_carry(1, 64 * KiB));  // one rank per node: it carries it anyway
+  CHECK_FALSE(h::leaders_carry(2, 32 * KiB - 1));
+  CHECK(h::leaders_carry(2, 32 * KiB));
+  CHECK(h::leaders_carry(2, 64 * KiB));
+  CHECK(h::leaders_carry(8, 128 * KiB));
+  CHECK_FALSE(h::leaders_carry(2, 128 * KiB + 1));
+  CHECK_FALSE(h::leaders_carry(4, 256 * KiB));
+}
+
 namespace {
 
 struct Layout {
@@ -189,8 +200,9 @@ TEST_CASE("every collective on node layouts of 4 ranks, both all_reduce forms, c
       CHECK(c.backend().num_nodes() == l.nodes);
       CHECK(c.backend().uniform_nodes() == l.uniform);
       CHECK(c.backend().node() == l.node[static_cast<std::size_t>(w.rank)]);
+      // 10001: 40 KB, crossed by the nodes' leaders (below small_max: every rank).
       for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{3}, std::size_t{5},
-                                std::size_t{1000}, std::size_t{4097}})
+                                std::size_t{1000}, std::size_t{4097}, std::size_t{10001}})
         check_ops(c, count, true);
       if (small_max == 0) check_ops(c, 300001, false);  // the pipelined segments, the last one padded
     }
@@ -250,10 +262,11 @@ TEST_CASE("3 nodes of 2: the cross-node forms in the slice and pipelined all_red
     o.small_max = 0;
     auto c = make_comm(o);
     CHECK(c.backend().num_nodes() == 3);
-    // 7 and 4097: slices padded to whole blocks; 20001 and 40001: one segment whose 40 and 80 KB
+    // 7 and 4097: slices padded to whole blocks; 10001 and 20001: the nodes' leaders carry 40 KB
+    // (doubling) and 80 KB (rsag, padded to whole blocks) across; 40001: one segment whose 80 KB
     // slices take rsag automatically; 300001: pipelined segments, the last one padded.
-    for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{4097}, std::size_t{20001}, std::size_t{40001},
-                              std::size_t{300001}})
+    for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{4097}, std::size_t{10001}, std::size_t{20001},
+                              std::size_t{40001}, std::size_t{300001}})
       check_ops(c, count, count == 7);
   }
 }

@@ -29,7 +29,10 @@
 ///   is an intra reduce_scatter (local rank l owns 1/L of the buffer; counts that L does not divide
 ///   are padded), an inter all_reduce of that slice across nodes, and an intra all_gather: each
 ///   node sends the buffer across once, L streams at a time, where a flat ring sends up to twice
-///   that. Below it: intra all_reduce, then inter all_reduce of the whole buffer. reduce_scatter,
+///   that; from 32 to 128 KiB (below the pipeline) the node's local rank 0 carries the whole buffer
+///   across alone instead (intra reduce, inter all_reduce among the nodes' first ranks, intra
+///   broadcast): the same bytes in L times fewer messages. Below small_max: intra all_reduce, then
+///   inter all_reduce of the whole buffer. reduce_scatter,
 ///   all_gather, gather and broadcast are the same two levels; barrier is intra then inter.
 ///   avg is the sum divided once at the end (integers: floor division). reduce is that all_reduce
 ///   (into scratch off the root).

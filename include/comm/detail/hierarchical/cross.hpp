@@ -76,6 +76,24 @@ enum class Step : std::uint8_t { alone, segment };
   return (bytes + nodes - 1) / nodes <= kCrossBlockMax ? Cross::rsag : Cross::member;
 }
 
+// From kLeadersMin to kLeadersMax bytes per rank, with several ranks per node, the node's leader
+// carries the node's buffer across alone (on-node reduce, the leaders' cross-node all_reduce,
+// on-node broadcast) instead of each local rank a slice of it: the same bytes on the link in L
+// times fewer messages, and one cross-node step to wait for instead of the slowest of L. At 2-4
+// nodes of 2 on the emulated 1 Gbit link, with tc's burst spent (60 iterations) or a 128 KiB
+// bucket, it took 0.86-0.99x the slices' time at 32-128 KiB in 17 of 18 cells (4 x 2 at 32 KiB:
+// 1.13x once, 0.91x in the other run), where the unchanged 16 and 256 KiB read 0.90-1.08x.
+// Outside it the slices were as fast or faster (a test build: 8 KiB at 2 nodes, 256 KiB at 4).
+// benchmarks/RESULTS.md, "One stream per node at 32-128 KiB".
+inline constexpr std::size_t kLeadersMin = std::size_t{32} << 10;
+inline constexpr std::size_t kLeadersMax = std::size_t{128} << 10;
+
+/// Whether an all_reduce of `bytes` per rank on nodes of `local` ranks each (equal nodes) crosses
+/// by the nodes' leaders alone.
+[[nodiscard]] constexpr bool leaders_carry(std::size_t local, std::size_t bytes) noexcept {
+  return local > 1 && bytes >= kLeadersMin && bytes <= kLeadersMax;
+}
+
 /// What a slice of a buffer cut for the local ranks must be a multiple of (in elements), so that
 /// under rsag it divides into equal blocks for the nodes.
 [[nodiscard]] constexpr std::size_t slice_grain(Cross c, std::size_t nodes) noexcept {

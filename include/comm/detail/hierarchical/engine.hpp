@@ -364,6 +364,13 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
       return inter_all_reduce(r, out, out, n);
     }
     if (n * e >= 2 * segment_) return all_reduce_pipelined(r, in, out, n);
+    if (leaders_carry(static_cast<std::size_t>(l), n * e)) {
+      Op s = step_of(r, OpKind::reduce, in, out, n, n);
+      s.desc.root = 0;
+      intra(std::move(s));
+      if (leader()) cross_all_reduce(r, out, out, n, cross_for(n * e, 1, Step::alone));
+      return intra_broadcast(static_cast<Bytes*>(out), n * e, 0);
+    }
     const auto ul = static_cast<std::size_t>(l);
     const Cross c = cross_for((n + ul - 1) / ul * e, l, Step::alone);
     const std::size_t grain = ul * slice_grain(c);  // slices of whole blocks
