@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include <comm/detail/engine/liveness.hpp>
 #include <comm/store.hpp>
 #include <support/multirank.hpp>
 
@@ -525,6 +526,42 @@ TEST_CASE("TcpStore: a will (liveness) fires when its connection closes or falls
     std::this_thread::sleep_for(100ms);
     CHECK_FALSE(server.check("w/withdrawn"));
   }
+}
+
+TEST_CASE("liveness values: who is named, and which news is the echo of a rank's own timeout") {
+  using comm::detail::Liveness;
+  auto at = [](std::string_view v, int rank) { return Liveness::parse_value(bytes(v), rank, 4); };
+  // A closed connection rank 1 blames on rank 0: rank 0 hears of it from rank 1, and after its
+  // own Timeout it is that timeout's echo (libgloo closed the connection), before it news.
+  auto d = at("1!0|connection closed by peer", 0);
+  CHECK(d.rank == 1);
+  CHECK(d.source == 1);
+  CHECK(d.echo);
+  CHECK_FALSE(d.explains(true));
+  CHECK(d.explains(false));
+  CHECK(d.why == "rank 1's operation failed: connection closed by peer");
+  // The same at another rank names the blamed one, and is no echo there.
+  d = at("1!0|connection closed by peer", 2);
+  CHECK(d.rank == 0);
+  CHECK_FALSE(d.echo);
+  CHECK(d.explains(true));
+  // A mismatch rank 1 diagnosed ('#') is news even after a Timeout at the rank it blames.
+  d = at("1#0|desync: rank 0 called all_reduce(float x4, sum) while rank 1 called all_reduce(float x8, sum)", 0);
+  CHECK(d.rank == 1);
+  CHECK_FALSE(d.echo);
+  CHECK(d.explains(true));
+  // Deaths, revokes and a blame out of range are never echoes.
+  d = at("0|its connection to the store closed", 3);
+  CHECK(d.rank == 0);
+  CHECK(d.why == "rank 0 is dead: its connection to the store closed");
+  CHECK(d.explains(true));
+  d = at("2^|shrinking", 0);
+  CHECK(d.rank == 2);
+  CHECK(d.explains(true));
+  d = at("3!9|connection closed", 0);
+  CHECK(d.rank == 3);
+  CHECK_FALSE(d.echo);
+  CHECK(at("0~|left", 1).left);
 }
 
 // --- FileStore ----------------------------------------------------------------------------------

@@ -67,8 +67,8 @@ class Engine : public comm::detail::EngineCore<Engine> {
     host_buffers_only("the relay test backend moves host memory through the store");
   }
   ~Engine() {
+    shutdown();  // first: queued operations end (they may still read the store)
     linger();
-    shutdown();
   }
 
  private:
@@ -170,7 +170,8 @@ class Engine : public comm::detail::EngineCore<Engine> {
   /// peer has said so: the store, this backend's transport, ends with that process, and a peer may
   /// still be reading this rank's blob of the last step (a barrier the host finished first failed
   /// with RemoteError on the peer: faults.relay, 2026-12-06). Not after a failure: the peers then
-  /// fail by their own means.
+  /// fail by their own means. The host is known where the liveness watch ran (a root communicator
+  /// on a TcpStore); elsewhere nobody waits.
   void linger() noexcept {
     constexpr auto kLinger = std::chrono::seconds(5);
     if (size() < 2 || has_failed() || closed_.load(std::memory_order_acquire)) return;

@@ -211,20 +211,10 @@ class CommCore {
   /// The liveness watch's news (`why`: "rank 2 is dead: ...", "rank 1's operation failed: ...") as
   /// this communicator's failure (RemoteError naming `peer` and the operation running here). The
   /// text when it is the first failure (the engine then ends its pending work), else nullopt.
-  /// `echo` (Liveness::Verdict): a peer's closed connection that blames this rank.
-  std::optional<Failure> note_peer_failure(int peer, const std::string& why, bool echo = false) {
+  std::optional<Failure> note_peer_failure(int peer, const std::string& why) {
     std::string running;
-    OpRecord::time_point since{};
     for (const auto& r : recorder_.snapshot(backend_, rank_, size_, place_.name).ops)
-      if (r.state == OpState::started) {
-        running = "op #" + std::to_string(r.seq) + " (" + r.op + ")";
-        since = r.started;
-      }
-    // The running operation has outlived the timeout: its wait timed out and closed the
-    // connection the peer then failed on, and the engine is about to record that Timeout, the
-    // cause. (With the flight recorder off nothing tells, and the echo is recorded.)
-    if (echo && since != OpRecord::time_point{} && std::chrono::system_clock::now() - since >= timeout_)
-      return std::nullopt;
+      if (r.state == OpState::started) running = "op #" + std::to_string(r.seq) + " (" + r.op + ")";
     Failure f{FailureKind::remote,
               why + "; seen by rank " + std::to_string(rank_) + "'s liveness watch " +
                   (running.empty() ? std::string("between operations") : "during " + running),

@@ -288,8 +288,12 @@ class EngineCore : public CommCore {
   /// The liveness watch's news (`why`: "rank 2 is dead: ...", "rank 1's operation failed: ..."):
   /// fails the communicator with RemoteError naming `peer` and the operation running here, and
   /// closes the transport so that the running operation ends now. Any thread.
+  /// `echo` (Liveness::Verdict): a peer's closed connection that blames this rank. While this
+  /// rank's engine is recording a failure of its own it is left to that (consult_liveness): after
+  /// a Timeout here the echo is not the cause.
   void peer_failed(int peer, const std::string& why, bool echo = false) {
-    if (note_peer_failure(peer, why, echo)) derived().close_transport();
+    if (echo && handling_failure_.load(std::memory_order_acquire)) return;
+    if (note_peer_failure(peer, why)) derived().close_transport();
   }
 
   /// The engine's error `e` (a peer closed, or a wait timed out) may be the echo of a death the
@@ -299,10 +303,8 @@ class EngineCore : public CommCore {
     if (liveness() == nullptr || has_failed()) return;
     const bool timed_out = dynamic_cast<const Timeout*>(&e) != nullptr;
     if (dynamic_cast<const RemoteError*>(&e) == nullptr && !timed_out) return;
-    if (auto v = liveness()->verdict_now(std::chrono::milliseconds(500)); v && v->source != rank()) {
-      if (timed_out && v->echo) return;
-      peer_failed(v->rank, v->why, v->echo);
-    }
+    if (auto v = liveness()->verdict_now(std::chrono::milliseconds(500)); v && v->source != rank() && v->explains(timed_out))
+      if (note_peer_failure(v->rank, v->why)) derived().close_transport();
   }
 
  protected:
@@ -333,6 +335,11 @@ class EngineCore : public CommCore {
     try {
       std::forward<F>(f)();
     } catch (...) {
+      struct Handling {  // the liveness watch leaves a peer's echo of this failure to this block
+        std::atomic<bool>& f;
+        explicit Handling(std::atomic<bool>& flag) : f(flag) { f.store(true, std::memory_order_release); }
+        ~Handling() { f.store(false, std::memory_order_release); }
+      } handling{handling_failure_};
       try {
         derived().rethrow_translated(op);
       } catch (const Error& e) {
@@ -589,6 +596,7 @@ class EngineCore : public CommCore {
   const char* host_only_hint_ = nullptr;  // see host_buffers_only()
   bool staged_exempt_ = false;            // see host_buffers_unless_staged()
   bool shut_down_ = false;
+  std::atomic<bool> handling_failure_{false};  // run() is recording a failure of its own (peer_failed)
   std::vector<Fingerprint> fingerprints_;  // one per rank; operations run one at a time
   std::vector<std::byte> prescale_scratch_;  // premul_sum's scaled input
   std::vector<std::byte> compose_scratch_;   // compose(): a reduce's result off the root

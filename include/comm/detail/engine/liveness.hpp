@@ -27,9 +27,10 @@
 // Connection failures, and a desync only some ranks can see (UnsharedDesync: a header one receiver
 // checks alone, announced before the close, "<rank>#<blamed rank>|"). Not a timeout or a desync
 // that every rank sees on its own: naming the rank that was first to see it would hide the error
-// each rank reports. Nor, at the rank it blames, a closed connection announced after that rank's
-// own operation outlived the timeout: libgloo closes the connections of a wait that timed out, so
-// the announcement is the timeout's echo, and that rank reports its Timeout (Verdict::echo).
+// each rank reports. Nor is a closed connection announced by a peer the cause at the rank it
+// blames when that rank's own wait timed out: libgloo closes the connections of a wait that timed
+// out, so the announcement is the timeout's echo, and that rank reports its Timeout
+// (Verdict::echo; the watch leaves such news alone while the engine records its own failure).
 //
 // Cost: nothing on the operations' path (one thread, one request per silence/2 per rank, on
 // another socket; the thread sleeps in the store's reply). Leaving costs one short connection: a
@@ -161,11 +162,14 @@ class Liveness {
     std::string why;  // "rank 2 is dead: ...", "rank 1's operation failed: ..."
     int source = -1;  // the rank the news is about or from (a rank ignores its own)
     bool left = false;  // the store's host left normally: no verdict, the watch ends
-    // A closed connection announced by a rank that blames this one. When this rank's own
-    // operation has timed out, that is its echo: libgloo closes a context's connections when a
-    // wait times out, so the peer fails on the close and announces it before this rank has
-    // recorded its Timeout (EngineCore::consult_liveness, CommCore::note_peer_failure).
+    // A closed connection announced by a rank that blames this one. When this rank's own wait
+    // has timed out, that is its echo: libgloo closes a context's connections when a wait times
+    // out, so the peer fails on the close and may announce it before this rank has recorded its
+    // Timeout (EngineCore::consult_liveness and peer_failed).
     bool echo = false;
+
+    /// Whether this news is the cause of this rank's own failure, a Timeout or not.
+    [[nodiscard]] bool explains(bool own_timeout) const noexcept { return !(echo && own_timeout); }
   };
 
   /// Asks the store now whether a rank of the communicator is dead (on a connection of its own,
@@ -362,7 +366,12 @@ class Liveness {
   /// connection, "<rank>#<blamed>|<error>": on a mismatch it diagnosed (announce_failure);
   /// "<rank>^|<reason>": a rank revoked the communicator (revoke_value()).
   /// An announcement that blames this rank names its announcer: the rank this one failed to reach.
-  [[nodiscard]] Verdict parse(const Store::Bytes& v) const {
+  [[nodiscard]] Verdict parse(const Store::Bytes& v) const { return parse_value(v, rank_, size_); }
+
+ public:
+  /// parse() as seen by `rank` of a communicator of `size` ranks.
+  [[nodiscard]] static Verdict parse_value(const Store::Bytes& v, int rank, int size) {
+    const int rank_ = rank, size_ = size;
     const std::string s(v.begin(), v.end());
     const auto bar = s.find('|');
     const std::string_view head = bar == std::string::npos ? std::string_view() : std::string_view(s).substr(0, bar);
@@ -392,6 +401,8 @@ class Liveness {
     d.why = "rank " + std::to_string(d.source) + "'s operation failed: " + tail;
     return d;
   }
+
+ private:
 
   void notify(int dead, const std::string& reason, bool echo) noexcept {
     try {

@@ -165,8 +165,8 @@ class NcclCore : public WatchTarget, public CommCore, public DesyncCheck<NcclCor
   /// The liveness watch's news (detail/engine/liveness.hpp): the communicator's failure, RemoteError
   /// naming `peer`; the watchdog then aborts the NCCL communicator (when it may) and fails every
   /// pending operation, as after any other failure. Any thread.
-  void peer_failed(int peer, const std::string& why, bool echo = false) {
-    if (auto f = note_peer_failure(peer, why, echo))
+  void peer_failed(int peer, const std::string& why, bool /*echo: NCCL ranks announce no closed connection*/ = false) {
+    if (auto f = note_peer_failure(peer, why))
       watchdog_.fail(std::make_exception_ptr(RemoteError("liveness", rank(), f->what, f->peer)));
   }
 
