@@ -50,42 +50,36 @@ TEST_CASE("peers named by a member are translated to ranks of the communicator")
   CHECK(h::map_peer("", group).empty());
 }
 
-TEST_CASE("the cross-node form by node count, streams per node, size and step") {
+TEST_CASE("the cross-node form by node count, size and step") {
   constexpr std::size_t KiB = 1024;
   using h::Cross;
   using h::Step;
-  auto form = [](std::size_t nodes, std::size_t streams, std::size_t bytes, Step s) {
-    return h::cross_form(Cross::automatic, nodes, streams, bytes, s);
+  auto form = [](std::size_t nodes, std::size_t bytes, Step s) {
+    return h::cross_form(Cross::automatic, nodes, bytes, s);
   };
   for (Step s : {Step::alone, Step::segment}) {
     INFO("segment ", s == Step::segment);
-    CHECK(form(2, 1, 1024 * KiB, s) == Cross::member);  // one exchange at 2 nodes
-    CHECK(form(2, 2, 128 * KiB, s) == Cross::member);
-    // One rank per node: doubling below 64 KiB (the node's bytes), rsag from there while the
-    // member doubles.
-    CHECK(form(3, 1, 32 * KiB, s) == Cross::member);
-    CHECK(form(4, 1, 63 * KiB, s) == Cross::member);
-    CHECK(form(3, 1, 64 * KiB, s) == Cross::rsag);
-    CHECK(form(4, 1, 64 * KiB, s) == Cross::rsag);
-    CHECK(form(4, 1, 256 * KiB, s) == Cross::rsag);
-    // Two streams per node and more: rsag from 32 KiB a rank, never below it.
-    CHECK(form(4, 2, 31 * KiB, s) == Cross::member);
-    CHECK(form(3, 2, 32 * KiB, s) == Cross::rsag);
-    CHECK(form(4, 2, 64 * KiB, s) == Cross::rsag);
-    CHECK(form(4, 8, 16 * KiB, s) == Cross::member);
-    CHECK(form(4, 8, 32 * KiB, s) == Cross::rsag);
-    CHECK(form(4, 1, 2048 * KiB, s) == Cross::member);  // blocks above kCrossBlockMax
+    CHECK(form(2, 1024 * KiB, s) == Cross::member);  // one exchange at 2 nodes
+    CHECK(form(2, 128 * KiB, s) == Cross::member);
+    // Doubling below 32 KiB a rank, rsag from there while the member doubles.
+    CHECK(form(3, 32 * KiB - 1, s) == Cross::member);
+    CHECK(form(4, 16 * KiB, s) == Cross::member);
+    CHECK(form(3, 32 * KiB, s) == Cross::rsag);
+    CHECK(form(4, 32 * KiB, s) == Cross::rsag);
+    CHECK(form(4, 48 * KiB, s) == Cross::rsag);
+    CHECK(form(4, 256 * KiB, s) == Cross::rsag);
+    CHECK(form(4, 2048 * KiB, s) == Cross::member);  // blocks above kCrossBlockMax
   }
   // Above the member's doubling: its ring alone, rsag as a pipeline's segment.
-  CHECK(form(4, 1, 512 * KiB, Step::alone) == Cross::member);
-  CHECK(form(4, 2, 1024 * KiB, Step::alone) == Cross::member);
-  CHECK(form(4, 1, 512 * KiB, Step::segment) == Cross::rsag);
-  CHECK(form(4, 2, 1024 * KiB, Step::segment) == Cross::rsag);
-  CHECK(form(3, 2, 768 * KiB, Step::segment) == Cross::rsag);
+  CHECK(form(4, 512 * KiB, Step::alone) == Cross::member);
+  CHECK(form(4, 1024 * KiB, Step::alone) == Cross::member);
+  CHECK(form(4, 512 * KiB, Step::segment) == Cross::rsag);
+  CHECK(form(4, 1024 * KiB, Step::segment) == Cross::rsag);
+  CHECK(form(3, 768 * KiB, Step::segment) == Cross::rsag);
   // A forced form wins everywhere.
-  CHECK(h::cross_form(Cross::gather, 2, 1, 8, Step::alone) == Cross::gather);
-  CHECK(h::cross_form(Cross::rsag, 4, 1, 4096 * KiB, Step::alone) == Cross::rsag);
-  CHECK(h::cross_form(Cross::member, 4, 2, 256 * KiB, Step::segment) == Cross::member);
+  CHECK(h::cross_form(Cross::gather, 2, 8, Step::alone) == Cross::gather);
+  CHECK(h::cross_form(Cross::rsag, 4, 4096 * KiB, Step::alone) == Cross::rsag);
+  CHECK(h::cross_form(Cross::member, 4, 256 * KiB, Step::segment) == Cross::member);
 }
 
 TEST_CASE("a node's leader carries its buffer across alone from 32 to 128 KiB, with several ranks per node") {
@@ -262,11 +256,11 @@ TEST_CASE("3 nodes of 2: the cross-node forms in the slice and pipelined all_red
     o.small_max = 0;
     auto c = make_comm(o);
     CHECK(c.backend().num_nodes() == 3);
-    // 7 and 4097: slices padded to whole blocks; 10001 and 20001: the nodes' leaders carry 40 KB
-    // (doubling) and 80 KB (rsag, padded to whole blocks) across; 40001: one segment whose 80 KB
-    // slices take rsag automatically; 300001: pipelined segments, the last one padded.
-    for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{4097}, std::size_t{10001}, std::size_t{20001},
-                              std::size_t{40001}, std::size_t{300001}})
+    // 7, 4097 and 5001: slices (padded to whole blocks), 10 KB ones by doubling; 10001 and 20001:
+    // the nodes' leaders carry 40 and 80 KB across (rsag, padded to whole blocks); 40001: one
+    // segment whose 80 KB slices take rsag; 300001: pipelined segments, the last one padded.
+    for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{4097}, std::size_t{5001}, std::size_t{10001},
+                              std::size_t{20001}, std::size_t{40001}, std::size_t{300001}})
       check_ops(c, count, count == 7);
   }
 }

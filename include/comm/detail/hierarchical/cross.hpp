@@ -6,9 +6,9 @@
 //     two; a ring above);
 //   rsag: an inter reduce_scatter then an inter all_gather: two latencies at any M and 2(M-1)/M B
 //     each way, the least an all_reduce can move, where doubling sends log2(M) B (2 B at 3 and 4
-//     nodes). Picked from 3 nodes, kCrossRsagMin and kCrossNodeMin while a node's block B/M is a
-//     message Gloo sends directly (kCrossBlockMax), and, for a step that runs alone, while the
-//     member would still double (up to kCrossRingFrom);
+//     nodes). Picked from 3 nodes and kCrossRsagMin while a node's block B/M is a message Gloo
+//     sends directly (kCrossBlockMax), and, for a step that runs alone, while the member would
+//     still double (up to kCrossRingFrom);
 //   gather: an inter all_gather and a local reduction (one latency at any M, but M(M-1) messages
 //     against doubling's M log2(M)): measured slower on this project's 2-core machine
 //     (benchmarks/RESULTS.md, "Growth with nodes"), so only when forced.
@@ -26,18 +26,17 @@ namespace comm::detail::hierarchical {
 
 enum class Cross : std::uint8_t { automatic, member, gather, rsag };
 
-// rsag from kCrossRsagMin per rank while the node's ranks put kCrossNodeMin or more on its link
-// together (its cross-node steps run at once, one per local rank): there the bytes decide on a link
-// that never runs above its rate. On the emulated 1 Gbit link with tc's burst spent (60
-// iterations) or a 128 KiB bucket, an all_reduce of 64 KiB at 3-4 nodes took rsag 1.00-1.03x
-// OpenMPI TCP at one rank per node (doubling, which sends 2 S where the bound is 1.5 S at 4
-// nodes: 1.33-1.54x) and 0.95-0.99x at 3 nodes of 2 (doubling 1.35x); at 4 x 2 the two forms were
-// even. Only while tc's 1.25 MB bucket carries the bytes, which no wire does, was doubling (one
-// peer a step, where rsag's steps wait for every node) the faster. Below 64 KiB a node doubling
-// stays: latency is what counts.
-// benchmarks/RESULTS.md, "The emulated link's bucket, and rsag from 64 KiB a node".
+// rsag from kCrossRsagMin per rank: there the bytes decide on a link that never runs above its
+// rate. On the emulated 1 Gbit link with tc's burst spent (60 iterations) or a 128 KiB bucket, an
+// all_reduce of 64 KiB at 3-4 nodes took rsag 1.00-1.03x OpenMPI TCP at one rank per node
+// (doubling, which sends 2 S where the bound is 1.5 S at 4 nodes: 1.33-1.54x), and at 32 and 48 KiB
+// rsag took 0.67-0.93x doubling's time at 3-4 nodes of 1 and 2 ranks (at 2 ranks the nodes'
+// first ranks carry 32-128 KiB alone: leaders_carry). Only while tc's 1.25 MB bucket
+// carries the bytes, which no wire does, was doubling (one peer a step, where rsag's steps wait
+// for every node) the faster. Below 32 KiB a rank doubling stays: latency is what counts.
+// benchmarks/RESULTS.md, "The emulated link's bucket, and rsag from 64 KiB a node", "rsag from
+// 32 KiB".
 inline constexpr std::size_t kCrossRsagMin = std::size_t{32} << 10;
-inline constexpr std::size_t kCrossNodeMin = std::size_t{64} << 10;
 // Above kCrossBlockMax per block Gloo's ring is as frugal, in one operation
 // (detail/gloo/checked.hpp's kCheckedMax is the largest message Gloo sends directly).
 inline constexpr std::size_t kCrossBlockMax = std::size_t{256} << 10;
@@ -65,13 +64,11 @@ enum class Step : std::uint8_t { alone, segment };
                         "COMM_HIERARCHICAL_CROSS='" + t.substr(0, 32) + "': use auto, member, gather or rsag");
 }
 
-/// The form for `bytes` per rank across `nodes` nodes, with `streams` of the node's ranks running
-/// such a step at once: the same on every rank, as it depends on the size, the node structure, the
-/// step and the forced form only.
-[[nodiscard]] constexpr Cross cross_form(Cross forced, std::size_t nodes, std::size_t streams, std::size_t bytes,
-                                         Step step) noexcept {
+/// The form for `bytes` per rank across `nodes` nodes: the same on every rank, as it depends on
+/// the size, the node count, the step and the forced form only.
+[[nodiscard]] constexpr Cross cross_form(Cross forced, std::size_t nodes, std::size_t bytes, Step step) noexcept {
   if (forced != Cross::automatic) return forced;
-  if (nodes <= 2 || bytes < kCrossRsagMin || bytes * streams < kCrossNodeMin) return Cross::member;
+  if (nodes <= 2 || bytes < kCrossRsagMin) return Cross::member;
   if (step == Step::alone && bytes > kCrossRingFrom) return Cross::member;
   return (bytes + nodes - 1) / nodes <= kCrossBlockMax ? Cross::rsag : Cross::member;
 }

@@ -286,13 +286,11 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   }
   void inter_all_reduce(const Op& r, const void* in, void* out, std::size_t n) {
     if (num_nodes() == 1) return copy(in, out, n * r.elem_size);
-    // Uniform nodes run one such step per local rank at once; otherwise the leaders alone.
-    const int streams = topo_.uniform ? local_size_ : 1;
-    cross_all_reduce(r, in, out, n, cross_for(n * r.elem_size, streams, Step::alone));
+    cross_all_reduce(r, in, out, n, cross_for(n * r.elem_size, Step::alone));
   }
 
-  [[nodiscard]] Cross cross_for(std::size_t bytes, int streams, Step step) const noexcept {
-    return cross_form(cross_, static_cast<std::size_t>(num_nodes()), static_cast<std::size_t>(streams), bytes, step);
+  [[nodiscard]] Cross cross_for(std::size_t bytes, Step step) const noexcept {
+    return cross_form(cross_, static_cast<std::size_t>(num_nodes()), bytes, step);
   }
   [[nodiscard]] std::size_t slice_grain(Cross c) const noexcept {
     return hierarchical::slice_grain(c, static_cast<std::size_t>(num_nodes()));
@@ -368,11 +366,11 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
       Op s = step_of(r, OpKind::reduce, in, out, n, n);
       s.desc.root = 0;
       intra(std::move(s));
-      if (leader()) cross_all_reduce(r, out, out, n, cross_for(n * e, 1, Step::alone));
+      if (leader()) cross_all_reduce(r, out, out, n, cross_for(n * e, Step::alone));
       return intra_broadcast(static_cast<Bytes*>(out), n * e, 0);
     }
     const auto ul = static_cast<std::size_t>(l);
-    const Cross c = cross_for((n + ul - 1) / ul * e, l, Step::alone);
+    const Cross c = cross_for((n + ul - 1) / ul * e, Step::alone);
     const std::size_t grain = ul * slice_grain(c);  // slices of whole blocks
     const std::size_t padded = (n + grain - 1) / grain * grain;
     const std::size_t chunk = padded / ul;
@@ -425,7 +423,7 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     // The form of every segment's cross-node step, from the full segments' size; rsag or the
     // member's all_reduce (gather, when forced, is the member's here: segments are large).
     const Cross c = [&] {
-      const Cross f = cross_for(((n + wanted - 1) / wanted + l - 1) / l * e, local_size_, Step::segment);
+      const Cross f = cross_for(((n + wanted - 1) / wanted + l - 1) / l * e, Step::segment);
       return f == Cross::gather ? Cross::member : f;
     }();
     const std::size_t grain = l * slice_grain(c);
