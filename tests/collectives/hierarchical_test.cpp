@@ -256,9 +256,10 @@ TEST_CASE("3 nodes of 2: the cross-node forms in the slice and pipelined all_red
     o.small_max = 0;
     auto c = make_comm(o);
     CHECK(c.backend().num_nodes() == 3);
-    // 7, 4097 and 5001: slices (padded to whole blocks), 10 KB ones by doubling; 10001 and 20001:
-    // the nodes' leaders carry 40 and 80 KB across (rsag, padded to whole blocks); 40001: one
-    // segment whose 80 KB slices take rsag; 300001: pipelined segments, the last one padded.
+    // 7, 4097 and 5001: slices (padded to a multiple of 2; of 6 under forced rsag), 10 KB ones by
+    // doubling; 10001 and 20001: the nodes' leaders carry 40 and 80 KB across (rsag; 10001 padded
+    // to whole blocks); 40001: one segment whose 80 KB slices take rsag; 300001: pipelined
+    // segments, the last one padded.
     for (std::size_t count : {std::size_t{1}, std::size_t{7}, std::size_t{4097}, std::size_t{5001}, std::size_t{10001},
                               std::size_t{20001}, std::size_t{40001}, std::size_t{300001}})
       check_ops(c, count, count == 7);

@@ -122,8 +122,8 @@ struct HierarchicalOptions : CommonOptions {
   typename Inter::Options inter{};
   /// all_reduce up to this many bytes runs as intra all_reduce + inter all_reduce (one step
   /// fewer); above, as reduce_scatter / all_reduce of a slice / all_gather (1/L of the bytes
-  /// across nodes per rank), but from 32 to 128 KiB as intra reduce / the nodes' first ranks'
-  /// all_reduce / intra broadcast. Must be the same on every rank. Default:
+  /// across nodes per rank), but from 32 to 128 KiB, on equal nodes of several ranks, as intra
+  /// reduce / the nodes' first ranks' all_reduce / intra broadcast. Must be the same on every rank. Default:
   /// COMM_HIERARCHICAL_SMALL_MAX, else 4 KiB.
   std::size_t small_max = detail_hierarchical::env_small_max();
   /// The slice form of all_reduce from 2 * segment_bytes up runs in up to 8 segments of at least

@@ -336,9 +336,9 @@ class EngineCore : public CommCore {
       std::forward<F>(f)();
     } catch (...) {
       struct Handling {  // the liveness watch leaves a peer's echo of this failure to this block
-        std::atomic<bool>& f;
-        explicit Handling(std::atomic<bool>& flag) : f(flag) { f.store(true, std::memory_order_release); }
-        ~Handling() { f.store(false, std::memory_order_release); }
+        std::atomic<bool>& flag;
+        explicit Handling(std::atomic<bool>& f) : flag(f) { flag.store(true, std::memory_order_release); }
+        ~Handling() { flag.store(false, std::memory_order_release); }
       } handling{handling_failure_};
       try {
         derived().rethrow_translated(op);

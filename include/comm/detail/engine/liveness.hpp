@@ -369,9 +369,8 @@ class Liveness {
   [[nodiscard]] Verdict parse(const Store::Bytes& v) const { return parse_value(v, rank_, size_); }
 
  public:
-  /// parse() as seen by `rank` of a communicator of `size` ranks.
-  [[nodiscard]] static Verdict parse_value(const Store::Bytes& v, int rank, int size) {
-    const int rank_ = rank, size_ = size;
+  /// parse() as seen by rank `me` of a communicator of `size` ranks.
+  [[nodiscard]] static Verdict parse_value(const Store::Bytes& v, int me, int size) {
     const std::string s(v.begin(), v.end());
     const auto bar = s.find('|');
     const std::string_view head = bar == std::string::npos ? std::string_view() : std::string_view(s).substr(0, bar);
@@ -396,8 +395,8 @@ class Liveness {
       return d;
     }
     const int blamed = rank_in(head.substr(bang + 1));
-    d.rank = blamed >= 0 && blamed < size_ && blamed != rank_ ? blamed : d.source;
-    d.echo = blamed == rank_ && head[bang] == '!';
+    d.rank = blamed >= 0 && blamed < size && blamed != me ? blamed : d.source;
+    d.echo = blamed == me && head[bang] == '!';
     d.why = "rank " + std::to_string(d.source) + "'s operation failed: " + tail;
     return d;
   }
