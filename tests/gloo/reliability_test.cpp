@@ -134,7 +134,7 @@ TEST_CASE("a peer that stops mid-transfer: the send gloo began writing ends when
   }
 }
 
-TEST_CASE("a peer's announcement that blames this rank is news while this rank's operation runs, even past the timeout") {
+TEST_CASE("an announcement that blames this rank is news while its operation runs, even past the timeout") {
   const auto& w = comm::test::world();
   if (w.size != 2) {
     comm::test::report_needs_ranks(2);

@@ -32,8 +32,8 @@
 ///   that; from 32 to 128 KiB (below the pipeline) the node's local rank 0 carries the whole buffer
 ///   across alone instead (intra reduce, inter all_reduce among the nodes' first ranks, intra
 ///   broadcast): the same bytes in L times fewer messages. Below small_max: intra all_reduce, then
-///   inter all_reduce of the whole buffer. reduce_scatter,
-///   all_gather, gather and broadcast are the same two levels; barrier is intra then inter.
+///   inter all_reduce of the whole buffer. reduce_scatter, all_gather, gather and broadcast are
+///   the same two levels; barrier is intra then inter.
 ///   avg is the sum divided once at the end (integers: floor division). reduce is that all_reduce
 ///   (into scratch off the root).
 /// - **scatter, all_to_all, all_to_all_v, send, recv, batch_isend_irecv** (where `Inter` has them,
@@ -123,8 +123,8 @@ struct HierarchicalOptions : CommonOptions {
   /// all_reduce up to this many bytes runs as intra all_reduce + inter all_reduce (one step
   /// fewer); above, as reduce_scatter / all_reduce of a slice / all_gather (1/L of the bytes
   /// across nodes per rank), but from 32 to 128 KiB, on equal nodes of several ranks, as intra
-  /// reduce / the nodes' first ranks' all_reduce / intra broadcast. Must be the same on every rank. Default:
-  /// COMM_HIERARCHICAL_SMALL_MAX, else 4 KiB.
+  /// reduce / the nodes' first ranks' all_reduce / intra broadcast. Must be the same on every
+  /// rank. Default: COMM_HIERARCHICAL_SMALL_MAX, else 4 KiB.
   std::size_t small_max = detail_hierarchical::env_small_max();
   /// The slice form of all_reduce from 2 * segment_bytes up runs in up to 8 segments of at least
   /// this many bytes, pipelined: the on-node steps of one segment overlap the cross-node step of

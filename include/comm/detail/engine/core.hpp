@@ -303,8 +303,9 @@ class EngineCore : public CommCore {
     if (liveness() == nullptr || has_failed()) return;
     const bool timed_out = dynamic_cast<const Timeout*>(&e) != nullptr;
     if (dynamic_cast<const RemoteError*>(&e) == nullptr && !timed_out) return;
-    if (auto v = liveness()->verdict_now(std::chrono::milliseconds(500)); v && v->source != rank() && v->explains(timed_out))
-      if (note_peer_failure(v->rank, v->why)) derived().close_transport();
+    const auto v = liveness()->verdict_now(std::chrono::milliseconds(500));
+    if (v && v->source != rank() && v->explains(timed_out) && note_peer_failure(v->rank, v->why))
+      derived().close_transport();
   }
 
  protected:
@@ -603,7 +604,8 @@ class EngineCore : public CommCore {
   std::vector<P2PItem> compose_items_;       // compose(): a collective's sends and receives
   CommsLog log_;  // COMM_COMMS_LOG, COMM_TRACE
   void start_liveness_once() {
-    CommCore::start_liveness_once([this](int peer, const std::string& why, bool echo) { peer_failed(peer, why, echo); });
+    CommCore::start_liveness_once(
+        [this](int peer, const std::string& why, bool echo) { peer_failed(peer, why, echo); });
   }
   std::shared_ptr<AbortHandle> abort_ = std::make_shared<AbortHandle>(this, &EngineCore::abort_thunk);
   OpQueue queue_{this, &EngineCore::execute_thunk, &EngineCore::issue_thunk};  // last: drained first

@@ -402,7 +402,6 @@ class Liveness {
   }
 
  private:
-
   void notify(int dead, const std::string& reason, bool echo) noexcept {
     try {
       on_dead_(dead, reason, echo);

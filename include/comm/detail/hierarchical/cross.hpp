@@ -31,9 +31,9 @@ enum class Cross : std::uint8_t { automatic, member, gather, rsag };
 // all_reduce of 64 KiB at 3-4 nodes took rsag 1.00-1.03x OpenMPI TCP at one rank per node
 // (doubling, which sends 2 S where the bound is 1.5 S at 4 nodes: 1.33-1.54x), and at 32 and 48 KiB
 // rsag took 0.67-0.93x doubling's time at 3-4 nodes of 1 and 2 ranks (at 2 ranks the nodes'
-// first ranks carry 32-128 KiB alone: leaders_carry). Only while tc's 1.25 MB bucket
-// carries the bytes, which no wire does, was doubling (one peer a step, where rsag's steps wait
-// for every node) the faster. Below 32 KiB a rank doubling stays: latency is what counts.
+// first ranks carry 32-128 KiB alone: leaders_carry). Only while tc's 1.25 MB bucket carries the
+// bytes, which no wire does, was doubling (one peer a step, where rsag's steps wait for every
+// node) the faster. Below 32 KiB a rank doubling stays: latency is what counts.
 // benchmarks/RESULTS.md, "The emulated link's bucket, and rsag from 64 KiB a node", "rsag from
 // 32 KiB".
 inline constexpr std::size_t kCrossRsagMin = std::size_t{32} << 10;
