@@ -190,6 +190,79 @@ TEST_CASE("an announcement that blames this rank is news while its operation run
   }
 }
 
+TEST_CASE("an announcement that blames this rank just before its own wait times out is that timeout's echo") {
+  const auto& w = comm::test::world();
+  if (w.size != 2) {
+    comm::test::report_needs_ranks(2);
+    return;
+  }
+  // libgloo closes a context's connections when a wait times out, and the peer may fail on the
+  // close and announce it before this rank's catch block runs. The watch holds such an echo for
+  // Liveness::kEchoGrace, by which time the engine has recorded its Timeout. Here rank 1 publishes
+  // the echo ~120 ms before rank 0's barrier times out (rank 1 never calls it): rank 0 must report
+  // its Timeout. An attempt counts when the announcement came before rank 0's wait was due to time
+  // out and the wait ended within the grace of it (the same steady clock in both processes); a
+  // loaded machine may miss that window, so up to three attempts, and one must fall in it.
+  using clock = std::chrono::steady_clock;
+  const auto grace = comm::detail::Liveness::kEchoGrace;
+  const auto timeout = 1000ms;
+  bool tested = false;
+  for (int attempt = 0; attempt < 3 && !tested; ++attempt) {
+    comm::backends::Gloo::Options o;
+    o.timeout = timeout;
+    o.desync_check = false;
+    auto store = comm::test::fresh_store();
+    comm::test::barrier();
+    auto c = Comm::create(store, w.rank, w.size, o);
+    std::vector<float> v(4, 1.0F);
+    c.all_reduce(std::span(v), ReduceOp::sum);  // starts the liveness watch
+    comm::test::barrier();
+    const std::string key = "echo_at/" + std::to_string(attempt);
+    if (w.rank == 1) {
+      std::this_thread::sleep_for(timeout - 120ms);
+      const auto at = clock::now().time_since_epoch().count();
+      const std::string a = "1!0|test: connection closed by peer";
+      (void)store->compare_set("comm/gloo/1/liveness/dead", {},
+                               std::span(reinterpret_cast<const std::uint8_t*>(a.data()), a.size()));
+      const std::string t = std::to_string(at);
+      store->set(key, std::vector<std::uint8_t>(t.begin(), t.end()));
+    } else {
+      std::string what;
+      bool timed_out = false;
+      const auto due = (clock::now() + timeout).time_since_epoch().count();
+      try {
+        c.barrier();
+      } catch (const comm::Timeout& e) {
+        timed_out = true;
+        what = e.what();
+      } catch (const comm::Error& e) {
+        what = e.what();
+      }
+      const auto ended = clock::now().time_since_epoch().count();
+      const auto b = store->get(key);
+      const auto published = std::stoll(std::string(b.begin(), b.end()));
+      const auto ms = [](long long ns) { return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::nanoseconds(ns)).count(); };
+      const bool in_window = published + 20'000'000 < due &&
+                             ended < published + std::chrono::nanoseconds(grace).count() - 20'000'000;
+      MESSAGE("attempt ", attempt, ": the echo came ", ms(ended - published), " ms before the barrier ended: ", what);
+      if (in_window) {
+        tested = true;
+        CHECK_MESSAGE(timed_out, "the echo was taken for the cause: ", what);
+        CHECK_FALSE(contains(what, "rank 1's operation failed"));
+      }
+    }
+    comm::test::barrier();
+    if (w.rank == 0) {
+      const std::string t = tested ? "1" : "0";
+      store->set("echo_tested/" + std::to_string(attempt), std::vector<std::uint8_t>(t.begin(), t.end()));
+    } else {
+      const auto b = store->get("echo_tested/" + std::to_string(attempt));
+      tested = b == std::vector<std::uint8_t>{'1'};
+    }
+  }
+  if (w.rank == 0) CHECK_MESSAGE(tested, "no attempt fell in the window (a machine too loaded for this test)");
+}
+
 TEST_CASE("membership: a world size mismatch is an error naming both processes") {
   const auto& w = comm::test::world();
   if (w.size != 2) {

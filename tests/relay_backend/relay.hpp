@@ -170,8 +170,8 @@ class Engine : public comm::detail::EngineCore<Engine> {
   /// peer has said so: the store, this backend's transport, ends with that process, and a peer may
   /// still be reading this rank's blob of the last step (a barrier the host finished first failed
   /// with RemoteError on the peer: faults.relay, 2026-12-06). Not after a failure: the peers then
-  /// fail by their own means. The host is known where the liveness watch ran (a root communicator
-  /// on a TcpStore); elsewhere nobody waits.
+  /// fail by their own means, and not for a peer the store saw die. The host is known where the
+  /// liveness watch ran (a root communicator on a TcpStore); elsewhere nobody waits.
   void linger() noexcept {
     constexpr auto kLinger = std::chrono::seconds(5);
     if (size() < 2 || has_failed() || closed_.load(std::memory_order_acquire)) return;
@@ -182,11 +182,15 @@ class Engine : public comm::detail::EngineCore<Engine> {
       for (int p = 0; p < size(); ++p) {
         if (p == rank()) continue;
         const std::string key = key_prefix() + "bye/" + std::to_string(p);
+        // A peer that died says nothing: the store server keeps its death (its will) on a key of
+        // its own, and the watch that would have failed this communicator has stopped.
+        const std::string dead = comm::detail::Liveness::death_key(key_prefix(), p);
         while (!has_failed() && Clock::now() < deadline) {
           try {
             store()->wait({key}, std::chrono::milliseconds(50));
             break;
           } catch (const Timeout&) {
+            if (store()->check({dead})) break;
           }
         }
       }

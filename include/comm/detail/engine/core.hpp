@@ -40,6 +40,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -288,11 +289,18 @@ class EngineCore : public CommCore {
   /// The liveness watch's news (`why`: "rank 2 is dead: ...", "rank 1's operation failed: ..."):
   /// fails the communicator with RemoteError naming `peer` and the operation running here, and
   /// closes the transport so that the running operation ends now. Any thread.
-  /// `echo` (Liveness::Verdict): a peer's closed connection that blames this rank. While this
-  /// rank's engine is recording a failure of its own it is left to that (consult_liveness): after
-  /// a Timeout here the echo is not the cause.
+  /// `echo` (Liveness::Verdict, held by the watch for Liveness::kEchoGrace): a peer's closed
+  /// connection that blames this rank. While this rank's engine is recording a failure of its own
+  /// it waits for that to be recorded (consult_liveness: after a Timeout here the echo is not the
+  /// cause), then counts only if nothing was: a catch that threw before recording leaves the
+  /// communicator failed by the echo, not without a watch.
   void peer_failed(int peer, const std::string& why, bool echo = false) {
-    if (echo && handling_failure_.load(std::memory_order_acquire)) return;
+    if (echo) {
+      // The catch block is bounded: its one wait is consult_liveness's store round trip.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (handling_failure_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     if (note_peer_failure(peer, why)) derived().close_transport();
   }
 
@@ -336,7 +344,7 @@ class EngineCore : public CommCore {
     try {
       std::forward<F>(f)();
     } catch (...) {
-      struct Handling {  // the liveness watch leaves a peer's echo of this failure to this block
+      struct Handling {  // the liveness watch waits for this block before it takes a peer's echo
         std::atomic<bool>& flag;
         explicit Handling(std::atomic<bool>& f) : flag(f) { flag.store(true, std::memory_order_release); }
         ~Handling() { flag.store(false, std::memory_order_release); }

@@ -30,7 +30,8 @@
 // each rank reports. Nor is a closed connection announced by a peer the cause at the rank it
 // blames when that rank's own wait timed out: libgloo closes the connections of a wait that timed
 // out, so the announcement is the timeout's echo, and that rank reports its Timeout
-// (Verdict::echo; the watch leaves such news alone while the engine records its own failure).
+// (Verdict::echo: the watch holds such news for kEchoGrace, and the engine takes it only if it has
+// not recorded a failure of its own by then).
 //
 // Cost: nothing on the operations' path (one thread, one request per silence/2 per rank, on
 // another socket; the thread sleeps in the store's reply). Leaving costs one short connection: a
@@ -114,6 +115,12 @@ class WrappingStore {
 
 class Liveness {
   static constexpr std::size_t kAnnouncedMax = 1024;
+
+ public:
+  /// How long the watch holds an echo (Verdict::echo) before it tells the engine: longer than the
+  /// path from libgloo's close to the engine's catch block on a loaded machine, short beside the
+  /// deadline an echo that is news would otherwise end at.
+  static constexpr std::chrono::milliseconds kEchoGrace{250};
 
  public:
   /// `echo`: the news is a closed connection announced by a rank that blames this one (Verdict).
@@ -290,7 +297,10 @@ class Liveness {
           else
             verdict_ = d;
         }
-        if (!d.left && d.source != rank_) notify(d.rank, d.why, d.echo);
+        // An echo is held for kEchoGrace first: the timeout it echoes ends this rank's wait at about
+        // the moment the peer fails on the close, and the engine records that Timeout (peer_failed
+        // then finds the communicator failed) unless the news came from elsewhere.
+        if (!d.left && d.source != rank_ && (!d.echo || !stopped_within(kEchoGrace))) notify(d.rank, d.why, d.echo);
         break;  // one death is enough: the communicator has failed
       } catch (const Timeout&) {
         // The server did not answer for `silence`: the process hosting it is stopped or hung.
@@ -353,6 +363,11 @@ class Liveness {
   [[nodiscard]] bool stop_requested() {
     std::lock_guard g(mu_);
     return stop_;
+  }
+  /// Waits up to `d`; true if stop() came meanwhile.
+  [[nodiscard]] bool stopped_within(std::chrono::milliseconds d) {
+    std::unique_lock l(mu_);
+    return cv_.wait_for(l, d, [&] { return stop_; });
   }
 
   [[nodiscard]] static int rank_in(std::string_view s) {
