@@ -266,6 +266,26 @@ TEST_CASE("3 nodes of 2: the cross-node forms in the slice and pipelined all_red
   }
 }
 
+TEST_CASE("one rank per node: above 2 MiB a node, from 4 nodes, the all_reduce crosses in rsag segments") {
+  constexpr std::size_t MiB = std::size_t{1} << 20;
+  CHECK_FALSE(h::cross_segmented(1, 4, 8 * MiB));  // a ring chunk of one block: the ring
+  CHECK(h::cross_segmented(1, 4, 8 * MiB + 4));
+  CHECK(h::cross_segmented(1, 8, 17 * MiB));
+  CHECK_FALSE(h::cross_segmented(1, 3, 64 * MiB));  // 3 nodes: the ring kept the link busy
+  CHECK_FALSE(h::cross_segmented(1, 2, 64 * MiB));  // 2 nodes: one exchange, nothing to cut
+  CHECK_FALSE(h::cross_segmented(2, 4, 64 * MiB));  // several ranks a node: the slice pipeline
+  // 4 nodes of one rank (the 4-rank run), int32: 2,097,152 is 2 MiB a node (the ring); 2,100,003
+  // crosses in segments of 256 KiB blocks, the last one padded to whole blocks. The results
+  // against the sums check the cuts.
+  const auto& w = comm::test::world();
+  if (w.size != 4) return;
+  Options o;
+  o.node_id = "one-" + std::to_string(w.rank);
+  auto c = make_comm(o);
+  CHECK(c.backend().num_nodes() == 4);
+  for (std::size_t count : {std::size_t{2'097'152}, std::size_t{2'100'003}}) check_ops(c, count, false);
+}
+
 TEST_CASE("split by node gives the node's ranks; new_group across nodes") {
   COMM_REQUIRE_RANKS(2);
   auto c = make_comm();

@@ -141,12 +141,13 @@ TEST_CASE("an announcement that blames this rank is news while its operation run
     return;
   }
   // A closed connection a peer announces blaming this rank is that rank's own timeout's echo only
-  // while its engine records that failure (libgloo closes a context's connections when a wait
-  // times out; Liveness::Verdict::echo): otherwise it is news, even when the running operation
-  // has outlived the 1 s timeout without failing (a monitored barrier, 10 s; a Hierarchical
-  // operation's member steps and the desync check's exchange have a timeout each). Rank 1
-  // publishes on the liveness key while rank 0's barrier runs; rank 0's communicator must fail
-  // with that news. And a mismatch the announcer diagnosed ('#').
+  // when its engine records that failure within Liveness::kEchoGrace of the announcement (libgloo
+  // closes a context's connections when a wait times out; Liveness::Verdict::echo): otherwise it
+  // is news, even when the running operation has outlived the 1 s timeout without failing (a
+  // monitored barrier, 10 s; a Hierarchical operation's member steps and the desync check's
+  // exchange have a timeout each). Rank 1 publishes on the liveness key while rank 0's barrier
+  // runs; rank 0's communicator must fail with that news. And a mismatch the announcer diagnosed
+  // ('#').
   struct Case {
     const char* name;
     std::chrono::milliseconds at;  // after the first operation
@@ -199,15 +200,22 @@ TEST_CASE("an announcement that blames this rank just before its own wait times 
   // libgloo closes a context's connections when a wait times out, and the peer may fail on the
   // close and announce it before this rank's catch block runs. The watch holds such an echo for
   // Liveness::kEchoGrace, by which time the engine has recorded its Timeout. Here rank 1 publishes
-  // the echo ~120 ms before rank 0's barrier times out (rank 1 never calls it): rank 0 must report
-  // its Timeout. An attempt counts when the announcement came before rank 0's wait was due to time
-  // out and the wait ended within the grace of it (the same steady clock in both processes); a
-  // loaded machine may miss that window, so up to three attempts, and one must fall in it.
+  // the echo ~80 ms before rank 0's barrier is due to time out (rank 1 never calls it; rank 0 says
+  // when on the store, the same steady clock in both processes): rank 0 must report its Timeout.
+  // An attempt counts when the announcement was on the store before that moment and rank 0's wait
+  // ended within the grace of its publication; a loaded machine may miss that window, so up to
+  // four attempts, and one must fall in it.
   using clock = std::chrono::steady_clock;
-  const auto grace = comm::detail::Liveness::kEchoGrace;
+  const auto ns = [](auto d) { return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count(); };
+  const auto text = [](long long v) {
+    const std::string t = std::to_string(v);
+    return std::vector<std::uint8_t>(t.begin(), t.end());
+  };
+  const auto number = [](const std::vector<std::uint8_t>& b) { return std::stoll(std::string(b.begin(), b.end())); };
+  const auto grace = ns(comm::detail::Liveness::kEchoGrace);
   const auto timeout = 1000ms;
   bool tested = false;
-  for (int attempt = 0; attempt < 3 && !tested; ++attempt) {
+  for (int attempt = 0; attempt < 4 && !tested; ++attempt) {
     comm::backends::Gloo::Options o;
     o.timeout = timeout;
     o.desync_check = false;
@@ -216,20 +224,22 @@ TEST_CASE("an announcement that blames this rank just before its own wait times 
     auto c = Comm::create(store, w.rank, w.size, o);
     std::vector<float> v(4, 1.0F);
     c.all_reduce(std::span(v), ReduceOp::sum);  // starts the liveness watch
-    comm::test::barrier();
-    const std::string key = "echo_at/" + std::to_string(attempt);
+    const std::string k = std::to_string(attempt);
     if (w.rank == 1) {
-      std::this_thread::sleep_for(timeout - 120ms);
-      const auto at = clock::now().time_since_epoch().count();
+      const auto due = number(store->get("due/" + k));
+      std::this_thread::sleep_until(clock::time_point(clock::duration(due)) - 80ms);
+      const auto before = ns(clock::now().time_since_epoch());
       const std::string a = "1!0|test: connection closed by peer";
       (void)store->compare_set("comm/gloo/1/liveness/dead", {},
                                std::span(reinterpret_cast<const std::uint8_t*>(a.data()), a.size()));
-      const std::string t = std::to_string(at);
-      store->set(key, std::vector<std::uint8_t>(t.begin(), t.end()));
+      const auto after = ns(clock::now().time_since_epoch());
+      store->set("before/" + k, text(before));
+      store->set("after/" + k, text(after));
     } else {
+      const auto due = ns((clock::now() + timeout).time_since_epoch());
+      store->set("due/" + k, text(due));
       std::string what;
       bool timed_out = false;
-      const auto due = (clock::now() + timeout).time_since_epoch().count();
       try {
         c.barrier();
       } catch (const comm::Timeout& e) {
@@ -238,27 +248,22 @@ TEST_CASE("an announcement that blames this rank just before its own wait times 
       } catch (const comm::Error& e) {
         what = e.what();
       }
-      const auto ended = clock::now().time_since_epoch().count();
-      const auto b = store->get(key);
-      const auto published = std::stoll(std::string(b.begin(), b.end()));
-      const auto ms = [](long long ns) { return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::nanoseconds(ns)).count(); };
-      const bool in_window = published + 20'000'000 < due &&
-                             ended < published + std::chrono::nanoseconds(grace).count() - 20'000'000;
-      MESSAGE("attempt ", attempt, ": the echo came ", ms(ended - published), " ms before the barrier ended: ", what);
+      const auto ended = ns(clock::now().time_since_epoch());
+      const auto before = number(store->get("before/" + k));
+      const auto after = number(store->get("after/" + k));
+      const bool in_window = after + 20'000'000 < due && ended < before + grace - 20'000'000;
+      MESSAGE("attempt ", attempt, ": published ", (due - after) / 1'000'000, " ms before the timeout, ",
+              (ended - before) / 1'000'000, " ms before the barrier ended", std::string(in_window ? "" : " (outside the window)"),
+              ": ", what);
       if (in_window) {
         tested = true;
         CHECK_MESSAGE(timed_out, "the echo was taken for the cause: ", what);
         CHECK_FALSE(contains(what, "rank 1's operation failed"));
       }
+      store->set("tested/" + k, text(tested ? 1 : 0));
     }
+    if (w.rank == 1) tested = number(store->get("tested/" + k)) == 1;
     comm::test::barrier();
-    if (w.rank == 0) {
-      const std::string t = tested ? "1" : "0";
-      store->set("echo_tested/" + std::to_string(attempt), std::vector<std::uint8_t>(t.begin(), t.end()));
-    } else {
-      const auto b = store->get("echo_tested/" + std::to_string(attempt));
-      tested = b == std::vector<std::uint8_t>{'1'};
-    }
   }
   if (w.rank == 0) CHECK_MESSAGE(tested, "no attempt fell in the window (a machine too loaded for this test)");
 }

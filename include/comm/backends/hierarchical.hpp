@@ -129,7 +129,8 @@ struct HierarchicalOptions : CommonOptions {
   /// The slice form of all_reduce from 2 * segment_bytes up runs in up to 8 segments of at least
   /// this many bytes, pipelined: the on-node steps of one segment overlap the cross-node step of
   /// another. Must be the same on every rank. Default: COMM_HIERARCHICAL_SEGMENT, else 256 KiB
-  /// (at least 4 KiB).
+  /// (at least 4 KiB). Not for one rank per node: there, from 4 nodes and above 2 MiB a node,
+  /// the segments are cut so that each node's block is 256 KiB (docs/BACKENDS.md).
   std::size_t segment_bytes = detail_hierarchical::env_segment();
 };
 

@@ -165,6 +165,22 @@ class CommCore {
 
   /// True when the communicator has failed (cheap; for engines' wait loops).
   [[nodiscard]] bool has_failed() const noexcept { return failed_.load(std::memory_order_acquire); }
+
+  /// While one lives, this rank is on its way to recording a failure of its own: EngineCore::run's
+  /// catch block, and before it the teardown a failed step starts (Hierarchical's members). The
+  /// liveness watch waits for it before it takes a peer's echo (EngineCore::peer_failed).
+  class FailingScope {
+   public:
+    explicit FailingScope(std::atomic<int>& n) noexcept : n_(n) { n_.fetch_add(1, std::memory_order_acq_rel); }
+    FailingScope(const FailingScope&) = delete;
+    FailingScope& operator=(const FailingScope&) = delete;
+    ~FailingScope() { n_.fetch_sub(1, std::memory_order_acq_rel); }
+
+   private:
+    std::atomic<int>& n_;
+  };
+  [[nodiscard]] FailingScope failing_scope() const noexcept { return FailingScope(failing_); }
+  [[nodiscard]] bool failing() const noexcept { return failing_.load(std::memory_order_acquire) > 0; }
   /// The first failure's text, or "" while the communicator is healthy.
   [[nodiscard]] std::string failure_text() const {
     std::lock_guard lock(failure_mu_);
@@ -293,6 +309,7 @@ class CommCore {
   std::string dump_path_;  // COMM_FLIGHT_RECORDER
   std::atomic<bool> failure_to_dump_{false};
   std::atomic<bool> failed_{false};
+  mutable std::atomic<int> failing_{0};  // live FailingScopes
   mutable std::mutex failure_mu_;
   std::optional<Failure> failure_;
   bool liveness_started_ = false;

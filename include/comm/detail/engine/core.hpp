@@ -296,9 +296,10 @@ class EngineCore : public CommCore {
   /// communicator failed by the echo, not without a watch.
   void peer_failed(int peer, const std::string& why, bool echo = false) {
     if (echo) {
-      // The catch block is bounded: its one wait is consult_liveness's store round trip.
+      // Bounded: a teardown of connections, a store probe and at most two announcements (200 ms
+      // each); the 5 s is a guard, not a deadline anything waits for.
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-      while (handling_failure_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until)
+      while (failing() && std::chrono::steady_clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     if (note_peer_failure(peer, why)) derived().close_transport();
@@ -344,11 +345,7 @@ class EngineCore : public CommCore {
     try {
       std::forward<F>(f)();
     } catch (...) {
-      struct Handling {  // the liveness watch waits for this block before it takes a peer's echo
-        std::atomic<bool>& flag;
-        explicit Handling(std::atomic<bool>& f) : flag(f) { flag.store(true, std::memory_order_release); }
-        ~Handling() { flag.store(false, std::memory_order_release); }
-      } handling{handling_failure_};
+      const auto failing = failing_scope();  // the liveness watch waits for this block before it takes an echo
       try {
         derived().rethrow_translated(op);
       } catch (const Error& e) {
@@ -605,7 +602,6 @@ class EngineCore : public CommCore {
   const char* host_only_hint_ = nullptr;  // see host_buffers_only()
   bool staged_exempt_ = false;            // see host_buffers_unless_staged()
   bool shut_down_ = false;
-  std::atomic<bool> handling_failure_{false};  // run() is recording a failure of its own (peer_failed)
   std::vector<Fingerprint> fingerprints_;  // one per rank; operations run one at a time
   std::vector<std::byte> prescale_scratch_;  // premul_sum's scaled input
   std::vector<std::byte> compose_scratch_;   // compose(): a reduce's result off the root

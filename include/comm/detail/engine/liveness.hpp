@@ -10,10 +10,11 @@
 // When a rank's process dies its connection closes and the server sets the key at once ("<rank>|
 // its connection to the store closed ..."); when a rank stops (SIGSTOP) or hangs so that its
 // heartbeats stop for `silence`, the server sets it too ("... sent no heartbeat for N ms").
-// Every other rank gets the value at once and calls `on_dead(rank, why)`, which
-// fails the communicator (CommCore::note_peer_failure, then the engine: EngineCore::peer_failed
-// closes the host transport, the NCCL engine aborts its communicator through the watchdog): its
-// running operation ends with RemoteError naming the op, its number, this rank and the dead rank.
+// Every other rank gets the value at once and calls `on_dead(rank, why)` (an echo, below, after
+// kEchoGrace), which fails the communicator (CommCore::note_peer_failure, then the engine:
+// EngineCore::peer_failed closes the host transport, the NCCL engine aborts its communicator
+// through the watchdog): its running operation ends with RemoteError naming the op, its number,
+// this rank and the dead rank.
 //
 // The rank hosting the store server cannot report itself: a heartbeat that gets no answer for
 // `silence` names it, and so does a watch connection the server closes, which is its host's death
@@ -117,14 +118,14 @@ class Liveness {
   static constexpr std::size_t kAnnouncedMax = 1024;
 
  public:
-  /// How long the watch holds an echo (Verdict::echo) before it tells the engine: longer than the
-  /// path from libgloo's close to the engine's catch block on a loaded machine, short beside the
-  /// deadline an echo that is news would otherwise end at.
-  static constexpr std::chrono::milliseconds kEchoGrace{250};
-
- public:
   /// `echo`: the news is a closed connection announced by a rank that blames this one (Verdict).
   using OnDead = std::function<void(int rank, const std::string& why, bool echo)>;
+
+  /// How long the watch holds an echo (Verdict::echo) before it tells the engine: longer than the
+  /// path from libgloo's close to the engine's catch block on a loaded machine (in Hierarchical,
+  /// through the members' teardown, which counts as the catch: CommCore::failing_scope), short
+  /// beside the deadline an echo that is news would otherwise end at.
+  static constexpr std::chrono::milliseconds kEchoGrace{250};
 
   /// Starts watching the ranks of a communicator whose keys live under `key_prefix` on `store`;
   /// null when liveness is off or cannot work here (see the file comment). Throws what connecting

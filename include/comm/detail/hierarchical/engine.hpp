@@ -356,7 +356,10 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
       if (leader()) inter_all_reduce(r, out, out, n);
       return intra_broadcast(static_cast<Bytes*>(out), n * e, 0);
     }
-    if (l == 1) return inter_all_reduce(r, in, out, n);
+    if (l == 1) {
+      if (cross_segmented(1, static_cast<std::size_t>(m), n * e)) return all_reduce_pipelined(r, in, out, n);
+      return inter_all_reduce(r, in, out, n);
+    }
     if (n * e <= small_max_ || n < static_cast<std::size_t>(l)) {
       intra_all_reduce(r, in, out, n);
       return inter_all_reduce(r, out, out, n);
@@ -415,11 +418,16 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   /// segment is done, so the on-node steps of one segment overlap the cross-node step of another
   /// and only the first segment's reduce_scatter and the last one's all_gather add to the time of
   /// the cross-node transfer. Each member runs its operations in issue order, the same on every
-  /// rank: every reduce_scatter, then each all_gather as its segment's all_reduce ends.
+  /// rank: every reduce_scatter, then each all_gather as its segment's all_reduce ends. With one
+  /// rank per node (cross_segmented) the on-node steps are that rank's copies, and the segments
+  /// are cut for the cross-node blocks instead of by segment_.
   void all_reduce_pipelined(const Op& r, const void* in, void* out, std::size_t n) {
     const auto l = static_cast<std::size_t>(local_size_);
     const std::size_t e = r.elem_size;
-    const std::size_t wanted = std::clamp<std::size_t>(n * e / segment_, 1, kSegmentsMax);
+    const auto k = static_cast<std::size_t>(num_nodes());
+    // One rank per node (cross_segmented): segments whose blocks are Gloo's largest direct message.
+    const std::size_t wanted = l == 1 ? (n * e + k * kCrossBlockMax - 1) / (k * kCrossBlockMax)
+                                      : std::clamp<std::size_t>(n * e / segment_, 1, kSegmentsMax);
     // The form of every segment's cross-node step, from the full segments' size; rsag or the
     // member's all_reduce (gather, when forced, is the member's here: segments are large).
     const Cross c = [&] {
@@ -453,7 +461,6 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
     Pending p;
     p.works.reserve(3 * count);
     std::vector<std::size_t> rs(count), xr(count), ar(count), ag(count);
-    const auto k = static_cast<std::size_t>(num_nodes());
     for (std::size_t i = 0; i < count; ++i) {
       Op s = step_of(r, OpKind::reduce_scatter, v[i].src, slot(v[i]), v[i].chunk * l, v[i].chunk);
       rs[i] = p.add(members_->start(Level::intra, s));

@@ -145,12 +145,14 @@ class Members {
   }
 
   /// Runs `f` (steps of one operation, on the executing thread); on any exception destroys the
-  /// members first, so that their peers learn at once that this rank left.
+  /// members first, so that their peers learn at once that this rank left. That teardown is part
+  /// of recording the failure (failing_scope): a peer's echo of it waits.
   template <class F>
   void guarded(F&& f) {
     try {
       std::forward<F>(f)();
     } catch (...) {
+      const auto failing = core_.failing_scope();
       std::optional<Intra> a;
       std::optional<Inter> b, c;
       {
