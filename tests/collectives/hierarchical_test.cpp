@@ -275,8 +275,8 @@ TEST_CASE("one rank per node: above 2 MiB a node, from 4 nodes, the all_reduce c
   CHECK_FALSE(h::cross_segmented(1, 2, 64 * MiB));  // 2 nodes: one exchange, nothing to cut
   CHECK_FALSE(h::cross_segmented(2, 4, 64 * MiB));  // several ranks a node: the slice pipeline
   // 4 nodes of one rank (the 4-rank run), int32: 2,097,152 is 2 MiB a node (the ring); 2,100,003
-  // crosses in segments of 256 KiB blocks, the last one padded to whole blocks. The results
-  // against the sums check the cuts.
+  // crosses in 9 segments of 233,336-byte blocks, the last one padded to whole blocks; forced
+  // forms keep the whole buffer in one step. The results against the sums check the cuts.
   const auto& w = comm::test::world();
   if (w.size != 4) return;
   Options o;
@@ -284,6 +284,9 @@ TEST_CASE("one rank per node: above 2 MiB a node, from 4 nodes, the all_reduce c
   auto c = make_comm(o);
   CHECK(c.backend().num_nodes() == 4);
   for (std::size_t count : {std::size_t{2'097'152}, std::size_t{2'100'003}}) check_ops(c, count, false);
+  const CrossForm f("rsag");
+  auto forced = make_comm(o);
+  check_ops(forced, 2'100'003, false);
 }
 
 TEST_CASE("split by node gives the node's ranks; new_group across nodes") {

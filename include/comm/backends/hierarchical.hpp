@@ -130,7 +130,7 @@ struct HierarchicalOptions : CommonOptions {
   /// this many bytes, pipelined: the on-node steps of one segment overlap the cross-node step of
   /// another. Must be the same on every rank. Default: COMM_HIERARCHICAL_SEGMENT, else 256 KiB
   /// (at least 4 KiB). Not for one rank per node: there, from 4 nodes and above 2 MiB a node,
-  /// the segments are cut so that each node's block is 256 KiB (docs/BACKENDS.md).
+  /// the segments are cut so that each node's block is at most 256 KiB (docs/BACKENDS.md).
   std::size_t segment_bytes = detail_hierarchical::env_segment();
 };
 

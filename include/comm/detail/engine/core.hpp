@@ -345,7 +345,7 @@ class EngineCore : public CommCore {
     try {
       std::forward<F>(f)();
     } catch (...) {
-      const auto failing = failing_scope();  // the liveness watch waits for this block before it takes an echo
+      const auto scope = failing_scope();  // the liveness watch waits for this block before it takes an echo
       try {
         derived().rethrow_translated(op);
       } catch (const Error& e) {

@@ -357,7 +357,9 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
       return intra_broadcast(static_cast<Bytes*>(out), n * e, 0);
     }
     if (l == 1) {
-      if (cross_segmented(1, static_cast<std::size_t>(m), n * e)) return all_reduce_pipelined(r, in, out, n);
+      // A forced form (COMM_HIERARCHICAL_CROSS) keeps the whole buffer in one cross-node step.
+      if (cross_ == Cross::automatic && cross_segmented(1, static_cast<std::size_t>(m), n * e))
+        return all_reduce_pipelined(r, in, out, n);
       return inter_all_reduce(r, in, out, n);
     }
     if (n * e <= small_max_ || n < static_cast<std::size_t>(l)) {
@@ -419,14 +421,15 @@ class Engine : public EngineCore<Engine<Intra, Inter>> {
   /// and only the first segment's reduce_scatter and the last one's all_gather add to the time of
   /// the cross-node transfer. Each member runs its operations in issue order, the same on every
   /// rank: every reduce_scatter, then each all_gather as its segment's all_reduce ends. With one
-  /// rank per node (cross_segmented) the on-node steps are that rank's copies, and the segments
-  /// are cut for the cross-node blocks instead of by segment_.
+  /// rank per node (cross_segmented) the on-node steps are one-rank member operations (copies at
+  /// most), and the segments are cut for the cross-node blocks instead of by segment_.
   void all_reduce_pipelined(const Op& r, const void* in, void* out, std::size_t n) {
     const auto l = static_cast<std::size_t>(local_size_);
     const std::size_t e = r.elem_size;
     const auto k = static_cast<std::size_t>(num_nodes());
-    // One rank per node (cross_segmented): segments whose blocks are Gloo's largest direct message.
-    const std::size_t wanted = l == 1 ? (n * e + k * kCrossBlockMax - 1) / (k * kCrossBlockMax)
+    // One rank per node (cross_segmented): segments whose blocks are at most Gloo's largest direct
+    // message; their count grows with the buffer (measured to 32 MiB: 32 segments at 4 nodes).
+    const std::size_t wanted = l == 1 ? std::max<std::size_t>(1, (n * e + k * kCrossBlockMax - 1) / (k * kCrossBlockMax))
                                       : std::clamp<std::size_t>(n * e / segment_, 1, kSegmentsMax);
     // The form of every segment's cross-node step, from the full segments' size; rsag or the
     // member's all_reduce (gather, when forced, is the member's here: segments are large).

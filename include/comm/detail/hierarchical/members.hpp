@@ -152,7 +152,7 @@ class Members {
     try {
       std::forward<F>(f)();
     } catch (...) {
-      const auto failing = core_.failing_scope();
+      const auto scope = core_.failing_scope();
       std::optional<Intra> a;
       std::optional<Inter> b, c;
       {
