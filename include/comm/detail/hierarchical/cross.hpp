@@ -50,20 +50,19 @@ inline constexpr std::size_t kCrossBlockMax = std::size_t{256} << 10;
 inline constexpr std::size_t kCrossRingFrom = std::size_t{256} << 10;
 
 // With one rank per node, from 4 nodes and above kCrossSegmentedFrom of the buffer per node (B/M),
-// the all_reduce crosses as the pipeline's rsag segments of at most kCrossBlockMax a block (unless
-// COMM_HIERARCHICAL_CROSS forces a form), queued back to
-// back on the member, instead of the member's ring alone. Gloo's ring cuts each rank's chunk into
-// blocks of 2 MiB (detail/gloo/reduce_scatter.hpp: kBlockSegments x kSegmentBytes) that drain
-// before the next starts; above one block a chunk, at 4 nodes of one rank on the emulated 1 Gbit
-// link, the ring read 1.05x the link bound at 16 MiB in one run and 1.09-1.12x in four, 1.09-1.12x
-// at 32 MiB, the segments 1.05-1.06x (the framing) in every run; at 2-8 MiB they were 1.00-1.03x
-// the ring's time. At 3 nodes the ring held 1.05x at 8-32 MiB and the segments gained nothing
-// (1.000-1.003x).
-// benchmarks/RESULTS.md, "One rank per node: rsag segments above the ring's block".
+// the all_reduce crosses as the pipeline's rsag segments of at most kCrossBlockMax a block, queued
+// back to back on the member (unless COMM_HIERARCHICAL_CROSS forces a form), instead of the
+// member's ring alone. Gloo's ring cuts each rank's chunk into blocks of 2 MiB
+// (detail/gloo/reduce_scatter.hpp: kBlockSegments x kSegmentBytes) that drain before the next
+// starts; above one block a chunk, at 4 nodes of one rank on the emulated 1 Gbit link, the ring
+// read 1.05x the link bound at 16 MiB in one run and 1.09-1.12x in four, 1.09-1.12x at 32 MiB, the
+// segments 1.05-1.06x (the framing) in every run; at 2-8 MiB they were 1.00-1.03x the ring's
+// time. At 3 nodes the ring held 1.05x at 8-32 MiB and the segments gained nothing
+// (1.000-1.003x). benchmarks/RESULTS.md, "One rank per node: rsag segments above the ring's block".
 inline constexpr std::size_t kCrossSegmentedFrom = std::size_t{2} << 20;
 
 /// Whether an all_reduce of `bytes` per rank on `nodes` equal nodes of `local` ranks crosses in
-/// rsag segments without on-node steps (the other pipelines have them: local > 1).
+/// rsag segments cut for the blocks (local > 1 has the slice pipeline, cut by segment_).
 [[nodiscard]] constexpr bool cross_segmented(std::size_t local, std::size_t nodes, std::size_t bytes) noexcept {
   return local == 1 && nodes >= 4 && bytes / nodes > kCrossSegmentedFrom;
 }
