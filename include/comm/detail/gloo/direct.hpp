@@ -394,13 +394,13 @@ class DirectLinks {
       // MSG_EOR ends the frame's last skb (the kernel applies it only to the write that takes the
       // frame's last byte), which the kernel then never autocorks: a short tail that
       // tcp_autocorking holds until this socket's earlier skbs leave the host waits, behind a
-      // shaped or shared link's queue, for the whole queue (4 nodes x 2, 4 MiB all_reduce:
-      // 64 KiB blocks took 1.8-2.2x the link bound, 1.07x with it; benchmarks/RESULTS.md, "A
-      // frame's tail held by autocorking").
+      // shaped or shared link's queue, for the whole queue (4 nodes x 2, 4 MiB all_reduce, whose
+      // frames are 64 KiB and 8 bytes: 1.5-2.5x the link bound, 1.08x with it;
+      // benchmarks/RESULTS.md, "A frame's tail held by autocorking").
       const ssize_t w = ::sendmsg(p.fd.get(), &m, MSG_NOSIGNAL | MSG_DONTWAIT | eor_);
       if (w < 0) {
         if (errno == EINTR) continue;
-        if (errno == EOPNOTSUPP && eor_ != 0) {  // a kernel before 4.7
+        if (errno == EOPNOTSUPP && eor_ != 0) {  // a kernel that refuses MSG_EOR on TCP: plain writes
           eor_ = 0;
           continue;
         }
