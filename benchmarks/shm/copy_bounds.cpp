@@ -6,6 +6,10 @@
 //             peer's block into a cache-resident buffer, add its own, write the sum to both outputs
 //   cma       the same blocks through process_vm_readv and process_vm_writev on private buffers
 //             (Shm's single-copy path); `cma-read` and `cma-write` time one direction alone
+//   memcpy    each rank copies its own input to its own output, both at once, nothing shared: the
+//             least memory traffic any 2-rank all_reduce, all_gather or all_to_all of this size
+//             moves (every byte of the two outputs written once, as many read), so its time is
+//             the host's floor for all of them
 //   segment   Shm's segment algorithm: per chunk each rank stages the peer's slice of its input in
 //             a shared half, reduces its own slice into another half, and copies both reduced
 //             slices out; two spin barriers per chunk
@@ -53,9 +57,9 @@ void barrier(std::atomic<long>* b, long& gen) {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   const long kib = argc > 2 ? std::atol(argv[2]) : 256;
-  if ((mode != "direct" && mode != "cma" && mode != "cma-read" && mode != "cma-write" && mode != "segment") ||
+  if ((mode != "direct" && mode != "memcpy" && mode != "cma" && mode != "cma-read" && mode != "cma-write" && mode != "segment") ||
       kib < 4 || kib > 65536) {
-    std::fprintf(stderr, "usage: %s direct|cma|cma-read|cma-write|segment [BLOCK_KIB 4..65536]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s direct|memcpy|cma|cma-read|cma-write|segment [BLOCK_KIB 4..65536]\n", argv[0]);
     return 2;
   }
   const std::size_t blk = static_cast<std::size_t>(kib) * 1024 / sizeof(float);
@@ -97,6 +101,9 @@ int main(int argc, char** argv) {
         std::memcpy(out.data() + off + lo, r, (hi - lo) * 4);
         std::memcpy(out.data() + off + plo, reduced[1 - me] + plo, (phi - plo) * 4);
       }
+    } else if (mode == "memcpy") {
+      for (std::size_t off = 0; off < kFloats; off += blk)
+        std::memcpy(out.data() + off, in.data() + off, std::min(blk, kFloats - off) * 4);
     } else {
       const std::size_t lo = me * kFloats / 2, hi = lo + kFloats / 2;
       const float* mine = sh_in != nullptr ? sh_in + me * kFloats : in.data();
@@ -127,10 +134,12 @@ int main(int argc, char** argv) {
     barrier(bar, gen);
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
-  // Every element of every full run is 1 + 2 = 3 (cma-read and cma-write move one direction only).
+  // Every element of every full run is 1 + 2 = 3 (cma-read and cma-write move one direction only;
+  // memcpy's output is the rank's own input).
   const float* res = sh_out != nullptr ? sh_out + me * kFloats : out.data();
   const bool whole = mode != "cma-read" && mode != "cma-write";
-  if (whole && (res[0] != 3.f || res[kFloats - 1] != 3.f)) {
+  const float want = mode == "memcpy" ? 1.f + static_cast<float>(me) : 3.f;
+  if (whole && (res[0] != want || res[kFloats - 1] != want)) {
     std::fprintf(stderr, "rank %d: wrong result %g %g\n", me, static_cast<double>(res[0]),
                  static_cast<double>(res[kFloats - 1]));
     return 1;

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -82,6 +83,75 @@ TEST_CASE("reduce kernels: type-erased kernel handles out == a, out == b and dis
   const bool same_kernel =
       comm::detail::reduce_kernel_for<double>(ReduceOp::avg) == comm::detail::reduce_kernel_for<double>(ReduceOp::sum);
   CHECK(same_kernel);
+}
+
+namespace {
+
+// reduce_many_kernel against a scalar left fold (accumulating as the kernel documents), for 1-5
+// inputs, counts around the kernel's block, and `out` distinct or any one of the inputs. Values
+// whose result depends on the operands' order (min over signed zeros and NaN) or on when the
+// rounding happens (half sums) make a reordered or re-rounded fold fail.
+template <ReduceOp R, class T, class Make>
+void check_many_kernel(Make make) {
+  using A = std::conditional_t<comm::detail::is_half_like_v<T>, float, T>;
+  const auto kernel = comm::detail::reduce_many_for<T>(R);
+  REQUIRE(static_cast<bool>(kernel));
+  for (int n = 1; n <= 5; ++n)
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{63}, std::size_t{64}, std::size_t{130}})
+      for (int out_is = -1; out_is < n; ++out_is) {
+        std::vector<std::vector<T>> in(static_cast<std::size_t>(n), std::vector<T>(count));
+        for (int k = 0; k < n; ++k)
+          for (std::size_t i = 0; i < count; ++i) in[static_cast<std::size_t>(k)][i] = make(k, i);
+        std::vector<T> want(count);
+        for (std::size_t i = 0; i < count; ++i) {
+          A a = static_cast<A>(in[0][i]);
+          for (int k = 1; k < n; ++k) a = combine<R, A>(a, static_cast<A>(in[static_cast<std::size_t>(k)][i]));
+          want[i] = static_cast<T>(a);
+        }
+        std::vector<T> separate(count);
+        std::vector<const void*> srcs;
+        for (auto& v : in) srcs.push_back(v.data());
+        T* out = out_is < 0 ? separate.data() : in[static_cast<std::size_t>(out_is)].data();
+        kernel(out, srcs.data(), n, count);
+        for (std::size_t i = 0; i < count; ++i) {
+          INFO("n = " << n << ", count = " << count << ", out is input " << out_is << ", element " << i);
+          // Bit equality: NaN and signed zeros included.
+          CHECK(std::memcmp(&out[i], &want[i], sizeof(T)) == 0);
+        }
+      }
+}
+
+}  // namespace
+
+TEST_CASE("reduce kernels: the n-input kernel folds from the left in every placement") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // min(+0, -0) and min(-0, +0), min(NaN, 1) and min(1, NaN) differ: the order is visible.
+  check_many_kernel<ReduceOp::min, float>([&](int k, std::size_t i) {
+    const float v[] = {0.0f, -0.0f, nan, 1.0f, -2.0f};
+    return v[(static_cast<std::size_t>(k) + i) % 5];
+  });
+  check_many_kernel<ReduceOp::max, double>([](int k, std::size_t i) {
+    const double v[] = {-0.0, 0.0, std::numeric_limits<double>::quiet_NaN(), 3.5};
+    return v[(static_cast<std::size_t>(k) * 3 + i) % 4];
+  });
+  // Float sums that absorb: (1e8 + 1) - 1e8 is 0, (1e8 - 1e8) + 1 is 1, so any other order fails.
+  check_many_kernel<ReduceOp::sum, float>([](int k, std::size_t i) {
+    const float v[] = {1e8f, 1.0f, -1e8f, 3.0f, -1.0f, 0.5f};
+    return v[(static_cast<std::size_t>(k) * 5 + i * 7) % 6];
+  });
+  // 2048 + 1 + 1 in half: one rounding at the end gives 2050, a rounding per step 2048.
+  check_many_kernel<ReduceOp::sum, comm::half>([](int k, std::size_t i) {
+    return comm::half(k == 0 ? 2048.0f : static_cast<float>((i % 3) + 1) * 0.5f);
+  });
+  check_many_kernel<ReduceOp::prod, comm::bfloat16>([](int k, std::size_t i) {
+    return comm::bfloat16(1.0f + 0.0078125f * static_cast<float>(k + static_cast<int>(i % 7)));
+  });
+  check_many_kernel<ReduceOp::sum, std::int32_t>([](int k, std::size_t i) {
+    return static_cast<std::int32_t>(k == 0 ? INT32_MAX : static_cast<std::int32_t>(i) - k);
+  });
+  check_many_kernel<ReduceOp::bxor, std::uint8_t>([](int k, std::size_t i) {
+    return static_cast<std::uint8_t>(i * 37 + static_cast<std::size_t>(k) * 11);
+  });
 }
 
 TEST_CASE("reduce kernels: avg finishing") {

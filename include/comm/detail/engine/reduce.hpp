@@ -140,20 +140,65 @@ template <element T>
 /// of the sources (each block of every source is read before that block of `out` is written).
 using reduce_many_fn = void (*)(void* out, const void* const* srcs, int n, std::size_t count);
 
+/// Two inputs, the n-input kernel's most common case (every 2-rank reduction), straight from the
+/// inputs to `out`, accumulating as reduce_many_kernel does. `Into` 0: out = x R y, three distinct
+/// buffers; 1: out = out R x (`out` is the first input); 2: out = x R out (`out` is the second).
+/// The operands keep their order in every case, so the bits are those of the n-input fold.
+template <ReduceOp R, class T, int Into>
+void reduce_two(T* __restrict out, const T* __restrict x, const T* __restrict y, std::size_t n) noexcept {
+  using A = std::conditional_t<is_half_like_v<T>, float, T>;
+  auto at = [&](std::size_t i) {
+    if constexpr (Into == 1) return combine<R, A>(static_cast<A>(out[i]), static_cast<A>(x[i]));
+    else if constexpr (Into == 2) return combine<R, A>(static_cast<A>(x[i]), static_cast<A>(out[i]));
+    else return combine<R, A>(static_cast<A>(x[i]), static_cast<A>(y[i]));
+  };
+  std::size_t i = 0;
+  for (; i + kBlock <= n; i += kBlock)
+    for (std::size_t j = 0; j < kBlock; ++j) out[i + j] = static_cast<T>(at(i + j));
+  for (; i < n; ++i) out[i] = static_cast<T>(at(i));
+}
+
 /// half/bfloat16/fp8 accumulate in float across all inputs and round once; the other types
-/// combine in their own type (integers wrap, as in combine()).
+/// combine in their own type (integers wrap, as in combine()). The inputs fold from the left,
+/// srcs[0] first, on every rank alike. From three inputs the accumulator block lives in memory
+/// (n is known only at run time), so each pass over it costs a load and a store per element: the
+/// first pass folds two inputs and each later one two more. Seeded with srcs[0] alone, one input a pass, it took
+/// 30-33 us for the 512 KiB slice of Shm's 2-rank 1 MiB all_reduce, where a plain loop took
+/// 13.5-15 (benchmarks/RESULTS.md, "The reduction kernel: two inputs a pass").
 template <ReduceOp R, class T>
 void reduce_many_kernel(void* out, const void* const* srcs, int n, std::size_t count) noexcept {
   Expects(n >= 1);  // srcs[0] seeds the accumulator
   using A = std::conditional_t<is_half_like_v<T>, float, T>;
   auto* o = static_cast<T*>(out);
+  auto src = [srcs](int k, std::size_t at) { return static_cast<const T*>(srcs[k]) + at; };
+  if (n == 2 && srcs[0] != srcs[1]) {
+    // Without the accumulator's round trip: 512 KiB 18.2 against 19.5 us (RESULTS.md, as above).
+    const T* a = src(0, 0);
+    const T* b = src(1, 0);
+    if (o == a) return reduce_two<R, T, 1>(o, b, nullptr, count);
+    if (o == b) return reduce_two<R, T, 2>(o, a, nullptr, count);
+    return reduce_two<R, T, 0>(o, a, b, count);
+  }
   std::size_t i = 0;
   A acc[kBlock];
   for (; i + kBlock <= count; i += kBlock) {
-    const T* s0 = static_cast<const T*>(srcs[0]) + i;
-    for (std::size_t j = 0; j < kBlock; ++j) acc[j] = static_cast<A>(s0[j]);
-    for (int k = 1; k < n; ++k) {
-      const T* sk = static_cast<const T*>(srcs[k]) + i;
+    const T* s0 = src(0, i);
+    int k = 1;
+    if (n == 1) {
+      for (std::size_t j = 0; j < kBlock; ++j) acc[j] = static_cast<A>(s0[j]);
+    } else {
+      const T* s1 = src(1, i);
+      for (std::size_t j = 0; j < kBlock; ++j) acc[j] = combine<R, A>(static_cast<A>(s0[j]), static_cast<A>(s1[j]));
+      k = 2;
+    }
+    for (; k + 1 < n; k += 2) {
+      const T* sk = src(k, i);
+      const T* sl = src(k + 1, i);
+      for (std::size_t j = 0; j < kBlock; ++j)
+        acc[j] = combine<R, A>(combine<R, A>(acc[j], static_cast<A>(sk[j])), static_cast<A>(sl[j]));
+    }
+    if (k < n) {
+      const T* sk = src(k, i);
       for (std::size_t j = 0; j < kBlock; ++j) acc[j] = combine<R, A>(acc[j], static_cast<A>(sk[j]));
     }
     for (std::size_t j = 0; j < kBlock; ++j) o[i + j] = static_cast<T>(acc[j]);
