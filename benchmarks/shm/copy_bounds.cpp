@@ -1,6 +1,7 @@
 // What a 2-rank 64 MiB float all_reduce costs on this host when nothing but its data movement runs:
 // two processes at once, each reducing its half, in three plain-code forms of the ways Shm can
-// move the bytes (benchmarks/RESULTS.md, "64 MiB at two ranks on this VM"):
+// move the bytes, and the floor under them all (benchmarks/RESULTS.md, "64 MiB at two ranks on
+// this VM", "64 MiB at two ranks: the host's floor"):
 //   direct    each rank reads the peer's input and writes the peer's output in place, as if the
 //             peer's buffers were mapped (XPMEM; no such kernel module here): per block, copy the
 //             peer's block into a cache-resident buffer, add its own, write the sum to both outputs
