@@ -74,6 +74,16 @@ void reduce_into(T* __restrict acc, const T* __restrict in, std::size_t n) noexc
   for (; i < n; ++i) acc[i] = combine<R, T>(acc[i], in[i]);
 }
 
+/// acc[i] = in[i] R acc[i]: reduce_into with the operands the other way round, for a fold whose
+/// accumulator is its second operand (the order matters to min/max over signed zeros and NaN)
+template <ReduceOp R, class T>
+void reduce_onto(T* __restrict acc, const T* __restrict in, std::size_t n) noexcept {
+  std::size_t i = 0;
+  for (; i + kBlock <= n; i += kBlock)
+    for (std::size_t j = 0; j < kBlock; ++j) acc[i + j] = combine<R, T>(in[i + j], acc[i + j]);
+  for (; i < n; ++i) acc[i] = combine<R, T>(in[i], acc[i]);
+}
+
 /// out[i] = a[i] R b[i] (no overlap between any two of them)
 template <ReduceOp R, class T>
 void reduce_to(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n) noexcept {
@@ -140,24 +150,6 @@ template <element T>
 /// of the sources (each block of every source is read before that block of `out` is written).
 using reduce_many_fn = void (*)(void* out, const void* const* srcs, int n, std::size_t count);
 
-/// Two inputs, the n-input kernel's most common case (every 2-rank reduction), straight from the
-/// inputs to `out`, accumulating as reduce_many_kernel does. `Into` 0: out = x R y, three distinct
-/// buffers; 1: out = out R x (`out` is the first input); 2: out = x R out (`out` is the second).
-/// The operands keep their order in every case, so the bits are those of the n-input fold.
-template <ReduceOp R, class T, int Into>
-void reduce_two(T* __restrict out, const T* __restrict x, const T* __restrict y, std::size_t n) noexcept {
-  using A = std::conditional_t<is_half_like_v<T>, float, T>;
-  auto at = [&](std::size_t i) {
-    if constexpr (Into == 1) return combine<R, A>(static_cast<A>(out[i]), static_cast<A>(x[i]));
-    else if constexpr (Into == 2) return combine<R, A>(static_cast<A>(x[i]), static_cast<A>(out[i]));
-    else return combine<R, A>(static_cast<A>(x[i]), static_cast<A>(y[i]));
-  };
-  std::size_t i = 0;
-  for (; i + kBlock <= n; i += kBlock)
-    for (std::size_t j = 0; j < kBlock; ++j) out[i + j] = static_cast<T>(at(i + j));
-  for (; i < n; ++i) out[i] = static_cast<T>(at(i));
-}
-
 /// half/bfloat16/fp8 accumulate in float across all inputs and round once; the other types
 /// combine in their own type (integers wrap, as in combine()). The inputs fold from the left,
 /// srcs[0] first, on every rank alike. From three inputs the accumulator block lives in memory
@@ -172,12 +164,14 @@ void reduce_many_kernel(void* out, const void* const* srcs, int n, std::size_t c
   auto* o = static_cast<T*>(out);
   auto src = [srcs](int k, std::size_t at) { return static_cast<const T*>(srcs[k]) + at; };
   if (n == 2 && srcs[0] != srcs[1]) {
-    // Without the accumulator's round trip: 512 KiB 18.2 against 19.5 us (RESULTS.md, as above).
+    // Two inputs (every 2-rank reduction) go straight to `out`, without the accumulator's round
+    // trip: 512 KiB 18.2 against 19.5 us (RESULTS.md, as above). combine() rounds a half-like
+    // pair once, as the fold below does, and the operands keep their order: the same bits.
     const T* a = src(0, 0);
     const T* b = src(1, 0);
-    if (o == a) return reduce_two<R, T, 1>(o, b, nullptr, count);
-    if (o == b) return reduce_two<R, T, 2>(o, a, nullptr, count);
-    return reduce_two<R, T, 0>(o, a, b, count);
+    if (o == a) return reduce_into<R, T>(o, b, count);
+    if (o == b) return reduce_onto<R, T>(o, a, count);
+    return reduce_to<R, T>(o, a, b, count);
   }
   std::size_t i = 0;
   A acc[kBlock];
