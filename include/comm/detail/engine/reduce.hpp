@@ -65,23 +65,16 @@ template <ReduceOp R, class T>
 /// that need no scalar epilogue, so the kernels run blocks of kBlock elements, then a scalar tail.
 inline constexpr std::size_t kBlock = 64;
 
-/// acc[i] = acc[i] R in[i]
-template <ReduceOp R, class T>
-void reduce_into(T* __restrict acc, const T* __restrict in, std::size_t n) noexcept {
-  std::size_t i = 0;
-  for (; i + kBlock <= n; i += kBlock)
-    for (std::size_t j = 0; j < kBlock; ++j) acc[i + j] = combine<R, T>(acc[i + j], in[i + j]);
-  for (; i < n; ++i) acc[i] = combine<R, T>(acc[i], in[i]);
-}
-
-/// acc[i] = in[i] R acc[i]: reduce_into with the operands the other way round, for a fold whose
+/// acc[i] = acc[i] R in[i]; with `AccFirst` false acc[i] = in[i] R acc[i], for a fold whose
 /// accumulator is its second operand (the order matters to min/max over signed zeros and NaN)
-template <ReduceOp R, class T>
-void reduce_onto(T* __restrict acc, const T* __restrict in, std::size_t n) noexcept {
+template <ReduceOp R, class T, bool AccFirst = true>
+void reduce_into(T* __restrict acc, const T* __restrict in, std::size_t n) noexcept {
+  // On values, not through the pointers, so that the loops keep their __restrict.
+  auto fold = [](T a, T x) { return AccFirst ? combine<R, T>(a, x) : combine<R, T>(x, a); };
   std::size_t i = 0;
   for (; i + kBlock <= n; i += kBlock)
-    for (std::size_t j = 0; j < kBlock; ++j) acc[i + j] = combine<R, T>(in[i + j], acc[i + j]);
-  for (; i < n; ++i) acc[i] = combine<R, T>(in[i], acc[i]);
+    for (std::size_t j = 0; j < kBlock; ++j) acc[i + j] = fold(acc[i + j], in[i + j]);
+  for (; i < n; ++i) acc[i] = fold(acc[i], in[i]);
 }
 
 /// out[i] = a[i] R b[i] (no overlap between any two of them)
@@ -170,7 +163,7 @@ void reduce_many_kernel(void* out, const void* const* srcs, int n, std::size_t c
     const T* a = src(0, 0);
     const T* b = src(1, 0);
     if (o == a) return reduce_into<R, T>(o, b, count);
-    if (o == b) return reduce_onto<R, T>(o, a, count);
+    if (o == b) return reduce_into<R, T, false>(o, a, count);
     return reduce_to<R, T>(o, a, b, count);
   }
   std::size_t i = 0;
