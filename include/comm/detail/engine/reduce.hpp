@@ -147,9 +147,9 @@ using reduce_many_fn = void (*)(void* out, const void* const* srcs, int n, std::
 /// combine in their own type (integers wrap, as in combine()). The inputs fold from the left,
 /// srcs[0] first, on every rank alike. From three inputs the accumulator block lives in memory
 /// (n is known only at run time), so each pass over it costs a load and a store per element: the
-/// first pass folds two inputs and each later one two more. Seeded with srcs[0] alone, one input a pass, it took
-/// 30-33 us for the 512 KiB slice of Shm's 2-rank 1 MiB all_reduce, where a plain loop took
-/// 13.5-15 (benchmarks/RESULTS.md, "The reduction kernel: two inputs a pass").
+/// first pass folds two inputs and each later one two more. Seeded with srcs[0] alone, one input
+/// a pass, it took 30-33 us for the 512 KiB slice of Shm's 2-rank 1 MiB all_reduce, where a
+/// plain loop took 13.5-15 (benchmarks/RESULTS.md, "The reduction kernel: two inputs a pass").
 template <ReduceOp R, class T>
 void reduce_many_kernel(void* out, const void* const* srcs, int n, std::size_t count) noexcept {
   Expects(n >= 1);  // srcs[0] seeds the accumulator
