@@ -783,7 +783,7 @@ TEST_CASE("shm: single-copy large messages, and every rank takes the path the le
     const char* min;         // nullptr: by the host's cores
     const char* slice_max;   // reduce: above it the root reduces alone
     const char* rooted_min;  // broadcast, scatter, gather (nullptr: the default, 16 KiB or 64 KiB)
-    const char* reduce_min;  // reduce (nullptr: the default, 128 KiB or 1 MiB)
+    const char* reduce_min;  // reduce (nullptr: the default, 64 KiB or 1 MiB)
   };
   const char* big = me == n - 1 ? "1048576" : "4096";
   for (const Setting s : {Setting{"1", "4096", "8388608", "4096", "4096"}, Setting{me == 0 ? "0" : "1", "4096", "8388608", "4096", "4096"},

@@ -30,7 +30,7 @@
 /// - **Single copy:** all_reduce and all_to_all of at least COMM_SHM_CMA_MIN bytes (32 KiB where
 ///   the host has a core for every rank, else 1 MiB), all_gather from 32 KiB where the host has a
 ///   core for every rank, reduce_scatter from COMM_SHM_CMA_MIN where the host has a core for every
-///   rank, reduce from COMM_SHM_CMA_REDUCE_MIN (128 KiB where the host has a core for every rank,
+///   rank, reduce from COMM_SHM_CMA_REDUCE_MIN (64 KiB where the host has a core for every rank,
 ///   else 1 MiB; the root reduces the larger slice), scatter and gather from
 ///   COMM_SHM_CMA_ROOTED_MIN (one rank's block: 16 KiB where the host has a core for every rank,
 ///   else 64 KiB), and broadcast from 16 KiB where the host has a core for every rank move between

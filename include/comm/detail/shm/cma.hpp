@@ -126,18 +126,22 @@ struct CmaConfig {
     if (rooted_min != 0 || own_core) return rooted_for(own_core);
     return SIZE_MAX;
   }
-  /// Smallest reduce moved by a single copy: 128 KiB where every rank has a core, 1 MiB elsewhere
-  /// (as min_for; the one-step segment reduce, or an all_reduce above the chunk, below it). Set
-  /// at 64 KiB when the segment's one step took 29-38 us at 2 ranks in the VM's slow line state
-  /// (single copy 8.8, OpenMPI 8.7; benchmarks/RESULTS.md, "Reduce by single copy from 64 KiB").
-  /// It no longer slows so (the step's path changed several times since; which change did it was
-  /// not isolated): in the slow state, at 2 ranks, 15 rounds in each of two runs, 64 KiB took
-  /// 6.9-7.0 us by it against 10.0-10.1 by single copy (OpenMPI 8.4-8.7) and 96 KiB 10.1-10.4
-  /// against 10.9-11.2; from 128 KiB single copy is the faster (12.3-12.9 against 13.3-13.7), as
-  /// at 32 KiB the segment is (RESULTS.md, "Reduce: the segment up to 96 KiB").
+  /// Smallest reduce moved by a single copy: 64 KiB where every rank has a core, 1 MiB elsewhere
+  /// (as min_for; the one-step segment reduce, or an all_reduce above the chunk, below it). The
+  /// segment's step has the non-root copy its input into lines the root read two steps before, so
+  /// each line it writes is first taken back from the root's cache; what that costs depends on
+  /// where the host placed the two CPUs, which is set per job: on this project's Zen 4 VM
+  /// (2026-12-06, six runs of 8-60 jobs) between one job in 30 and one in 2 ran every segment step
+  /// 3-5x slower (64 KiB 29.7-38.1 against a median of 7.7 us, 96 KiB 43.7 against 11.5; the
+  /// non-root's copy took 4-5x its usual time), where single copy never passed 1.35x its median
+  /// (10.6 against 7.5; OpenMPI 8.1 and 11.0 by medians). From 64 KiB single copy was also the
+  /// faster by medians (96 KiB 9.8 against 11.5); at 32-48 KiB the segment keeps its lead by
+  /// medians (32 KiB 4.0 against 5.6 us, OpenMPI 5.2; its slow jobs 14.8). (benchmarks/RESULTS.md,
+  /// "Reduce by single copy from 64 KiB again"; on another VM the segment had led at 64-96 KiB,
+  /// "Reduce: the segment up to 96 KiB".)
   [[nodiscard]] std::size_t reduce_for(bool own_core) const noexcept {
     if (reduce_min != 0) return reduce_min;
-    return own_core ? std::size_t{128} << 10 : std::size_t{1} << 20;
+    return own_core ? std::size_t{64} << 10 : std::size_t{1} << 20;
   }
   /// Bytes per read in a reduction among `n` ranks: 1 MiB, less where n - 1 blocks of scratch would
   /// pass 4 MiB, never under 64 KiB. Each read pins its pages and runs one syscall; at 2 ranks,
