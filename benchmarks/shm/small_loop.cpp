@@ -5,8 +5,8 @@
 // time of a long run divided by its calls is the throughput alone, and at one rank it is the cost
 // of the call path itself (benchmarks/RESULTS.md, "Small rooted operations: the call path").
 //
-//   comm-run -n N comm-bench-small-loop [OPS [BYTES [CALLS [REPS [OFFSET]]]]]
-//   mpirun -n N comm-bench-small-loop-mpi [OPS [BYTES [CALLS [REPS [OFFSET]]]]]
+//   comm-run -n N comm-bench-small-loop [OPS [BYTES [CALLS [REPS [OFFSET [MODE]]]]]]
+//   mpirun -n N comm-bench-small-loop-mpi [OPS [BYTES [CALLS [REPS [OFFSET [MODE]]]]]]
 //     OPS    comma list of broadcast, gather, reduce, scatter, all_reduce (default broadcast,gather)
 //     BYTES  bytes per rank (default 8; float elements, so a multiple of 4)
 //     CALLS  calls per timed run (default 1000000)
@@ -15,10 +15,16 @@
 //            so a copy's distance to Shm's segment modulo 4096 is fixed (default: where
 //            std::vector puts them; benchmarks/RESULTS.md, "memcpy at a distance of 1-15 bytes");
 //            a comma list gives rank r its (r mod length)th, so the distance between two ranks'
-//            buffers is fixed too ("Cross-memory attach at a distance of 1-15 bytes")
+//            buffers is fixed too ("Cross-memory attach at a distance of 1-15 bytes"); -1 as
+//            the default
+//     MODE   total (default) or per-call
 //
-// Rank 0 prints "op bytes ns_per_call min median max" over the runs, each run's time the
-// slowest rank's.
+// total: rank 0 prints "op bytes ns_per_call min median max" over the runs, each run's time the
+// slowest rank's. per-call: every call is timed on its own (a clock read each, inside the time),
+// and each rank prints its percentiles, then rank 0 the median over calls of the slowest rank's
+// time, as comm-bench reports it: which rank a per-call median stands for, and whether it is
+// that rank's own cost or the wait for another (a root that runs ahead returns at once; one held
+// by its readers takes their time).
 
 #ifdef COMM_SMALL_LOOP_MPI
 #include <mpi.h>
@@ -113,6 +119,7 @@ int main(int argc, char** argv) {
   const long calls = argc > 3 ? std::strtol(argv[3], nullptr, 10) : 1000000;
   const int reps = argc > 4 ? std::atoi(argv[4]) : 5;
   const auto offsets = comm::bench::comma_list(argc > 5 ? argv[5] : "-1");
+  const std::string mode = argc > 6 ? argv[6] : "total";
   const int n = ranks.size();
   long offset = -2;  // not a number: refused below
   if (const std::string& o = offsets[static_cast<std::size_t>(ranks.rank()) % offsets.size()]; !o.empty()) {
@@ -120,9 +127,12 @@ int main(int argc, char** argv) {
     const long v = std::strtol(o.c_str(), &end, 10);
     if (*end == '\0') offset = v;
   }
-  if (bytes < 4 || bytes % 4 != 0 || calls < 1 || reps < 1 || offset < -1 || offset >= 4096 || (offset > 0 && offset % 4 != 0)) {
+  if (bytes < 4 || bytes % 4 != 0 || calls < 1 || reps < 1 || offset < -1 || offset >= 4096 || (offset > 0 && offset % 4 != 0) ||
+      (mode != "total" && mode != "per-call") || (mode == "per-call" && calls > 1000000 / reps)) {
     if (ranks.rank() == 0 || offset < -1)  // an OFFSET list may be wrong for one rank only
-      std::fprintf(stderr, "BYTES must be a positive multiple of 4, CALLS and REPS positive, OFFSET multiples of 4 below 4096\n");
+      std::fprintf(stderr,
+                   "BYTES must be a positive multiple of 4, CALLS and REPS positive, OFFSET multiples of 4 below 4096, "
+                   "MODE total or per-call (per-call: at most 1000000 calls in all)\n");
     return 2;
   }
   const std::size_t in_n = bytes / 4, out_n = bytes / 4 * static_cast<std::size_t>(n);
@@ -136,6 +146,41 @@ int main(int argc, char** argv) {
     return std::span<float>(v.data() + skip / 4, count);
   };
   const std::span<float> in = place(in_store, in_n), out = place(out_store, out_n);
+  if (mode == "per-call") {
+    for (const auto& op : ops) {
+      std::vector<double> t;
+      t.reserve(static_cast<std::size_t>(calls) * static_cast<std::size_t>(reps));
+      for (int r = 0; r < reps; ++r) {
+        ranks.barrier();
+        for (long i = 0; i < calls; ++i) {
+          const auto t0 = std::chrono::steady_clock::now();
+          if (!ranks.call(op, in, out, n)) {
+            if (ranks.rank() == 0) std::fprintf(stderr, "unknown op '%s'\n", op.c_str());
+            return 2;
+          }
+          t.push_back(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count());
+        }
+      }
+      std::vector<double> s = t;
+      std::sort(s.begin(), s.end());
+      const auto q = [&](double f) { return s[static_cast<std::size_t>(f * static_cast<double>(s.size() - 1))]; };
+      for (int p = 0; p < n; ++p) {  // in rank order: one barrier per line
+        ranks.barrier();
+        if (p == ranks.rank()) {
+          std::printf("%s %zu rank %d ns_per_call p10 %.0f p50 %.0f p90 %.0f p99 %.0f\n", op.c_str(), bytes, p, q(0.1),
+                      q(0.5), q(0.9), q(0.99));
+          std::fflush(stdout);
+        }
+      }
+      std::vector<double> slowest(t.size());
+      for (std::size_t i = 0; i < t.size(); ++i) slowest[i] = ranks.max(t[i]);
+      std::sort(slowest.begin(), slowest.end());
+      if (ranks.rank() == 0)
+        std::printf("%s %zu slowest_rank ns_per_call p50 %.0f (%d ranks, %ld calls x %d)\n", op.c_str(), bytes,
+                    slowest[slowest.size() / 2], n, calls, reps);
+    }
+    return 0;
+  }
   for (const auto& op : ops) {
     std::vector<double> ns;
     for (int r = 0; r < reps; ++r) {
