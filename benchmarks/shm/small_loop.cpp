@@ -15,8 +15,8 @@
 //            so a copy's distance to Shm's segment modulo 4096 is fixed (default: where
 //            std::vector puts them; benchmarks/RESULTS.md, "memcpy at a distance of 1-15 bytes");
 //            a comma list gives rank r its (r mod length)th, so the distance between two ranks'
-//            buffers is fixed too ("Cross-memory attach at a distance of 1-15 bytes"); -1 as
-//            the default
+//            buffers is fixed too ("Cross-memory attach at a distance of 1-15 bytes"); -1 is
+//            the default placement, for a MODE without an offset
 //     MODE   total (default) or per-call
 //
 // total: rank 0 prints "op bytes ns_per_call min median max" over the runs, each run's time the
