@@ -1,8 +1,11 @@
 // comm::detail::copy_bytes and move_bytes (detail/base/copy.hpp): at every distance modulo 4096
 // from 0 to 70 and past 4096 - 70, sizes around the pieces' bounds, the destination holds the
-// source's bytes and nothing around it changed; overlapping moves in both directions.
+// source's bytes and nothing around it changed; overlapping moves in both directions. The same for
+// copy_large_bytes and move_large_bytes around kLargeCopyMin, with a last piece shorter than the
+// others, at distances that take the pieces and at ones that do not.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -15,20 +18,22 @@ namespace {
 // A buffer of `bytes` with `guard` bytes either side, filled from `seed`.
 std::vector<unsigned char> pattern(std::size_t bytes, unsigned seed) {
   std::vector<unsigned char> v(bytes);
-  std::uint32_t x = seed * 2654435761u + 1u;
-  for (auto& b : v) {
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1u;
+  for (std::size_t at = 0; at < bytes; at += sizeof x) {  // eight bytes a step: MiB-sized cases stay quick
     x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    b = static_cast<unsigned char>(x);
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(v.data() + at, &x, std::min(sizeof x, bytes - at));
   }
   return v;
 }
 
 constexpr std::size_t kGuard = 64;
 
+enum class How { copy, move, copy_large, move_large };
+
 // Copies `n` bytes between two places `dist` bytes apart modulo 4096 and checks every byte.
-bool copies_right(std::size_t n, std::size_t dist, bool move) {
+bool copies_right(std::size_t n, std::size_t dist, How how) {
   const std::size_t span = n + 2 * 4096 + 2 * kGuard;
   std::vector<unsigned char> src_buf = pattern(span, static_cast<unsigned>(n + dist));
   std::vector<unsigned char> dst_buf = pattern(span, static_cast<unsigned>(n * 7 + dist + 1));
@@ -40,19 +45,20 @@ bool copies_right(std::size_t n, std::size_t dist, bool move) {
   };
   const std::size_t s0 = base_of(src_buf) + 100;
   const std::size_t d0 = base_of(dst_buf) + 100 + dist;
-  if (move)
-    comm::detail::move_bytes(dst_buf.data() + d0, src_buf.data() + s0, n);
-  else
-    comm::detail::copy_bytes(dst_buf.data() + d0, src_buf.data() + s0, n);
+  unsigned char* const dst = dst_buf.data() + d0;
+  const unsigned char* const src = src_buf.data() + s0;
+  switch (how) {
+    case How::copy: comm::detail::copy_bytes(dst, src, n); break;
+    case How::move: comm::detail::move_bytes(dst, src, n); break;
+    case How::copy_large: comm::detail::copy_large_bytes(dst, src, n); break;
+    case How::move_large: comm::detail::move_large_bytes(dst, src, n); break;
+  }
   const auto got = (reinterpret_cast<std::uintptr_t>(dst_buf.data() + d0) -
                     reinterpret_cast<std::uintptr_t>(src_buf.data() + s0)) & 4095u;
   if (got != dist % 4096) return false;
-  for (std::size_t i = 0; i < span; ++i) {
-    const bool inside = i >= d0 && i < d0 + n;
-    const unsigned char want = inside ? src_buf[s0 + (i - d0)] : dst_before[i];
-    if (dst_buf[i] != want) return false;
-  }
-  return true;
+  // Before the destination, the destination itself, after it.
+  return std::memcmp(dst_buf.data(), dst_before.data(), d0) == 0 && (n == 0 || std::memcmp(dst, src, n) == 0) &&
+         std::memcmp(dst_buf.data() + d0 + n, dst_before.data() + d0 + n, span - d0 - n) == 0;
 }
 
 }  // namespace
@@ -66,7 +72,19 @@ TEST_CASE("copy_bytes: every short distance and size around the pieces moves the
     for (const std::size_t n : sizes)
       for (const std::size_t d : dists) {
         INFO("bytes ", n, ", distance ", d, move ? ", move_bytes" : ", copy_bytes");
-        REQUIRE(copies_right(n, d, move));
+        REQUIRE(copies_right(n, d, move ? How::move : How::copy));
+      }
+}
+
+TEST_CASE("copy_large_bytes: below, at and above the large size, in pieces or not by the distance") {
+  using comm::detail::kLargeCopyMin;
+  using comm::detail::kLargeCopyPiece;
+  const std::size_t sizes[] = {kLargeCopyMin - 4, kLargeCopyMin, kLargeCopyMin + 3 * kLargeCopyPiece + 12345};
+  for (const How how : {How::copy_large, How::move_large})
+    for (const std::size_t n : sizes)
+      for (const std::size_t d : {std::size_t{0}, std::size_t{4}, std::size_t{64}, std::size_t{4000}}) {
+        INFO("bytes ", n, ", distance ", d, how == How::move_large ? ", move_large_bytes" : ", copy_large_bytes");
+        REQUIRE(copies_right(n, d, how));
       }
 }
 
@@ -94,4 +112,17 @@ TEST_CASE("move_bytes: overlapping ranges in either direction keep memmove's res
       std::memmove(b.data() + 4096 + shift, b.data() + 4096, n);
       CHECK(a == b);
     }
+}
+
+TEST_CASE("move_large_bytes: overlapping large ranges keep memmove's result") {
+  const std::size_t n = comm::detail::kLargeCopyMin + 100;
+  for (const std::ptrdiff_t shift : {-4096, -8, 8, 4096, 300000}) {
+    INFO("shift ", shift);
+    std::vector<unsigned char> a = pattern(n + 2 * 300000, 7u);
+    std::vector<unsigned char> b = a;
+    unsigned char* from = a.data() + 300000;
+    comm::detail::move_large_bytes(from + shift, from, n);
+    std::memmove(b.data() + 300000 + shift, b.data() + 300000, n);
+    CHECK(a == b);
+  }
 }

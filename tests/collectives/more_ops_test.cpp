@@ -567,6 +567,8 @@ TEST_CASE("buffers a few bytes apart modulo 4096: every operation, on every path
 #if defined(COMM_TEST_BACKEND_SHM)
 #include <sched.h>
 
+#include <comm/detail/base/copy.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -997,5 +999,41 @@ TEST_CASE("shm: two ranks made to share a CPU end on different CPUs, with their 
   cpu_set_t now;
   REQUIRE(::sched_getaffinity(0, sizeof now, &now) == 0);
   CHECK(CPU_EQUAL(&now, &mask));
+}
+// A 2-rank all_gather and all_to_all whose own block is past kLargeCopyMin (16 MiB) plus a tail
+// that is no whole piece: by single copy, each rank copies its own block while the peer reads its
+// input, in 256 KiB pieces where every rank has a core (detail/base/copy.hpp, copy_large_bytes).
+// Element i of rank q's block for rank p says (q, p, i), so a piece copied to the wrong place,
+// or one left out, shows. Two ranks only: the blocks are 16 MiB each.
+TEST_CASE("shm: a large own block by single copy arrives whole") {
+  const auto& w = comm::test::world();
+  if (w.size != 2) return;
+  const int me = w.rank;
+  const std::size_t count = comm::detail::kLargeCopyMin / sizeof(std::int32_t) + 3;
+  const auto value = [&](int q, int p, std::size_t i) {
+    return static_cast<std::int32_t>(static_cast<std::size_t>(q) * 1000003 + static_cast<std::size_t>(p) * 7919 + i % 1000000);
+  };
+  auto c = make_comm();
+  std::vector<std::int32_t> in(count), out(2 * count, -1);
+  {
+    for (std::size_t i = 0; i < count; ++i) in[i] = value(me, 0, i);
+    c.all_gather(std::span<const std::int32_t>(in), std::span<std::int32_t>(out));
+    long long bad = -1;
+    for (std::size_t j = 0; j < out.size() && bad < 0; ++j)
+      if (out[j] != value(static_cast<int>(j / count), 0, j % count)) bad = static_cast<long long>(j);
+    INFO("all_gather: first wrong element ", bad, " of ", out.size());
+    CHECK(bad == -1);
+  }
+  {
+    in.assign(2 * count, 0);
+    for (std::size_t j = 0; j < in.size(); ++j) in[j] = value(me, static_cast<int>(j / count), j % count);
+    std::fill(out.begin(), out.end(), -1);
+    c.all_to_all(std::span<const std::int32_t>(in), std::span<std::int32_t>(out));
+    long long bad = -1;
+    for (std::size_t j = 0; j < out.size() && bad < 0; ++j)
+      if (out[j] != value(static_cast<int>(j / count), me, j % count)) bad = static_cast<long long>(j);
+    INFO("all_to_all: first wrong element ", bad, " of ", out.size());
+    CHECK(bad == -1);
+  }
 }
 #endif

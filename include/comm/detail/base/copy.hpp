@@ -8,7 +8,9 @@
 // buffer that starts 4, 8 or 12 bytes off the segment's 64-byte lines at the matching page offset
 // (a subspan can) meets that distance on every call. In pieces of 2 KiB, each below the threshold,
 // the copy stays on the vector loop and takes an aligned copy's time at any distance
-// (benchmarks/RESULTS.md, "memcpy at a distance of 1-15 bytes"; comm-bench-copy-distance).
+// (benchmarks/RESULTS.md, "memcpy at a distance of 1-15 bytes"; comm-bench-copy-distance). The
+// other way round, copy_large_bytes puts a large copy that every rank makes at once on `rep movsb`
+// in pieces.
 
 #include <algorithm>
 #include <cstddef>
@@ -22,6 +24,11 @@ inline constexpr std::size_t kCopyPiece = 2048;
 /// From here glibc leaves `rep movsb` on the VM measured (and pieces cost 30 % at 1 MiB).
 inline constexpr std::size_t kCopyPiecesBelow = std::size_t{1} << 20;
 
+/// From here copy_large_bytes goes in pieces of kLargeCopyPiece.
+inline constexpr std::size_t kLargeCopyMin = std::size_t{16} << 20;
+/// Below glibc's rep_movsb_stop_threshold (the L2 size, 1 MiB and up on the x86 CPUs that have
+/// it), so that each piece goes on `rep movsb`.
+inline constexpr std::size_t kLargeCopyPiece = std::size_t{256} << 10;
 /// Whether a forward copy from `src` to `dst` of `n` bytes goes in pieces: a destination 1-63
 /// bytes past the source modulo 4096 (1-15 measured slow; glibc itself treats up to 63 as short
 /// for another aliasing), and a size `rep movsb` would take.
@@ -50,14 +57,48 @@ inline void copy_bytes(void* dst, const void* src, std::size_t n) noexcept {
   }
 }
 
+/// copy_bytes for a large copy that every rank makes at the same time, each on its own core (an
+/// all_gather's or all_to_all's own block by single copy, while the peers read the rank's input).
+/// Above the core's L2 size glibc leaves `rep movsb` for a vector loop whose plain stores read each
+/// destination line before writing it; `rep movsb` writes whole lines without reading them. With
+/// every rank copying, memory is the limit: on this project's AMD EPYC VM two processes each
+/// copying 64 MiB in step took 0.95x the time in 256 KiB pieces (2 MiB pieces, on the vector
+/// loop: 1.11x), and the 2-rank 64 MiB all_gather and all_to_all 0.95-0.97x (one build, the pieces
+/// switched by the environment; benchmarks/RESULTS.md, "Large copies in pieces below the L2
+/// size"). From kLargeCopyMin only, where two ranks' sources and destinations outgrow a
+/// last-level cache (32 MiB here; the 2-rank cells with 8 MiB blocks read 0.96-1.02x, no clear
+/// gain), and not at a distance of 1-63 bytes, where `rep movsb` slows down: else copy_bytes.
+inline void copy_large_bytes(void* dst, const void* src, std::size_t n) noexcept {
+  const std::uintptr_t d = (reinterpret_cast<std::uintptr_t>(dst) - reinterpret_cast<std::uintptr_t>(src)) & 4095u;
+  if (n < kLargeCopyMin || (d != 0 && d < 64)) return copy_bytes(dst, src, n);
+  auto* o = static_cast<std::byte*>(dst);
+  const auto* i = static_cast<const std::byte*>(src);
+  for (std::size_t at = 0; at < n; at += kLargeCopyPiece) {
+    std::size_t len = std::min(kLargeCopyPiece, n - at);
+    asm("" : "+r"(len));  // as in copy_bytes: glibc's memcpy, not an inlined `rep movsq`
+    std::memcpy(o + at, i + at, len);
+  }
+}
+
+/// Whether [dst, dst + n) and [src, src + n) share a byte.
+[[nodiscard]] inline bool ranges_overlap(const void* dst, const void* src, std::size_t n) noexcept {
+  const auto o = reinterpret_cast<std::uintptr_t>(dst), i = reinterpret_cast<std::uintptr_t>(src);
+  return o < i + n && i < o + n;
+}
+
 /// memmove of `n` bytes: overlapping ranges go to memmove as they are, others as copy_bytes.
 inline void move_bytes(void* dst, const void* src, std::size_t n) noexcept {
   if (n == 0) return;
-  const auto o = reinterpret_cast<std::uintptr_t>(dst), i = reinterpret_cast<std::uintptr_t>(src);
-  if (o < i + n && i < o + n)
+  if (ranges_overlap(dst, src, n))
     std::memmove(dst, src, n);
   else
     copy_bytes(dst, src, n);
+}
+
+/// move_bytes with copy_large_bytes for ranges that do not overlap.
+inline void move_large_bytes(void* dst, const void* src, std::size_t n) noexcept {
+  if (n != 0 && !ranges_overlap(dst, src, n)) return copy_large_bytes(dst, src, n);
+  move_bytes(dst, src, n);
 }
 
 }  // namespace comm::detail

@@ -371,6 +371,8 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
   // where the two addresses would put glibc's `rep movsb` on its slow path (base/copy.hpp).
   static void copy(void* dst, const void* src, std::size_t bytes) noexcept { copy_bytes(dst, src, bytes); }
   static void move(void* dst, const void* src, std::size_t bytes) noexcept { move_bytes(dst, src, bytes); }
+  /// A large block that every rank moves at once (base/copy.hpp, copy_large_bytes).
+  static void move_large(void* dst, const void* src, std::size_t bytes) noexcept { move_large_bytes(dst, src, bytes); }
 
   /// Elements per step for element size `e` when each rank writes `pieces` pieces per step.
   [[nodiscard]] std::size_t per_step(std::size_t e, std::size_t pieces = 1) const noexcept {
