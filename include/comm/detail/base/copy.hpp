@@ -29,14 +29,18 @@ inline constexpr std::size_t kLargeCopyMin = std::size_t{16} << 20;
 /// Below glibc's rep_movsb_stop_threshold (the L2 size, 1 MiB and up on the x86 CPUs that have
 /// it), so that each piece goes on `rep movsb`.
 inline constexpr std::size_t kLargeCopyPiece = std::size_t{256} << 10;
-/// Whether a forward copy from `src` to `dst` of `n` bytes goes in pieces: a destination 1-63
-/// bytes past the source modulo 4096 (1-15 measured slow; glibc itself treats up to 63 as short
-/// for another aliasing), and a size `rep movsb` would take.
+/// Whether `dst` lies 1-63 bytes past `src` modulo 4096, where `rep movsb` may slow down (1-15
+/// measured slow; glibc itself treats up to 63 as short for another aliasing).
+[[nodiscard]] inline bool short_copy_distance(const void* dst, const void* src) noexcept {
+  const std::uintptr_t d = (reinterpret_cast<std::uintptr_t>(dst) - reinterpret_cast<std::uintptr_t>(src)) & 4095u;
+  return d != 0 && d < 64;
+}
+/// Whether a forward copy from `src` to `dst` of `n` bytes goes in pieces: a short distance
+/// (short_copy_distance) and a size `rep movsb` would take.
 [[nodiscard]] inline bool copy_in_pieces(const void* dst, const void* src, std::size_t n) noexcept {
   // The size first: a small rooted step's few bytes pass with one comparison.
   if (n <= kCopyPiece || n >= kCopyPiecesBelow) return false;
-  const std::uintptr_t d = (reinterpret_cast<std::uintptr_t>(dst) - reinterpret_cast<std::uintptr_t>(src)) & 4095u;
-  return d != 0 && d < 64;
+  return short_copy_distance(dst, src);
 }
 
 /// memcpy of `n` bytes (the ranges must not overlap); nothing for 0, where data() may be null.
@@ -69,8 +73,7 @@ inline void copy_bytes(void* dst, const void* src, std::size_t n) noexcept {
 /// last-level cache (32 MiB here; the 2-rank cells with 8 MiB blocks read 0.96-1.02x, no clear
 /// gain), and not at a distance of 1-63 bytes, where `rep movsb` slows down: else copy_bytes.
 inline void copy_large_bytes(void* dst, const void* src, std::size_t n) noexcept {
-  const std::uintptr_t d = (reinterpret_cast<std::uintptr_t>(dst) - reinterpret_cast<std::uintptr_t>(src)) & 4095u;
-  if (n < kLargeCopyMin || (d != 0 && d < 64)) return copy_bytes(dst, src, n);
+  if (n < kLargeCopyMin || short_copy_distance(dst, src)) return copy_bytes(dst, src, n);
   auto* o = static_cast<std::byte*>(dst);
   const auto* i = static_cast<const std::byte*>(src);
   for (std::size_t at = 0; at < n; at += kLargeCopyPiece) {
