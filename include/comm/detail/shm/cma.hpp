@@ -342,8 +342,8 @@ class SingleCopy {
   /// the page offset of what is read into it or written from it: no transfer of cma_copy's slow
   /// distances, so none goes through its extra copy.
   ///
-  /// Where every rank has a core and `dst`'s block is not this rank's input (out of place), one
-  /// peer's block is read straight into it and reduced there in place. The kernel's copy writes
+  /// Where every rank has a core and `dst`'s block lies outside this rank's input (out of place),
+  /// one peer's block is read straight into it and reduced there in place. The kernel's copy writes
   /// whole lines; the reduction's stores into a block not yet in the cache read every line from
   /// memory first. 2 ranks, one build with and without it, 10-12 rounds (benchmarks/RESULTS.md,
   /// "Reductions read into the output"): reduce_scatter 0.87-0.95x, reduce 0.93-0.95x, an
@@ -362,11 +362,17 @@ class SingleCopy {
     if (const std::size_t need = blocks * slot + 4096; cma_tmp_.size() < need) cma_tmp_.resize(need);
     std::byte* const tmp0 = first_page(cma_tmp_);
     const int into_dst = self().rank() == 0 ? 1 : 0;  // the peer read into dst's block
+    // Not into any part of this rank's input: the peers read their slices of it meanwhile.
+    const auto in_lo = reinterpret_cast<std::uintptr_t>(in), in_hi = in_lo + op.in_count * e;
+    auto outside_input = [&](const std::byte* block, std::size_t bytes) {
+      const auto lo_at = reinterpret_cast<std::uintptr_t>(block);
+      return lo_at + bytes <= in_lo || lo_at >= in_hi;
+    };
     for (std::size_t off = lo; off < hi; off += k) {
       const std::size_t c = std::min(k, hi - off);
       std::byte* at = dst != nullptr ? dst : tmp0 + static_cast<std::size_t>(n - 1) * slot + ((target + off * e) & 4095u);
       if (dst != nullptr) at += (off - lo) * e;
-      const bool direct = dst != nullptr && cma_own_core_ && !ranges_overlap(at, in + off * e, c * e);
+      const bool direct = dst != nullptr && cma_own_core_ && outside_input(at, c * e);
       std::size_t t = 0;
       for (int p = 0; p < n; ++p) {
         if (p == self().rank()) {
