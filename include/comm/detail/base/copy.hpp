@@ -83,10 +83,14 @@ inline void copy_large_bytes(void* dst, const void* src, std::size_t n) noexcept
   }
 }
 
+/// Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte.
+[[nodiscard]] inline bool ranges_overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept {
+  const auto pa = reinterpret_cast<std::uintptr_t>(a), pb = reinterpret_cast<std::uintptr_t>(b);
+  return a_bytes != 0 && b_bytes != 0 && pa < pb + b_bytes && pb < pa + a_bytes;
+}
 /// Whether [dst, dst + n) and [src, src + n) share a byte.
 [[nodiscard]] inline bool ranges_overlap(const void* dst, const void* src, std::size_t n) noexcept {
-  const auto o = reinterpret_cast<std::uintptr_t>(dst), i = reinterpret_cast<std::uintptr_t>(src);
-  return o < i + n && i < o + n;
+  return ranges_overlap(dst, n, src, n);
 }
 
 /// memmove of `n` bytes: overlapping ranges go to memmove as they are, others as copy_bytes.

@@ -362,17 +362,12 @@ class SingleCopy {
     if (const std::size_t need = blocks * slot + 4096; cma_tmp_.size() < need) cma_tmp_.resize(need);
     std::byte* const tmp0 = first_page(cma_tmp_);
     const int into_dst = self().rank() == 0 ? 1 : 0;  // the peer read into dst's block
-    // Not into any part of this rank's input: the peers read their slices of it meanwhile.
-    const auto in_lo = reinterpret_cast<std::uintptr_t>(in), in_hi = in_lo + op.in_count * e;
-    auto outside_input = [&](const std::byte* block, std::size_t bytes) {
-      const auto lo_at = reinterpret_cast<std::uintptr_t>(block);
-      return lo_at + bytes <= in_lo || lo_at >= in_hi;
-    };
     for (std::size_t off = lo; off < hi; off += k) {
       const std::size_t c = std::min(k, hi - off);
       std::byte* at = dst != nullptr ? dst : tmp0 + static_cast<std::size_t>(n - 1) * slot + ((target + off * e) & 4095u);
       if (dst != nullptr) at += (off - lo) * e;
-      const bool direct = dst != nullptr && cma_own_core_ && outside_input(at, c * e);
+      // Not into any part of this rank's input: the peers read their slices of it meanwhile.
+      const bool direct = dst != nullptr && cma_own_core_ && !ranges_overlap(at, c * e, in, op.in_count * e);
       std::size_t t = 0;
       for (int p = 0; p < n; ++p) {
         if (p == self().rank()) {
