@@ -13,17 +13,11 @@
 #include <string_view>
 #include <vector>
 
+#include <comm/detail/base/copy.hpp>
 #include <comm/error.hpp>
 #include <comm/types.hpp>
 
 namespace comm::detail {
-
-[[nodiscard]] inline bool overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept {
-  if (a_bytes == 0 || b_bytes == 0) return false;
-  const auto pa = reinterpret_cast<std::uintptr_t>(a);
-  const auto pb = reinterpret_cast<std::uintptr_t>(b);
-  return pa < pb + b_bytes && pb < pa + a_bytes;
-}
 
 /// A buffer as the checks see it: where it starts and how many elements it holds.
 struct ArgBuf {
@@ -51,7 +45,7 @@ struct ArgChecks {
 
   [[nodiscard]] std::size_t ranks() const noexcept { return static_cast<std::size_t>(size); }
   [[nodiscard]] bool overlaps(ArgBuf a, ArgBuf b) const noexcept {
-    return overlap(a.data, a.n * elem, b.data, b.n * elem);
+    return ranges_overlap(a.data, a.n * elem, b.data, b.n * elem);
   }
 
   /// A ReduceOp value against the element type and the backend (`supported`: the backend's
