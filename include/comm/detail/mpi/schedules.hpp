@@ -48,7 +48,7 @@ inline constexpr std::size_t kSlotAlign = 64;
 /// largest message sent without a rendezvous round trip). Measured on both libraries
 /// (benchmarks/RESULTS.md, "Mpi backend vs blocking MPI").
 struct Tuning {
-  std::size_t eager = ~std::size_t{0};  // messages above it (up to pieces_max) go as eager pieces
+  std::size_t eager = ~std::size_t{0};  // all_reduce and reduce_scatter: messages above it (up to pieces_max) go as eager pieces
   std::size_t pieces_max = 0;
   std::size_t exchange_max = std::size_t{4} << 10;  // all_reduce: one exchange up to here
   /// The reduce-scatter step sends a block up to this size as one message (reduce_step).
@@ -59,8 +59,8 @@ struct Tuning {
   std::size_t copy_first = ~std::size_t{0};
 };
 
-/// OpenMPI's shared memory (vader) sends 4 KiB eagerly, its header included: messages up to
-/// 12 KB go as eager pieces. Other libraries: no pieces, and the exchange only up to 4 KiB.
+/// OpenMPI's shared memory (vader) sends 4 KiB eagerly, its header included: all_reduce's and
+/// reduce_scatter's messages up to 12 KB go as eager pieces (piece_of). Other libraries: no pieces, and the exchange only up to 4 KiB.
 ///
 /// MPICH 4 (Debian's build: ch4 over UCX), each measured at 2 ranks against the blocking call
 /// (benchmarks/RESULTS.md, "Mpi under MPICH: its own all_reduce from 512 KiB"):
@@ -110,10 +110,13 @@ struct Step {
   std::vector<Info> info;          // one per request
   std::vector<std::size_t> recvs;  // indices of the receives, in the order posted
   std::vector<MPI_Status> status;
+  /// Messages go whole, never in eager pieces (OwnSchedules::piece_of): set per operation.
+  bool whole = false;
   void clear() noexcept {
     reqs.clear();
     info.clear();
     recvs.clear();
+    whole = false;
   }
 };
 
@@ -218,17 +221,23 @@ class OwnSchedules {
   }
 
 
-  /// The size of the pieces a message of `bytes` goes in: messages a little above the library's
-  /// eager limit go as several eager ones (cheaper than one rendezvous: OpenMPI 4 KiB 1.8 vs 2.9
-  /// us), which both sides compute alike from the length.
-  [[nodiscard]] std::size_t piece_of(std::size_t bytes) const noexcept {
-    if (bytes <= tuning_.eager || bytes > tuning_.pieces_max) return bytes;
+  /// The size of the pieces a message of `bytes` goes in: in all_reduce and reduce_scatter,
+  /// messages a little above the library's eager limit go as several eager ones, which both sides
+  /// compute alike from the length. Above the limit OpenMPI's shared memory sends a message by
+  /// single copy (the receiver's `process_vm_readv`), whose cost is the host's: on the AMD EPYC
+  /// VM of 2026-11-27 a 4 KiB exchange took 1.8 us in pieces against 2.9 whole, on the Intel Xeon
+  /// VM of 2026-12-07 the 2-rank all_reduce 2.6 against 3.7 us, but a 4-8 KiB broadcast 1.9-2.5
+  /// against 1.4-1.5 (MPI_Bcast 1.3-1.5) and an 8-12 KiB all_gather 2.4-2.6 against 2.1-2.3.
+  /// broadcast and all_gather (`whole`) send their messages as the library's own call does, so
+  /// that they cost what it costs on any host (benchmarks/RESULTS.md, "The Intel Xeon VM").
+  [[nodiscard]] std::size_t piece_of(std::size_t bytes, bool whole) const noexcept {
+    if (whole || bytes <= tuning_.eager || bytes > tuning_.pieces_max) return bytes;
     const std::size_t k = (bytes + tuning_.eager - 1) / tuning_.eager;
     return (bytes + k - 1) / k;
   }
 
   void post_recv(Step& s, void* buf, std::size_t bytes, int peer, int tag, const char* name, std::size_t user = 0) {
-    const std::size_t piece = piece_of(bytes);
+    const std::size_t piece = piece_of(bytes, s.whole);
     auto* b = static_cast<std::byte*>(buf);
     for (std::size_t off = 0; off < bytes || off == 0; off += piece) {
       const std::size_t len = std::min(piece, bytes - off);
@@ -243,7 +252,7 @@ class OwnSchedules {
   }
 
   void post_send(Step& s, const void* buf, std::size_t bytes, int peer, int tag, const char* name) {
-    const std::size_t piece = piece_of(bytes);
+    const std::size_t piece = piece_of(bytes, s.whole);
     const auto* b = static_cast<const std::byte*>(buf);
     for (std::size_t off = 0; off < bytes || off == 0; off += piece) {
       const std::size_t len = std::min(piece, bytes - off);
@@ -502,6 +511,7 @@ class OwnSchedules {
           in = mine;
         }
         const bool copy_after = bytes >= kCopyAfter;
+        s.whole = true;
         for (int p = 0; p < n; ++p)
           if (p != me) post_send(s, in, bytes, p, kStepTag, name);
         for (int p = 0; p < n; ++p)
@@ -515,6 +525,7 @@ class OwnSchedules {
         const std::size_t bytes = op.out_count * es;
         if (bytes == 0) return;
         const int root = op.desc.root;
+        s.whole = true;
         if (me == root) {
           for (int p = 0; p < n; ++p)
             if (p != me) post_send(s, op.out, bytes, p, kStepTag, name);
