@@ -48,7 +48,8 @@ inline constexpr std::size_t kSlotAlign = 64;
 /// largest message sent without a rendezvous round trip). Measured on both libraries
 /// (benchmarks/RESULTS.md, "Mpi backend vs blocking MPI").
 struct Tuning {
-  std::size_t eager = ~std::size_t{0};  // all_reduce and reduce_scatter: messages above it (up to pieces_max) go as eager pieces
+  /// all_reduce and reduce_scatter: messages above it (up to pieces_max) go as eager pieces.
+  std::size_t eager = ~std::size_t{0};
   std::size_t pieces_max = 0;
   std::size_t exchange_max = std::size_t{4} << 10;  // all_reduce: one exchange up to here
   /// The reduce-scatter step sends a block up to this size as one message (reduce_step).
@@ -57,10 +58,14 @@ struct Tuning {
   std::size_t library_all_reduce = ~std::size_t{0};
   /// all_gather: an own block from this size is copied into place before the exchange.
   std::size_t copy_first = ~std::size_t{0};
+  /// all_gather: an own block from this size (below copy_first) is copied after the exchange,
+  /// a smaller one while the messages travel.
+  std::size_t copy_after = std::size_t{256} << 10;
 };
 
 /// OpenMPI's shared memory (vader) sends 4 KiB eagerly, its header included: all_reduce's and
-/// reduce_scatter's messages up to 12 KB go as eager pieces (piece_of). Other libraries: no pieces, and the exchange only up to 4 KiB.
+/// reduce_scatter's messages up to 12 KB go as eager pieces (piece_of). Other libraries: no
+/// pieces, and the exchange only up to 4 KiB.
 ///
 /// MPICH 4 (Debian's build: ch4 over UCX), each measured at 2 ranks against the blocking call
 /// (benchmarks/RESULTS.md, "Mpi under MPICH: its own all_reduce from 512 KiB"):
@@ -87,7 +92,7 @@ struct Tuning {
   const std::string_view v(text, static_cast<std::size_t>(std::max(len, 0)));
   constexpr std::size_t KiB = 1024;
   if (v.find("Open MPI") != std::string_view::npos)
-    return {.eager = 4000, .pieces_max = 12000, .exchange_max = 32 * KiB};
+    return {.eager = 4000, .pieces_max = 12000, .exchange_max = 32 * KiB, .copy_after = ~std::size_t{0}};
   if (v.substr(0, 5) == "MPICH")
     return {.exchange_max = 8 * KiB,
             .whole_max = 8192 * KiB,
@@ -134,8 +139,6 @@ class OwnSchedules {
   /// of them in flight per peer.
   static constexpr std::size_t kChunk = std::size_t{256} << 10;
   static constexpr std::size_t kDepth = 4;
-  /// all_gather: blocks of at least this many bytes are copied into place after the exchange.
-  static constexpr std::size_t kCopyAfter = std::size_t{256} << 10;
   /// Tags on the data communicator: the schedules' two steps (MPI keeps the messages of one
   /// source and tag in order, so consecutive operations never mix).
   static constexpr int kStepTag = 1;
@@ -499,18 +502,22 @@ class OwnSchedules {
         auto* out = static_cast<std::byte*>(op.out);
         std::byte* mine = out + static_cast<std::size_t>(me) * bytes;
         const auto* in = static_cast<const std::byte*>(op.in);
-        // A small own block is copied while the messages travel, a large one after them: MPICH
-        // moves a large message through its shared-memory cells while both ranks make progress,
-        // and the copy beside it held a 2-rank 1 MiB all_gather at 75-77 us against 56-58 after it
-        // (OpenMPI: the same either way; benchmarks/RESULTS.md, "Mpi all_gather: the own block
-        // after the exchange"). From Tuning::copy_first it is copied before anything is posted
-        // (and sent from there), as MPICH's own MPI_Allgather does: after the exchange a 16 MiB
-        // all_gather spread over 0.90-1.29x the blocking call under MPICH, before it 0.98-1.06x.
+        // A small own block is copied while the messages travel, a large one (Tuning::copy_after)
+        // after them: MPICH moves a large message through its shared-memory cells while both
+        // ranks make progress, and the copy beside it held a 2-rank 1 MiB all_gather at 75-77 us
+        // against 56-58 after it (benchmarks/RESULTS.md, "Mpi all_gather: the own block after the
+        // exchange"). OpenMPI reads a large message by single copy, and there the copy beside it
+        // was the same on the AMD VM and ahead on the Intel Xeon VM (1 MiB: 1.01-1.04x the
+        // blocking call against 1.07-1.09x after; "The Intel Xeon VM", last part), so under
+        // OpenMPI it always goes beside. From Tuning::copy_first it is copied before anything is
+        // posted (and sent from there), as MPICH's own MPI_Allgather does: after the exchange a
+        // 16 MiB all_gather spread over 0.90-1.29x the blocking call under MPICH, before it
+        // 0.98-1.06x.
         if (bytes >= tuning_.copy_first && in != mine) {
           copy_bytes(mine, in, bytes);
           in = mine;
         }
-        const bool copy_after = bytes >= kCopyAfter;
+        const bool copy_after = bytes >= tuning_.copy_after;
         s.whole = true;
         for (int p = 0; p < n; ++p)
           if (p != me) post_send(s, in, bytes, p, kStepTag, name);
