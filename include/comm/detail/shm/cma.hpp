@@ -51,6 +51,7 @@ struct CmaConfig {
   std::size_t reduce_min = 0;       // COMM_SHM_CMA_REDUCE_MIN: reduce (0: reduce_for)
   std::size_t broadcast_min = 0;    // broadcast: the agreed broadcast_for (set by agree_cma, not by the environment)
   std::size_t all_gather_min = 0;   // all_gather: the agreed all_gather_for (set by agree_cma, not by the environment)
+  std::size_t all_to_all_min = 0;   // all_to_all: the agreed all_to_all_for (set by agree_cma, not by the environment)
   static CmaConfig from_env() {
     CmaConfig c;
     if (auto v = env_nonneg_int("COMM_SHM_CMA")) c.enabled = *v != 0;
@@ -64,8 +65,8 @@ struct CmaConfig {
       c.block = std::clamp<std::size_t>(static_cast<std::size_t>(*v), 4096, std::size_t{64} << 20) / kLine * kLine;
     return c;
   }
-  /// Smallest all_reduce, all_gather, all_to_all and reduce_scatter buffer moved by a single copy
-  /// (reduce: reduce_for), given whether every rank has a core of its own. Then from 32 KiB: at 2
+  /// Smallest all_reduce and reduce_scatter buffer moved by a single copy (all_gather, all_to_all,
+  /// reduce: their own thresholds below), given whether every rank has a core of its own. Then from 32 KiB: at 2
   /// ranks the segment's reads of data a peer has just written slow 2-4x whenever moving a written line between the cores costs ~170 ns instead of ~30 (this VM
   /// switches between the two within seconds), single copy's by ~15 % (all_gather and all_to_all
   /// 32 KiB 11.6-11.8 us by the segment against 5.4-5.5, OpenMPI 5.2-5.5); in the fast state the
@@ -86,10 +87,23 @@ struct CmaConfig {
   /// on 2 cores the segment took 0.54-0.80x single copy's time at 4-64 MiB (3 ranks) and 1-64 MiB
   /// (4 ranks): 4 ranks 16 MiB 2.87 against 5.34 ms (OpenMPI 8.00), 64 MiB 14.9 against 25.7;
   /// all_reduce, all_to_all and reduce kept single copy's lead or par at 1-4 MiB, so they keep
-  /// min_for (RESULTS.md, "Broadcast and all_gather on shared cores: the segment").
+  /// it (min_for, all_to_all_for, reduce_for; RESULTS.md, "Broadcast and all_gather on shared
+  /// cores: the segment").
   [[nodiscard]] std::size_t all_gather_for(bool own_core) const noexcept {
     if (min_bytes != 0 || own_core) return min_for(own_core);
     return SIZE_MAX;
+  }
+  /// Smallest all_to_all (one rank's input) moved by a single copy: COMM_SHM_CMA_MIN where it is
+  /// set, else 32 KiB whether or not ranks share cores. Through the segment every block is copied
+  /// twice, in steps of chunk / ranks bytes a piece that every rank must reach, and where ranks
+  /// share cores each step waits for the ranks' turns on them: on the Intel Xeon VM of 2026-12-07,
+  /// with 3 and 4 ranks on its 2 cores, the segment took 1.1-2.2x OpenMPI's time at 31-512 KiB
+  /// (4 ranks 256 KiB 60.1 against 28.5 us) and single copy 0.85-0.94x (25.2 us); at 16 KiB the
+  /// segment kept its lead (6.9 against 10.6 us, OpenMPI 11.6). On the AMD VM single copy had
+  /// taken a 4-rank 1 MiB all_to_all from 621 to 159 us. (benchmarks/RESULTS.md, "all_to_all
+  /// on shared cores by single copy from 32 KiB".)
+  [[nodiscard]] std::size_t all_to_all_for() const noexcept {
+    return min_bytes != 0 ? min_bytes : std::size_t{32} << 10;
   }
   /// Smallest broadcast (scatter, gather: block per rank) moved by a single copy: 16 KiB where
   /// every rank has a core, 64 KiB elsewhere. Where every rank has a core, one read by the kernel
@@ -190,6 +204,7 @@ class SingleCopy {
     self().ctl(self().rank()).cma_broadcast_min = cma_.broadcast_for(own_core);
     self().ctl(self().rank()).cma_all_gather_min = cma_.all_gather_for(own_core);
     self().ctl(self().rank()).cma_reduce_min = cma_.reduce_for(own_core);
+    self().ctl(self().rank()).cma_all_to_all_min = cma_.all_to_all_for();
     self().ctl(self().rank()).cma.store(ok ? 2 : 1, std::memory_order_relaxed);
     s = self().next_step();
     self().publish(s);
@@ -202,6 +217,7 @@ class SingleCopy {
     cma_.broadcast_min = 0;
     cma_.all_gather_min = 0;
     cma_.reduce_min = 0;
+    cma_.all_to_all_min = 0;
     cma_.min_bytes = 0;
     for (int p = 0; p < self().size(); ++p) {
       cma_own_core_ = cma_own_core_ && self().ctl(p).cma_own_core == 1;
@@ -209,6 +225,7 @@ class SingleCopy {
       cma_.broadcast_min = std::max<std::size_t>(cma_.broadcast_min, self().ctl(p).cma_broadcast_min);
       cma_.all_gather_min = std::max<std::size_t>(cma_.all_gather_min, self().ctl(p).cma_all_gather_min);
       cma_.reduce_min = std::max<std::size_t>(cma_.reduce_min, self().ctl(p).cma_reduce_min);
+      cma_.all_to_all_min = std::max<std::size_t>(cma_.all_to_all_min, self().ctl(p).cma_all_to_all_min);
       cma_on_ = cma_on_ && self().ctl(p).cma.load(std::memory_order_relaxed) == 2;
       cma_.min_bytes = std::max<std::size_t>(cma_.min_bytes, self().ctl(p).cma_min);
       cma_.slice_max = std::min<std::size_t>(cma_.slice_max, self().ctl(p).cma_slice_max);
@@ -229,6 +246,10 @@ class SingleCopy {
   /// For all_gather (the whole output): the agreed all_gather threshold (all_gather_for).
   [[nodiscard]] bool use_cma_all_gather(std::size_t bytes) const noexcept {
     return cma_on_ && bytes >= cma_.all_gather_min && bytes != 0;
+  }
+  /// For all_to_all (one rank's input): the agreed all_to_all threshold (all_to_all_for).
+  [[nodiscard]] bool use_cma_all_to_all(std::size_t bytes) const noexcept {
+    return cma_on_ && bytes >= cma_.all_to_all_min && bytes != 0;
   }
   /// For broadcast (the message): the agreed broadcast threshold (broadcast_for).
   [[nodiscard]] bool use_cma_broadcast(std::size_t bytes) const noexcept {

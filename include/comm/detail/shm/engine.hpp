@@ -583,7 +583,7 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     // segment path, which copies every block out before any is written.
     const std::size_t bytes = op.in_count * e;
     const auto i0 = reinterpret_cast<std::uintptr_t>(in), o0 = reinterpret_cast<std::uintptr_t>(out);
-    if (use_cma(bytes) && (i0 + bytes <= o0 || o0 + bytes <= i0)) return cma_all_to_all(op);
+    if (use_cma_all_to_all(bytes) && (i0 + bytes <= o0 || o0 + bytes <= i0)) return cma_all_to_all(op);
     const std::size_t k = per_step(e, un);
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();

@@ -66,8 +66,8 @@ inline constexpr std::size_t kLine = 64;
 /// The layout's version: 2 moved the step headers from the halves into the lanes, 3 added
 /// RankCtl::cpu, 4 RankCtl::cma_slice_max, 5 RankCtl::cma_rooted_min and cma_own_core, 6
 /// RankCtl::cma_reduce_min, 7 RankCtl::peer_fence, 8 the chunk number in a channel slot's line, 9
-/// RankCtl::cma_broadcast_min and cma_all_gather_min.
-inline constexpr std::uint32_t kVersion = 9;
+/// RankCtl::cma_broadcast_min and cma_all_gather_min, 10 RankCtl::cma_all_to_all_min.
+inline constexpr std::uint32_t kVersion = 10;
 
 struct alignas(kLine) Header {
   static constexpr std::uint64_t kMagic = 0x636f6d6d73686d31ull;  // "commshm1"
@@ -91,6 +91,7 @@ struct alignas(kLine) RankCtl {
   std::uint64_t cma_broadcast_min;  // its threshold for broadcast (CmaConfig::broadcast_for)
   std::uint64_t cma_all_gather_min;  // its threshold for all_gather (CmaConfig::all_gather_for)
   std::uint64_t cma_reduce_min;    // its threshold for reduce (CmaConfig::reduce_for)
+  std::uint64_t cma_all_to_all_min;  // its threshold for all_to_all (CmaConfig::all_to_all_for)
   std::uint32_t peer_fence;        // 1: registered for its peers' fences (wait.hpp, register_peer_fence)
   alignas(kLine) std::atomic<std::uint32_t> bell;      // futex word: bumped when a waiter may sleep
   std::atomic<std::uint32_t> sleepers;                 // waiters on this rank's steps
