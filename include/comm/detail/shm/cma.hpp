@@ -66,8 +66,9 @@ struct CmaConfig {
     return c;
   }
   /// Smallest all_reduce and reduce_scatter buffer moved by a single copy (all_gather, all_to_all,
-  /// reduce: their own thresholds below), given whether every rank has a core of its own. Then from 32 KiB: at 2
-  /// ranks the segment's reads of data a peer has just written slow 2-4x whenever moving a written line between the cores costs ~170 ns instead of ~30 (this VM
+  /// reduce: their own thresholds below), given whether every rank has a core of its own. Then
+  /// from 32 KiB: at 2 ranks the segment's reads of data a peer has just written slow 2-4x
+  /// whenever moving a written line between the cores costs ~170 ns instead of ~30 (this VM
   /// switches between the two within seconds), single copy's by ~15 % (all_gather and all_to_all
   /// 32 KiB 11.6-11.8 us by the segment against 5.4-5.5, OpenMPI 5.2-5.5); in the fast state the
   /// segment was the faster at 32 KiB (3.6 against 4.7) but single copy stayed below both MPIs
