@@ -103,9 +103,7 @@ struct CmaConfig {
   /// segment kept its lead (6.9 against 10.6 us, OpenMPI 11.6). On the AMD VM single copy had
   /// taken a 4-rank 1 MiB all_to_all from 621 to 159 us. (benchmarks/RESULTS.md, "all_to_all
   /// on shared cores by single copy from 32 KiB".)
-  [[nodiscard]] std::size_t all_to_all_for() const noexcept {
-    return min_bytes != 0 ? min_bytes : std::size_t{32} << 10;
-  }
+  [[nodiscard]] std::size_t all_to_all_for() const noexcept { return min_for(true); }
   /// Smallest broadcast (scatter, gather: block per rank) moved by a single copy: 16 KiB where
   /// every rank has a core, 64 KiB elsewhere. Where every rank has a core, one read by the kernel
   /// from the root's buffer beat the segment's two copies at 2 ranks (broadcast 64 KiB 6.2 against
