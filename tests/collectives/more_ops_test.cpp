@@ -178,6 +178,19 @@ TEST_CASE_TEMPLATE("all_to_all and all_to_all_v: every size and launch", T, COMM
       for (bool use_async : {false, true}) run_all_to_all_v<T>(c, scale, k, use_async);
 }
 
+TEST_CASE("all_to_all and scatter: inputs around the size of a step's small payload") {
+  // Shm: up to 16 KiB of input a step's payload holds a slot for every rank; above it the
+  // writer's own slot is left out (shm/engine.hpp, Pieces), so at 2 ranks up to 32 KiB still
+  // travels through the small payloads. Every rank at every root reads its own piece.
+  auto c = make_comm();
+  const auto n = static_cast<std::size_t>(c.size());
+  for (std::size_t total : {std::size_t{16384}, std::size_t{16448}, std::size_t{24576}, std::size_t{31744}}) {
+    const std::size_t count = total / (sizeof(float) * n);
+    for (bool use_async : {false, true}) run_all_to_all<float>(c, count, use_async);
+    for (int root = 0; root < c.size(); ++root) run_scatter<float>(c, count, root, false, false);
+  }
+}
+
 TEST_CASE_TEMPLATE("send, recv and batch_isend_irecv: every size", T, COMM_TEST_ALL_TYPES) {
   auto c = make_comm();
   for (std::size_t count : kCounts) run_p2p<T>(c, count);

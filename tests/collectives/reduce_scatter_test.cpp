@@ -48,6 +48,16 @@ TEST_CASE_TEMPLATE("reduce_scatter: every op, size, placement and launch", T, CO
         for (bool use_async : {false, true}) run_reduce_scatter<T>(c, op, count, in_place, use_async);
 }
 
+TEST_CASE("reduce_scatter: inputs around the size of a step's small payload") {
+  // Shm leaves this rank's own piece out of a step's payload above 16 KiB of input (as
+  // all_to_all and scatter: shm/engine.hpp, Pieces); each rank must still reduce its own piece.
+  auto c = make_comm();
+  const auto n = static_cast<std::size_t>(c.size());
+  for (std::size_t total : {std::size_t{16384}, std::size_t{16448}, std::size_t{24576}, std::size_t{31744}})
+    for (bool in_place : {true, false})
+      run_reduce_scatter<float>(c, ReduceOp::sum, total / (sizeof(float) * n), in_place, false);
+}
+
 TEST_CASE("reduce_scatter: compile-time ops, std functors and custom callables") {
   auto c = make_comm();
   const int n = c.size();

@@ -379,6 +379,30 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     return std::max<std::size_t>(layout_.chunk / (e * pieces), 1);
   }
 
+  /// How a step's payload holds a piece for each other rank (reduce_scatter, all_to_all, scatter).
+  /// A rank's own piece never goes through the segment. Where the operation's input is larger
+  /// than a body (kLaneBytes), its slot is left out, so that at 2 ranks up to twice that still
+  /// goes through a body (a ring of kBodyRing) rather than a half, whose writer first waits for
+  /// every peer to leave the step before: 2-rank all_to_all of 24 / 31 KiB 2.76 / 3.30 against
+  /// 2.40 / 2.80 us (OpenMPI 2.48 / 2.80), scatter 1.41 / 1.87 against 0.97 / 1.35. Smaller
+  /// operations keep the slot: without it a 2-rank all_to_all of 4 KiB took 1.27 against 1.15 us
+  /// (one binary, the two layouts in turn; its pieces' offsets move, and why that costs was not
+  /// found). (benchmarks/RESULTS.md, "A payload without the own piece".)
+  struct Pieces {
+    std::size_t count;  // pieces per payload
+    bool compact;       // no slot for the writer's own piece
+    /// Where `writer`'s payload holds its piece for rank `dest` (dest != writer).
+    [[nodiscard]] std::size_t at(std::size_t dest, std::size_t writer) const noexcept {
+      return compact && dest > writer ? dest - 1 : dest;
+    }
+  };
+  /// The layout for an operation whose input (every rank's, or the root's) is `total` bytes.
+  [[nodiscard]] Pieces pieces_for(std::size_t total) const noexcept {
+    const auto un = static_cast<std::size_t>(size());
+    const bool compact = un > 1 && total > kLaneBytes;
+    return {compact ? un - 1 : un, compact};
+  }
+
   /// Runs `f(off, c)` over [0, m) in chunks of at most `k` elements; once (c = 0) when m is 0,
   /// so that every rank takes the operation's steps whatever its count.
   template <class F>
@@ -495,23 +519,23 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
     if (use_cma_reduce_scatter(static_cast<std::size_t>(n) * m * e)) return cma_reduce_scatter(op);
-    const std::size_t k = per_step(e, static_cast<std::size_t>(n));
-    const std::byte* own = in + static_cast<std::size_t>(rank()) * m * e;
+    const Pieces pieces = pieces_for(static_cast<std::size_t>(n) * m * e);
+    const std::size_t k = per_step(e, pieces.count);
+    const auto me = static_cast<std::size_t>(rank());
+    const std::byte* own = in + me * m * e;
     // This rank's own piece is reduced from `in`, not copied into the segment where nobody else
     // reads it (at 2 ranks half the bytes; 8 B-16 KiB took 0.72-0.85x the time).
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
-      const std::size_t bytes = static_cast<std::size_t>(n) * c * e;
+      const std::size_t bytes = pieces.count * c * e;
       std::byte* mine = begin(s, bytes);
-      // Piece r of this step: in[r*m + off, +c), at r*c in the payload.
-      for (int r = 0; r < n; ++r)
-        if (r != rank())
-          copy(mine + static_cast<std::size_t>(r) * c * e, in + (static_cast<std::size_t>(r) * m + off) * e, c * e);
+      // Piece r of this step: in[r*m + off, +c), at pieces.at(r, me) * c in the payload.
+      for (std::size_t r = 0; r < static_cast<std::size_t>(n); ++r)
+        if (r != me) copy(mine + pieces.at(r, me) * c * e, in + (r * m + off) * e, c * e);
       publish(s);
       wait_all(s);
-      for (int p = 0; p < n; ++p)
-        srcs_[static_cast<std::size_t>(p)] =
-            p == rank() ? own + off * e : payload(p, s, bytes) + static_cast<std::size_t>(rank()) * c * e;
+      for (std::size_t p = 0; p < static_cast<std::size_t>(n); ++p)
+        srcs_[p] = p == me ? own + off * e : payload(static_cast<int>(p), s, bytes) + pieces.at(me, p) * c * e;
       reduce_from(op, out + off * e, c, true);
     });
   }
@@ -544,7 +568,8 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     switch (op.desc.kind) {
       case OpKind::broadcast: return !use_cma_broadcast(op.out_count * e) && op.out_count <= per_step(e);
       case OpKind::scatter:
-        return !use_cma_rooted(op.out_count * e) && op.out_count <= per_step(e, static_cast<std::size_t>(size()));
+        return !use_cma_rooted(op.out_count * e) &&
+               op.out_count <= per_step(e, pieces_for(static_cast<std::size_t>(size()) * op.out_count * e).count);
       case OpKind::gather: return !use_cma_rooted(op.in_count * e) && op.in_count <= per_step(e);
       case OpKind::reduce: return !use_cma_reduce(op.in_count * e) && op.in_count * e <= layout_.chunk;
       default: return false;
@@ -584,17 +609,19 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const std::size_t bytes = op.in_count * e;
     const auto i0 = reinterpret_cast<std::uintptr_t>(in), o0 = reinterpret_cast<std::uintptr_t>(out);
     if (use_cma_all_to_all(bytes) && (i0 + bytes <= o0 || o0 + bytes <= i0)) return cma_all_to_all(op);
-    const std::size_t k = per_step(e, un);
+    const Pieces pieces = pieces_for(bytes);
+    const std::size_t k = per_step(e, pieces.count);
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
-      std::byte* mine = begin(s, un * c * e);
+      std::byte* mine = begin(s, pieces.count * c * e);
       for (std::size_t r = 0; r < un; ++r)
-        if (r != me) copy(mine + r * c * e, in + (r * m + off) * e, c * e);
+        if (r != me) copy(mine + pieces.at(r, me) * c * e, in + (r * m + off) * e, c * e);
       publish(s);
       wait_all(s);
       for (std::size_t p = 0; p < un; ++p) {
         const std::byte* src =
-            p == me ? in + (me * m + off) * e : payload(static_cast<int>(p), s, un * c * e) + me * c * e;
+            p == me ? in + (me * m + off) * e
+                    : payload(static_cast<int>(p), s, pieces.count * c * e) + pieces.at(me, p) * c * e;
         copy(out + (p * m + off) * e, src, c * e);
       }
     });
@@ -610,17 +637,20 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
     const auto* in = static_cast<const std::byte*>(op.in);
     auto* out = static_cast<std::byte*>(op.out);
     if (use_cma_rooted(m * e)) return cma_scatter(op);
-    const std::size_t k = per_step(e, un);
+    const Pieces pieces = pieces_for(un * m * e);
+    const std::size_t k = per_step(e, pieces.count);
+    const auto uroot = static_cast<std::size_t>(root);
     bool first = true;
     by_chunks(m, k, [&](std::size_t off, std::size_t c) {
       const std::uint64_t s = next_step();
       if (rank() == root) {
-        std::byte* mine = begin(s, un * c * e);
+        std::byte* mine = begin(s, pieces.count * c * e);
         for (std::size_t r = 0; r < un; ++r)
-          if (r != me) copy(mine + r * c * e, in + (r * m + off) * e, c * e);
+          if (r != me) copy(mine + pieces.at(r, me) * c * e, in + (r * m + off) * e, c * e);
       }
       rooted_step(s, root, first, m <= k);
-      const std::byte* src = rank() == root ? in + (me * m + off) * e : payload(root, s, un * c * e) + me * c * e;
+      const std::byte* src = rank() == root ? in + (me * m + off) * e
+                                            : payload(root, s, pieces.count * c * e) + pieces.at(me, uroot) * c * e;
       if (src != out + off * e) move(out + off * e, src, c * e);
     });
   }

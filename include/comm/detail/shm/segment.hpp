@@ -66,8 +66,9 @@ inline constexpr std::size_t kLine = 64;
 /// The layout's version: 2 moved the step headers from the halves into the lanes, 3 added
 /// RankCtl::cpu, 4 RankCtl::cma_slice_max, 5 RankCtl::cma_rooted_min and cma_own_core, 6
 /// RankCtl::cma_reduce_min, 7 RankCtl::peer_fence, 8 the chunk number in a channel slot's line, 9
-/// RankCtl::cma_broadcast_min and cma_all_gather_min, 10 RankCtl::cma_all_to_all_min.
-inline constexpr std::uint32_t kVersion = 10;
+/// RankCtl::cma_broadcast_min and cma_all_gather_min, 10 RankCtl::cma_all_to_all_min, 11 no own
+/// piece in a reduce_scatter's, all_to_all's or scatter's payload.
+inline constexpr std::uint32_t kVersion = 11;
 
 struct alignas(kLine) Header {
   static constexpr std::uint64_t kMagic = 0x636f6d6d73686d31ull;  // "commshm1"
