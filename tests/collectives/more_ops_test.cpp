@@ -179,12 +179,14 @@ TEST_CASE_TEMPLATE("all_to_all and all_to_all_v: every size and launch", T, COMM
 }
 
 TEST_CASE("all_to_all and scatter: inputs around the size of a step's small payload") {
-  // Shm: up to 16 KiB of input a step's payload holds a slot for every rank; above it the
-  // writer's own slot is left out (shm/engine.hpp, Pieces), so at 2 ranks up to 32 KiB still
-  // travels through the small payloads. Every rank at every root reads its own piece.
+  // Shm, through the segment (single copy off): up to 64 KiB of input (a body, kLaneBytes) a
+  // step's payload holds a slot for every rank; above it the writer's own slot is left out
+  // (shm/engine.hpp, Pieces), so at 2 ranks up to 128 KiB still travels through a body. Every
+  // rank at every root reads its own piece. The other backends ignore the variable.
+  comm::test::ScopedEnv no_cma("COMM_SHM_CMA", "0");
   auto c = make_comm();
   const auto n = static_cast<std::size_t>(c.size());
-  for (std::size_t total : {std::size_t{16384}, std::size_t{16448}, std::size_t{24576}, std::size_t{31744}}) {
+  for (std::size_t total : {std::size_t{65536}, std::size_t{65600}, std::size_t{98304}, std::size_t{130048}}) {
     const std::size_t count = total / (sizeof(float) * n);
     for (bool use_async : {false, true}) run_all_to_all<float>(c, count, use_async);
     for (int root = 0; root < c.size(); ++root) run_scatter<float>(c, count, root, false, false);

@@ -383,11 +383,11 @@ class Engine : public EngineCore<Engine>, private Steps, private SingleCopy<Engi
   /// A rank's own piece never goes through the segment. Where the operation's input is larger
   /// than a body (kLaneBytes), its slot is left out, so that at 2 ranks up to twice that still
   /// goes through a body (a ring of kBodyRing) rather than a half, whose writer first waits for
-  /// every peer to leave the step before: 2-rank all_to_all of 24 / 31 KiB 2.76 / 3.30 against
-  /// 2.40 / 2.80 us (OpenMPI 2.48 / 2.80), scatter 1.41 / 1.87 against 0.97 / 1.35. Smaller
-  /// operations keep the slot: without it a 2-rank all_to_all of 4 KiB took 1.27 against 1.15 us
-  /// (one binary, the two layouts in turn; its pieces' offsets move, and why that costs was not
-  /// found). (benchmarks/RESULTS.md, "A payload without the own piece".)
+  /// every peer to leave the step before (measured with bodies of 16 KiB: 2-rank all_to_all of 24
+  /// / 31 KiB 2.76 / 3.30 against 2.40 / 2.80 us, OpenMPI 2.48 / 2.80; scatter 1.41 / 1.87 against
+  /// 0.97 / 1.35). Smaller operations keep the slot: without it a 2-rank all_to_all of 4 KiB took
+  /// 1.27 against 1.15 us (one binary, the two layouts in turn; its pieces' offsets move, and why
+  /// that costs was not found). (benchmarks/RESULTS.md, "A payload without the own piece".)
   struct Pieces {
     std::size_t count;  // pieces per payload
     bool compact;       // no slot for the writer's own piece

@@ -67,8 +67,8 @@ inline constexpr std::size_t kLine = 64;
 /// RankCtl::cpu, 4 RankCtl::cma_slice_max, 5 RankCtl::cma_rooted_min and cma_own_core, 6
 /// RankCtl::cma_reduce_min, 7 RankCtl::peer_fence, 8 the chunk number in a channel slot's line, 9
 /// RankCtl::cma_broadcast_min and cma_all_gather_min, 10 RankCtl::cma_all_to_all_min, 11 no own
-/// piece in a reduce_scatter's, all_to_all's or scatter's payload.
-inline constexpr std::uint32_t kVersion = 11;
+/// piece in a reduce_scatter's, all_to_all's or scatter's payload, 12 bodies of 64 KiB.
+inline constexpr std::uint32_t kVersion = 12;
 
 struct alignas(kLine) Header {
   static constexpr std::uint64_t kMagic = 0x636f6d6d73686d31ull;  // "commshm1"
@@ -131,9 +131,13 @@ static_assert(kLag >= 1 && kLag <= kRing - kLag);
 inline constexpr std::size_t kInline = kLine - 8 - 32 - 8;
 /// Payload bytes of a body: every one-step operation up to this size moves through the lanes (the
 /// default small all_reduce limit, 16 KiB, fits). Bodies are fewer than header lines (they are
-/// 256 times larger): a root of rooted operations of kInline-kLaneBytes bytes runs up to
-/// kBodyRing - 1 ahead.
-inline constexpr std::size_t kLaneBytes = std::size_t{16} << 10;
+/// 1,024 times larger): a root of rooted operations of kInline-kLaneBytes bytes runs up to
+/// kBodyRing - 1 ahead. 64 KiB, where 16 held a root of larger payloads to one step ahead of its
+/// slowest reader (a half's turn): with 4 ranks on 2 cores a 64 KiB broadcast took 16.7 against
+/// 3.6 us (OpenMPI 14.8), a reduce 16.4 against 7.0 (20.4), a scatter 8.7 against 4.6 (11.0);
+/// every other cell at 2 and 4 ranks, 4-64 KiB, the same or faster (benchmarks/RESULTS.md,
+/// "Bodies of 64 KiB"). The ring is 1 MiB per rank.
+inline constexpr std::size_t kLaneBytes = std::size_t{64} << 10;
 inline constexpr std::uint64_t kBodyRing = 16;
 
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free && std::atomic<std::uint32_t>::is_always_lock_free,
