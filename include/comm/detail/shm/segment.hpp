@@ -135,8 +135,9 @@ inline constexpr std::size_t kInline = kLine - 8 - 32 - 8;
 /// kBodyRing - 1 ahead. 64 KiB, where 16 held a root of larger payloads to one step ahead of its
 /// slowest reader (a half's turn): with 4 ranks on 2 cores a 64 KiB broadcast took 16.7 against
 /// 3.6 us (OpenMPI 14.8), a reduce 16.4 against 7.0 (20.4), a scatter 8.7 against 4.6 (11.0);
-/// every other cell at 2 and 4 ranks, 4-64 KiB, the same or faster (benchmarks/RESULTS.md,
-/// "Bodies of 64 KiB"). The ring is 1 MiB per rank.
+/// the other cells at 2 and 4 ranks, 4-64 KiB, faster or within the rounds' spread but the 4-rank
+/// 64 KiB gather (4.1 against 4.7 us, OpenMPI 8.6) (benchmarks/RESULTS.md, "Bodies of 64 KiB").
+/// The ring is 1 MiB per rank.
 inline constexpr std::size_t kLaneBytes = std::size_t{64} << 10;
 inline constexpr std::uint64_t kBodyRing = 16;
 
