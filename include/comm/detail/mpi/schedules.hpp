@@ -41,7 +41,7 @@ namespace comm::detail::mpi {
 
 /// Scratch above this size is given back after an operation (smaller stays for the next one).
 inline constexpr std::size_t kScratchKeep = std::size_t{8} << 20;
-/// Every receive slot of a schedule starts on a cache line (recv_slots).
+/// A cache line: the receive slots of a schedule are placed by it (recv_slots).
 inline constexpr std::size_t kSlotAlign = 64;
 
 /// Sizes the own schedules are picked by, per MPI library (its eager limit on one node: the
@@ -61,6 +61,8 @@ struct Tuning {
   /// all_gather: an own block from this size (below copy_first) is copied after the exchange,
   /// a smaller one while the messages travel.
   std::size_t copy_after = std::size_t{256} << 10;
+  /// all_reduce: the reduce-scatter step's receive slots are placed like the output (recv_slots).
+  bool place_slots = false;
 };
 
 /// OpenMPI's shared memory (vader) sends 4 KiB eagerly, its header included: all_reduce's and
@@ -92,7 +94,11 @@ struct Tuning {
   const std::string_view v(text, static_cast<std::size_t>(std::max(len, 0)));
   constexpr std::size_t KiB = 1024;
   if (v.find("Open MPI") != std::string_view::npos)
-    return {.eager = 4000, .pieces_max = 12000, .exchange_max = 32 * KiB, .copy_after = ~std::size_t{0}};
+    return {.eager = 4000,
+            .pieces_max = 12000,
+            .exchange_max = 32 * KiB,
+            .copy_after = ~std::size_t{0},
+            .place_slots = true};
   if (v.substr(0, 5) == "MPICH")
     return {.exchange_max = 8 * KiB,
             .whole_max = 8192 * KiB,
@@ -389,23 +395,35 @@ class OwnSchedules {
     s.clear();
   }
 
-  /// The receive buffer of a schedule: `count` slots of at least `bytes` bytes, each starting on
-  /// a cache line. It lives in pending_, which a failure leaks with the requests that may still
-  /// write it. Why aligned: slots of `bytes` back to back put a 1 MiB all_reduce's second chunk
-  /// 4 bytes past a line (the chunk is a block's share plus one element), and its receive and
-  /// reduction then took 178 us where the blocking MPI_Allreduce took 108, every run that the
-  /// vector landed so (aligned: 111 us; benchmarks/RESULTS.md, "Mpi: receive slots on cache lines").
+  /// The receive buffer of a schedule: `count` slots of at least `bytes` bytes. It lives in
+  /// pending_, which a failure leaks with the requests that may still write it.
+  ///
+  /// `placed` slots have a line to spare, and one whose data is reduced into `dst` starts at the
+  /// same offset within a cache line as `dst` (`at(i, dst)`): the reduction's loads and stores
+  /// then cross lines alike. Only all_reduce under OpenMPI (Tuning::place_slots), where a message
+  /// is read by single copy and reduced by the library's AVX-512 loop: a 2-rank 1 MiB all_reduce
+  /// of a std::vector (16 bytes past a page) took 1.12-1.16x MPI_Allreduce with its chunks on line
+  /// starts and 0.95-0.97x placed so, whatever the page offset between them. A reduce_scatter,
+  /// whose output this rank has just written, took 1.00-1.05x its line starts' time placed, and
+  /// MPICH (which copies a message out of its cells) 1.02-1.03x at 1-4 MiB (benchmarks/RESULTS.md,
+  /// "Mpi: receive slots placed like the output"). Other slots start on a line: an earlier layout
+  /// that put a chunk 4 bytes past one took 178 us against 111 on one ("Mpi: receive slots on
+  /// cache lines").
   struct Slots {
     std::byte* base;
     std::size_t stride;
+    bool placed;
     [[nodiscard]] std::byte* at(std::size_t i) const noexcept { return base + i * stride; }
+    [[nodiscard]] std::byte* at(std::size_t i, const void* dst) const noexcept {
+      return at(i) + (placed ? reinterpret_cast<std::uintptr_t>(dst) % kSlotAlign : 0);
+    }
   };
-  Slots recv_slots(std::size_t count, std::size_t bytes) {
-    const std::size_t stride = (bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
+  Slots recv_slots(std::size_t count, std::size_t bytes, bool placed = false) {
+    const std::size_t stride = (bytes + (placed ? 2 : 1) * kSlotAlign - 1) / kSlotAlign * kSlotAlign;
     auto& b = self().pending_->recv;
     if (b.size() < count * stride + kSlotAlign) b.resize(count * stride + kSlotAlign);
     const auto misaligned = reinterpret_cast<std::uintptr_t>(b.data()) % kSlotAlign;
-    return {b.data() + (misaligned == 0 ? 0 : kSlotAlign - misaligned), stride};
+    return {b.data() + (misaligned == 0 ? 0 : kSlotAlign - misaligned), stride, placed};
   }
 
   /// (The slots' alignment slack on top of kScratchKeep is kept too: a whole 8 MiB block's slot
@@ -468,7 +486,7 @@ class OwnSchedules {
           const std::size_t lo = block_lo(count, me), len = block_lo(count, me + 1) - lo;
           if (in != out) copy_bytes(out + lo * es, in + lo * es, len * es);
           reduce_step(in, [&](int p) { return std::pair{block_lo(count, p), block_lo(count, p + 1) - block_lo(count, p)}; },
-                      out + lo * es, len, es, red, name, seq, deadline);
+                      out + lo * es, len, es, red, name, seq, deadline, tuning_.place_slots);
           // ... then a direct all-gather of the reduced blocks (after every send of the first step
           // completed: in place, those read the blocks now received).
           for (int p = 0; p < n; ++p)
@@ -552,10 +570,11 @@ class OwnSchedules {
   /// kChunk bytes (a block up to Tuning::whole_max as one), received into kDepth slots per peer
   /// that are reused as the chunks are reduced (bounded scratch, kept between operations; each
   /// chunk reduced while still in cache), the peers in rank order within every chunk: every
-  /// element is reduced in the same order.
+  /// element is reduced in the same order. `placed`: the slots are placed like `acc` (recv_slots).
   template <class BlockOf>
   void reduce_step(const std::byte* in, BlockOf&& block_of, std::byte* acc, std::size_t len, std::size_t es,
-                   const Reduction& red, const char* name, std::uint64_t seq, Deadline& deadline) {
+                   const Reduction& red, const char* name, std::uint64_t seq, Deadline& deadline,
+                   bool placed = false) {
     const int me = self().rank(), n = self().size();
     const auto un = static_cast<std::size_t>(n);
     Step& s = self().pending_->step;
@@ -566,8 +585,11 @@ class OwnSchedules {
     const std::size_t nc = chunks(len);
     const std::size_t depth = std::min(nc, kDepth);
     const std::size_t chunk_bytes = (len + nc - 1) / nc * es;  // the largest chunk: exactly a whole block
-    const Slots slots = recv_slots((un - 1) * depth, chunk_bytes);
-    auto slot = [&](int p, std::size_t c) { return slots.at(slot_of(p) * depth + c % depth); };
+    const Slots slots = recv_slots((un - 1) * depth, chunk_bytes, placed);
+    // Each chunk placed like its part of `acc`, into which it is reduced.
+    auto slot = [&](int p, std::size_t c) {
+      return slots.at(slot_of(p) * depth + c % depth, acc + len * c / nc * es);
+    };
     auto post = [&](std::size_t c, int p) {
       const std::size_t clo = len * c / nc, clen = len * (c + 1) / nc - clo;
       post_recv(s, slot(p, c), clen * es, p, kStepTag, name, c * un + static_cast<std::size_t>(p));
