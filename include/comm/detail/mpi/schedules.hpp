@@ -1,7 +1,8 @@
 #pragma once
 // comm's own schedules for the MPI engine (mpi/engine.hpp): on 2..kOwnMaxRanks ranks,
-// all_reduce, reduce_scatter, all_gather and broadcast are point-to-point messages on the data
-// communicator (tags kStepTag, kGatherTag, kCountTag, kBarrierTag; collectives never match them) that every rank posts
+// all_reduce, reduce_scatter, all_gather and broadcast (and the barrier, in rounds of empty
+// messages) are point-to-point messages on the data communicator (tags kStepTag, kGatherTag,
+// kCountTag, kBarrierTag; collectives never match them) that every rank posts
 // to every other at once (sends first: each message leaves one MPI_Irecv sooner; the receives are
 // posted before the first MPI_Testall), then MPI_Reduce_local. MPI's non-blocking collectives run
 // their own, slower schedules (OpenMPI's libnbc: 1.5-6x its blocking calls on one node); MPI's blocking calls
