@@ -14,7 +14,11 @@
 //   segment   Shm's segment algorithm: per chunk each rank stages the peer's slice of its input in
 //             a shared half, reduces its own slice into another half, and copies both reduced
 //             slices out; two spin barriers per chunk
-// Usage: comm-bench-copy-bounds MODE [BLOCK_KIB]   (block or chunk, default 256)
+// With `thp` after the block, the private buffers lie on transparent huge pages (2 MiB-aligned,
+// madvise MADV_HUGEPAGE), as glibc's malloc gives them with GLIBC_TUNABLES=glibc.malloc.hugetlb=1:
+// the kernel then pins the peer's pages for cma a folio at a time instead of 4 KiB at a time
+// (benchmarks/RESULTS.md, "Transparent huge pages").
+// Usage: comm-bench-copy-bounds MODE [BLOCK_KIB [thp]]   (block or chunk, default 256)
 
 #include <sys/mman.h>
 #include <sys/uio.h>
@@ -45,6 +49,21 @@ void* shared(std::size_t bytes) {
   return p;
 }
 
+// A private buffer of `n` floats set to `v`, on huge pages with `thp` (the kernel may still refuse).
+float* private_floats(std::size_t n, float v, bool thp) {
+  constexpr std::size_t kHuge = std::size_t{2} << 20;
+  const std::size_t bytes = (n * sizeof(float) + kHuge - 1) / kHuge * kHuge;
+  void* p = nullptr;
+  if (::posix_memalign(&p, kHuge, bytes) != 0) {
+    std::perror("posix_memalign");
+    std::exit(1);
+  }
+  if (thp) (void)::madvise(p, bytes, MADV_HUGEPAGE);
+  auto* f = static_cast<float*>(p);
+  std::fill(f, f + n, v);
+  return f;
+}
+
 // Both processes arrive, generation by generation.
 void barrier(std::atomic<long>* b, long& gen) {
   ++gen;
@@ -58,9 +77,10 @@ void barrier(std::atomic<long>* b, long& gen) {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   const long kib = argc > 2 ? std::atol(argv[2]) : 256;
-  if ((mode != "direct" && mode != "memcpy" && mode != "cma" && mode != "cma-read" && mode != "cma-write" && mode != "segment") ||
+  const bool thp = argc > 3 && std::string(argv[3]) == "thp";
+  if ((argc > 3 && !thp) || (mode != "direct" && mode != "memcpy" && mode != "cma" && mode != "cma-read" && mode != "cma-write" && mode != "segment") ||
       kib < 4 || kib > 65536) {
-    std::fprintf(stderr, "usage: %s direct|memcpy|cma|cma-read|cma-write|segment [BLOCK_KIB 4..65536]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s direct|memcpy|cma|cma-read|cma-write|segment [BLOCK_KIB 4..65536 [thp]]\n", argv[0]);
     return 2;
   }
   const std::size_t blk = static_cast<std::size_t>(kib) * 1024 / sizeof(float);
@@ -78,7 +98,10 @@ int main(int argc, char** argv) {
   const int me = child == 0 ? 1 : 0;
   const pid_t peer = me == 0 ? child : parent;
   // Forked: the private buffers lie at the same addresses in both processes.
-  std::vector<float> in(kFloats, 1.f + static_cast<float>(me)), out(kFloats, 0.f), tmp(blk);
+  // Held for the process's life (freed at exit).
+  float* const in = private_floats(kFloats, 1.f + static_cast<float>(me), thp);
+  float* const out = private_floats(kFloats, 0.f, thp);
+  float* const tmp = private_floats(blk, 0.f, thp);
   if (sh_in != nullptr) std::fill(sh_in + me * kFloats, sh_in + (me + 1) * kFloats, 1.f + static_cast<float>(me));
   long gen = 0;
   std::vector<double> ms;
@@ -92,39 +115,39 @@ int main(int argc, char** argv) {
         const std::size_t m = std::min(blk, kFloats - off), q = m / 2;
         const std::size_t lo = me == 0 ? 0 : q, hi = me == 0 ? q : m;      // this rank's slice
         const std::size_t plo = me == 0 ? q : 0, phi = me == 0 ? m : q;    // the peer's
-        std::memcpy(staged[me] + plo, in.data() + off + plo, (phi - plo) * 4);
+        std::memcpy(staged[me] + plo, in + off + plo, (phi - plo) * 4);
         barrier(bar, gen);
         float* r = reduced[me] + lo;
         const float* theirs = staged[1 - me] + lo;
-        const float* mine = in.data() + off + lo;
+        const float* mine = in + off + lo;
         for (std::size_t i = 0; i < hi - lo; ++i) r[i] = mine[i] + theirs[i];
         barrier(bar, gen);
-        std::memcpy(out.data() + off + lo, r, (hi - lo) * 4);
-        std::memcpy(out.data() + off + plo, reduced[1 - me] + plo, (phi - plo) * 4);
+        std::memcpy(out + off + lo, r, (hi - lo) * 4);
+        std::memcpy(out + off + plo, reduced[1 - me] + plo, (phi - plo) * 4);
       }
     } else if (mode == "memcpy") {
       for (std::size_t off = 0; off < kFloats; off += blk)
-        std::memcpy(out.data() + off, in.data() + off, std::min(blk, kFloats - off) * 4);
+        std::memcpy(out + off, in + off, std::min(blk, kFloats - off) * 4);
     } else {
       const std::size_t lo = me * kFloats / 2, hi = lo + kFloats / 2;
-      const float* mine = sh_in != nullptr ? sh_in + me * kFloats : in.data();
+      const float* mine = sh_in != nullptr ? sh_in + me * kFloats : in;
       for (std::size_t off = lo; off < hi; off += blk) {
         const std::size_t c = std::min(blk, hi - off);
         if (mode == "direct") {
-          std::memcpy(tmp.data(), sh_in + (1 - me) * kFloats + off, c * 4);
+          std::memcpy(tmp, sh_in + (1 - me) * kFloats + off, c * 4);
         } else if (mode != "cma-write") {
-          iovec l{tmp.data(), c * 4}, r{in.data() + off, c * 4};
+          iovec l{tmp, c * 4}, r{in + off, c * 4};
           if (::process_vm_readv(peer, &l, 1, &r, 1, 0) != static_cast<ssize_t>(c * 4)) {
             std::perror("process_vm_readv");
             return 1;
           }
         }
-        float* o = (sh_out != nullptr ? sh_out + me * kFloats : out.data()) + off;
+        float* o = (sh_out != nullptr ? sh_out + me * kFloats : out) + off;
         for (std::size_t i = 0; i < c; ++i) o[i] = mine[off + i] + tmp[i];
         if (mode == "direct") {
           std::memcpy(sh_out + (1 - me) * kFloats + off, o, c * 4);
         } else if (mode != "cma-read") {
-          iovec l{o, c * 4}, r{out.data() + off, c * 4};
+          iovec l{o, c * 4}, r{out + off, c * 4};
           if (::process_vm_writev(peer, &l, 1, &r, 1, 0) != static_cast<ssize_t>(c * 4)) {
             std::perror("process_vm_writev");
             return 1;
@@ -137,7 +160,7 @@ int main(int argc, char** argv) {
   }
   // Every element of every full run is 1 + 2 = 3 (cma-read and cma-write move one direction only;
   // memcpy's output is the rank's own input).
-  const float* res = sh_out != nullptr ? sh_out + me * kFloats : out.data();
+  const float* res = sh_out != nullptr ? sh_out + me * kFloats : out;
   const bool whole = mode != "cma-read" && mode != "cma-write";
   const float want = mode == "memcpy" ? 1.f + static_cast<float>(me) : 3.f;
   if (whole && (res[0] != want || res[kFloats - 1] != want)) {
@@ -147,7 +170,7 @@ int main(int argc, char** argv) {
   }
   std::sort(ms.begin(), ms.end());
   if (me == 0)
-    std::printf("%s, %ld KiB blocks: median %.2f ms (busbw %.2f GB/s), best %.2f ms, %d runs\n", mode.c_str(), kib,
+    std::printf("%s%s, %ld KiB blocks: median %.2f ms (busbw %.2f GB/s), best %.2f ms, %d runs\n", mode.c_str(), thp ? " (thp)" : "", kib,
                 ms[kReps / 2], 64.0 * 1048576 / (ms[kReps / 2] * 1e-3) / 1e9, ms[0], kReps);
   if (me == 1) return 0;
   int status = 0;
