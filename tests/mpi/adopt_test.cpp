@@ -1,9 +1,10 @@
 // The MPI backend inside an MPI program: the program initializes MPI
 // itself, adopts MPI_COMM_WORLD, runs every collective blocking and async (in place and out of
-// place, MPI-native and comm-kernel element types, custom reductions), subgroups of the adopted
+// place, MPI-native and comm-kernel element types, custom reductions), large broadcasts from every
+// root (in parts from 3 ranks), subgroups of the adopted
 // communicator, and at the end the failure path: a rank that skips an operation makes one rank time
 // out and the other fail at once with RemoteError naming it; a count mismatch in comm's own
-// broadcast is a BackendError naming the root.
+// broadcast, whole or in parts, is a BackendError naming the root.
 //
 //   mpirun -np 2|3 mpi_adopt_test [--thread serialized]
 //
@@ -158,6 +159,41 @@ void blocking_collectives(Comm& c) {
   std::vector<float> wrong(3);
   expect_throw<comm::InvalidArgument>([&] { c.all_gather(f, wrong); }, "all_gather size");
   expect_throw<comm::InvalidArgument>([&] { c.broadcast(f, n); }, "broadcast root");
+}
+
+/// Broadcasts large enough to go in parts read in turn at 3 ranks and more (schedules.hpp,
+/// broadcast_parts): from every root, at the smallest size that does, at a size of many parts and
+/// at sizes whose parts do not divide it evenly, blocking and two at once async. Every element
+/// carries its index and the root, so a part placed at another offset or taken from another
+/// broadcast is seen.
+void large_broadcasts(Comm& c) {
+  const int n = c.size(), me = c.rank();
+  auto value = [](std::size_t i, int root) { return static_cast<float>(i % 65521) + 0.5f * static_cast<float>(root); };
+  auto check = [&](const std::vector<float>& v, int root) {
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < v.size(); ++i) bad += v[i] != value(i, root) ? 1 : 0;
+    return bad == 0;
+  };
+  for (const std::size_t count : {std::size_t{65536}, std::size_t{262147}, std::size_t{750001}, std::size_t{4194305}})
+    for (int root = 0; root < n; ++root) {
+      std::vector<float> v(count, -1.f);
+      if (me == root)
+        for (std::size_t i = 0; i < count; ++i) v[i] = value(i, root);
+      c.broadcast(v, root);
+      EXPECT(check(v, root));
+    }
+  std::vector<float> a(300001, -1.f), b(700003, -1.f);
+  const int ra = 0, rb = n - 1;
+  if (me == ra)
+    for (std::size_t i = 0; i < a.size(); ++i) a[i] = value(i, ra);
+  if (me == rb)
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = value(i, rb);
+  auto wa = c.broadcast(a, ra, comm::async);
+  auto wb = c.broadcast(b, rb, comm::async);
+  wa.wait();
+  wb.wait();
+  EXPECT(check(a, ra));
+  EXPECT(check(b, rb));
 }
 
 void async_collectives(Comm& c) {
@@ -322,6 +358,23 @@ void count_mismatch(int n, int me) {
                      });
   broadcast_mismatch(me, 4, 2, "rank 0 sent more than the 8 bytes expected",
                      [](const std::string&, const std::vector<float>&) {});
+  if (n < 3) return;
+  // In parts (3 ranks and more, from 256 KiB): 1 MiB against 768 KiB goes in 256 KiB parts both
+  // ways, alike in length, so only the size sent first tells the readers; the root's parts go
+  // unread and the root ends by the readers' notice.
+  {
+    auto c = Comm::adopt(MPI_COMM_WORLD);
+    std::vector<float> v(me == 0 ? 262144 : 196608, me == 0 ? 7.f : -1.f);
+    if (me == 0) {
+      const auto msg = expect_throw<comm::Error>([&] { c.broadcast(v, 0); }, "parts: the root");
+      EXPECT(contains(msg, "comm: broadcast on rank 0"));
+    } else {
+      const auto msg = expect_throw<comm::BackendError>([&] { c.broadcast(v, 0); }, "parts: count mismatch");
+      EXPECT(contains(msg, "rank 0 broadcast 1048576 bytes where this rank has 786432"));
+      EXPECT(v[0] == -1.f && v[196607] == -1.f);  // nothing of the root's came
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 /// MPI below MPI_THREAD_MULTIPLE: blocking operations work, async ones are refused up front.
@@ -354,6 +407,7 @@ int main(int argc, char** argv) {
       } else {
         EXPECT(provided == MPI_THREAD_MULTIPLE);
         blocking_collectives(c);
+        large_broadcasts(c);
         async_collectives(c);
         subgroups(c);
       }

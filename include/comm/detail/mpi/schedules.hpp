@@ -64,11 +64,16 @@ struct Tuning {
   std::size_t copy_after = std::size_t{256} << 10;
   /// all_reduce: the reduce-scatter step's receive slots are placed like the output (recv_slots).
   bool place_slots = false;
+  /// broadcast on 3 or more ranks: from this size in parts read in turn (broadcast_parts).
+  std::size_t broadcast_parts = ~std::size_t{0};
 };
 
 /// OpenMPI's shared memory (vader) sends 4 KiB eagerly, its header included: all_reduce's and
 /// reduce_scatter's messages up to 12 KB go as eager pieces (piece_of). Other libraries: no
-/// pieces, and the exchange only up to 4 KiB.
+/// pieces, and the exchange only up to 4 KiB. Under OpenMPI a broadcast from 256 KiB on 3 or more
+/// ranks goes in parts (broadcast_parts); under MPICH, whose 3 and 4 ranks on the measuring VM's
+/// 2 cores spin through the scheduler's slices (milliseconds a call either way), 16 MiB in 64
+/// parts took 1.01x MPI_Bcast at 3 ranks against 0.81x whole, and nothing smaller gained.
 ///
 /// MPICH 4 (Debian's build: ch4 over UCX), each measured at 2 ranks against the blocking call
 /// (benchmarks/RESULTS.md, "Mpi under MPICH: its own all_reduce from 512 KiB"):
@@ -99,7 +104,8 @@ struct Tuning {
             .pieces_max = 12000,
             .exchange_max = 32 * KiB,
             .copy_after = ~std::size_t{0},
-            .place_slots = true};
+            .place_slots = true,
+            .broadcast_parts = 256 * KiB};
   if (v.substr(0, 5) == "MPICH")
     return {.exchange_max = 8 * KiB,
             .whole_max = 8192 * KiB,
@@ -146,11 +152,16 @@ class OwnSchedules {
   /// of them in flight per peer.
   static constexpr std::size_t kChunk = std::size_t{256} << 10;
   static constexpr std::size_t kDepth = 4;
+  /// A broadcast in parts (broadcast_parts, from Tuning::broadcast_parts) goes in parts of about
+  /// kPart bytes, at least one per reader and at most kPartsMax.
+  static constexpr std::size_t kPart = std::size_t{256} << 10;
+  static constexpr std::size_t kPartsMax = 64;
   /// Tags on the data communicator: the schedules' two steps (MPI keeps the messages of one
   /// source and tag in order, so consecutive operations never mix).
   static constexpr int kStepTag = 1;
   static constexpr int kGatherTag = 2;
-  /// check_count's sizes (behind an empty message on kStepTag: see there).
+  /// check_count's sizes (behind an empty message on kStepTag: see there), and the size a
+  /// broadcast in parts sends first (broadcast_parts).
   static constexpr int kCountTag = 3;
   /// The barrier's empty messages. Within one barrier each round hears from another peer (the
   /// distances 1, 2, 4 differ modulo every size up to kOwnMaxRanks), so the messages one source
@@ -213,17 +224,20 @@ class OwnSchedules {
         post_recv(s, slots.at(slot_of(p)), sizeof mine, p, kCountTag, name);
       }
     finish_step(s, name, seq, deadline);
-    for (int p = 0; p < n; ++p) {
-      if (p == me) continue;
-      std::uint64_t theirs = 0;
-      std::memcpy(&theirs, slots.at(slot_of(p)), sizeof theirs);
-      if (theirs != mine)
-        throw BackendError(name, me,
-                           "rank " + std::to_string(p) + " called it with " + std::to_string(theirs) +
-                               " bytes where this rank has " + std::to_string(mine) +
-                               ": the ranks called this operation with different counts",
-                           std::to_string(p));
-    }
+    for (int p = 0; p < n; ++p)
+      if (p != me) check_size(slots.at(slot_of(p)), mine, p, "called it with", name);
+  }
+
+  /// A BackendError naming peer `p` unless the size it sent (8 bytes at `theirs`) is `mine`.
+  void check_size(const std::byte* theirs_at, std::uint64_t mine, int p, const char* verb, const char* name) const {
+    std::uint64_t theirs = 0;
+    std::memcpy(&theirs, theirs_at, sizeof theirs);
+    if (theirs != mine)
+      throw BackendError(name, self().rank(),
+                         "rank " + std::to_string(p) + " " + verb + " " + std::to_string(theirs) +
+                             " bytes where this rank has " + std::to_string(mine) +
+                             ": the ranks called this operation with different counts",
+                         std::to_string(p));
   }
 
   /// Block `j` of `count` elements split over size() ranks: [lo(j), lo(j + 1)).
@@ -558,6 +572,8 @@ class OwnSchedules {
         if (bytes == 0) return;
         const int root = op.desc.root;
         s.whole = true;
+        if (n >= 3 && bytes >= tuning_.broadcast_parts)
+          return broadcast_parts(static_cast<std::byte*>(op.out), bytes, root, name, seq, deadline);
         if (me == root) {
           for (int p = 0; p < n; ++p)
             if (p != me) post_send(s, op.out, bytes, p, kStepTag, name);
@@ -582,6 +598,58 @@ class OwnSchedules {
       }
       default: throw BackendError(name, self().rank(), "not an operation of comm's own MPI schedules");
     }
+  }
+
+  /// A large broadcast on 3 or more ranks (under OpenMPI: Tuning::broadcast_parts): the root sends
+  /// its buffer to every reader in m parts (about kPart bytes each, at least one per reader),
+  /// reader j (the j-th after the root) taking them from part j * m / (n - 1) on, round to the one
+  /// before it, so that the readers do not all read the same part at once. A single copy between
+  /// processes has the kernel pin each page of the root's buffer that it reads, and the readers of
+  /// one whole message pinned the same pages at the same moment, each page's counters moving
+  /// between the cores. On the Intel Xeon VM of 2026-12-07, 12 rounds beside MPI_Bcast under
+  /// OpenMPI, in parts against whole: 3 ranks 1 / 4 / 16 MiB 187 / 480 / 1932 us against 227 / 910
+  /// / 3788 (0.92 / 0.48 / 0.63x MPI_Bcast against 1.00-1.01x), 4 ranks 256 KiB / 1 / 4 / 16 MiB
+  /// 0.79 / 1.09 / 1.02 / 1.06x against 1.02 / 1.23 / 1.32 / 1.17x; from 32 to 128 KiB the extra
+  /// messages cost more than they saved (benchmarks/RESULTS.md, "Mpi: a large broadcast in parts
+  /// read in turn"). Before any part the root sends each reader its size on kCountTag, and each
+  /// reader compares it with its own, so that ranks with different counts get a BackendError
+  /// naming the root (parts alike in length would otherwise go unnoticed); the root's parts then
+  /// go unread, and the root fails by the readers' notice or at its deadline.
+  void broadcast_parts(std::byte* buf, std::size_t bytes, int root, const char* name, std::uint64_t seq,
+                       Deadline& deadline) {
+    const int me = self().rank(), n = self().size();
+    const auto readers = static_cast<std::size_t>(n - 1);
+    std::size_t m = std::clamp<std::size_t>((bytes + kPart - 1) / kPart, readers, kPartsMax);
+    const std::size_t part = (bytes + m - 1) / m;
+    m = (bytes + part - 1) / part;  // the last part may be short, and a part of nothing is not sent
+    auto in_turn = [&](int reader, auto&& post) {
+      const std::size_t first = static_cast<std::size_t>((reader - root + n) % n - 1) * m / readers;
+      for (std::size_t i = 0; i < m; ++i) {
+        const std::size_t at = (first + i) % m * part;
+        post(buf + at, std::min(part, bytes - at));
+      }
+    };
+    Step& s = self().pending_->step;
+    // The size a rank sends or receives lies in a slot, which outlives a request left pending.
+    std::byte* const size = recv_slots(1, sizeof(std::uint64_t)).at(0);
+    const auto mine = static_cast<std::uint64_t>(bytes);
+    if (me == root) {
+      std::memcpy(size, &mine, sizeof mine);
+      for (int p = 0; p < n; ++p) {
+        if (p == me) continue;
+        post_send(s, size, sizeof mine, p, kCountTag, name);
+        in_turn(p, [&](std::byte* at, std::size_t len) { post_send(s, at, len, p, kStepTag, name); });
+      }
+      finish_step(s, name, seq, deadline);
+      return;
+    }
+    post_recv(s, size, sizeof mine, root, kCountTag, name);
+    finish_step(s, name, seq, deadline);
+    check_size(size, mine, root, "broadcast", name);
+    s.clear();
+    s.whole = true;
+    in_turn(me, [&](std::byte* at, std::size_t len) { post_recv(s, at, len, root, kStepTag, name); });
+    finish_step(s, name, seq, deadline);
   }
 
   /// A direct reduce-scatter step: `in`'s block of each peer p (`block_of(p)`: first element and
