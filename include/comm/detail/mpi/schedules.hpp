@@ -228,7 +228,7 @@ class OwnSchedules {
       if (p != me) check_size(slots.at(slot_of(p)), mine, p, "called it with", name);
   }
 
-  /// A BackendError naming peer `p` unless the size it sent (8 bytes at `theirs`) is `mine`.
+  /// A BackendError naming peer `p` unless the size it sent (8 bytes at `theirs_at`) is `mine`.
   void check_size(const std::byte* theirs_at, std::uint64_t mine, int p, const char* verb, const char* name) const {
     std::uint64_t theirs = 0;
     std::memcpy(&theirs, theirs_at, sizeof theirs);
@@ -606,10 +606,10 @@ class OwnSchedules {
   /// before it, so that the readers do not all read the same part at once. A single copy between
   /// processes has the kernel pin each page of the root's buffer that it reads, and the readers of
   /// one whole message pinned the same pages at the same moment, each page's counters moving
-  /// between the cores. On the Intel Xeon VM of 2026-12-07, 12 rounds beside MPI_Bcast under
-  /// OpenMPI, in parts against whole: 3 ranks 1 / 4 / 16 MiB 187 / 480 / 1932 us against 227 / 910
-  /// / 3788 (0.92 / 0.48 / 0.63x MPI_Bcast against 1.00-1.01x), 4 ranks 256 KiB / 1 / 4 / 16 MiB
-  /// 0.79 / 1.09 / 1.02 / 1.06x against 1.02 / 1.23 / 1.32 / 1.17x; from 32 to 128 KiB the extra
+  /// between the cores. On the Intel Xeon VM of 2026-12-07, 8 rounds beside MPI_Bcast under
+  /// OpenMPI, in parts against whole: 3 ranks 1 / 4 / 16 MiB 171 / 511 / 2159 us against 268 / 966
+  /// / 3568 (0.70 / 0.49 / 0.72x MPI_Bcast against 0.99-1.01x), 4 ranks 256 KiB / 1 / 4 / 16 MiB
+  /// 0.83 / 1.05 / 1.07 / 0.98x against 1.02 / 1.14 / 1.16 / 1.12x; from 32 to 128 KiB the extra
   /// messages cost more than they saved (benchmarks/RESULTS.md, "Mpi: a large broadcast in parts
   /// read in turn"). Before any part the root sends each reader its size on kCountTag, and each
   /// reader compares it with its own, so that ranks with different counts get a BackendError
