@@ -35,7 +35,7 @@ struct Fingerprint {
   std::uint64_t seq = 0;
   std::uint64_t count = 0;
 };
-static_assert(sizeof(Fingerprint) == 32 && std::is_trivially_copyable_v<Fingerprint>);
+static_assert(sizeof(Fingerprint) == 32 && std::is_trivially_copyable_v<Fingerprint>);  // no padding: same() reads words
 
 [[nodiscard]] inline Fingerprint fingerprint(std::uint64_t seq, const OpDesc& d) noexcept {
   Fingerprint f;
@@ -52,8 +52,13 @@ static_assert(sizeof(Fingerprint) == 32 && std::is_trivially_copyable_v<Fingerpr
   return f.magic == Fingerprint::kMagic && f.version == Fingerprint::kVersion;
 }
 
+/// Four words compared inline: a Shm reader compares the root's fingerprint on every step, where
+/// a call to memcmp through the PLT was ~3 % of a 2-rank 8-byte gather's time.
 [[nodiscard]] inline bool same(const Fingerprint& a, const Fingerprint& b) noexcept {
-  return std::memcmp(&a, &b, sizeof(Fingerprint)) == 0;
+  std::uint64_t x[4], y[4];
+  std::memcpy(x, &a, sizeof x);
+  std::memcpy(y, &b, sizeof y);
+  return ((x[0] ^ y[0]) | (x[1] ^ y[1]) | (x[2] ^ y[2]) | (x[3] ^ y[3])) == 0;
 }
 
 /// COMM_DEBUG=DETAIL turns the desync check on by default.
