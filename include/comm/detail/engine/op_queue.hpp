@@ -230,7 +230,9 @@ class OpQueue {
   /// the closure. The owner may still be inside a fast operation: see wait_fast_done().
   void close() noexcept {
     const bool first = closers_.fetch_add(1, std::memory_order_acq_rel) == 0;
-    if (first && owner_thread_.load(std::memory_order_relaxed) != this_thread_token() && !fence_process_threads())
+    // Without the fence no thread owns the queue (on_owner_thread): nothing to fence against.
+    if (first && process_fence_available() && owner_thread_.load(std::memory_order_relaxed) != this_thread_token() &&
+        !fence_process_threads())
       std::this_thread::sleep_for(std::chrono::milliseconds(1));  // no fence (cannot happen once registered)
   }
   void reopen() noexcept { closers_.fetch_sub(1, std::memory_order_acq_rel); }
